@@ -1,0 +1,55 @@
+"""Backend registry: maps ``--backend`` names to classes.
+
+Backends shipped with mpt are listed in ``BUILTIN``; third-party packages add theirs through the
+entry-point group ``mpt.backends`` (``name = "package.module:BackendClass"``) and are found on the
+first lookup, so `--backend NAME` works as soon as the package is installed.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+
+from mpt.backends.base import Availability, Backend
+from mpt.backends.ddp import DDPBackend
+from mpt.errors import UsageError
+
+BUILTIN: dict[str, type[Backend]] = {DDPBackend.name: DDPBackend}
+ENTRY_POINT_GROUP = "mpt.backends"
+
+_registry: dict[str, type[Backend]] = dict(BUILTIN)
+_plugins_loaded = False
+
+
+def register(cls: type[Backend]) -> type[Backend]:
+    """Add a backend class under ``cls.name`` (usable as a class decorator)."""
+    _registry[cls.name] = cls
+    return cls
+
+
+def _load_plugins() -> None:
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name not in _registry:
+            _registry[ep.name] = ep.load()
+
+
+def registered() -> dict[str, type[Backend]]:
+    """Every backend by name, built-in and from entry points."""
+    _load_plugins()
+    return dict(_registry)
+
+
+def get_backend(name: str) -> type[Backend]:
+    """The class registered as ``name``; a UsageError lists the valid names otherwise."""
+    backends = registered()
+    if name not in backends:
+        raise UsageError("--backend", name, "unknown backend",
+                         f"use one of {', '.join(sorted(backends))}, or install a package that "
+                         f"registers it in the '{ENTRY_POINT_GROUP}' entry-point group")
+    return backends[name]
+
+
+__all__ = ["Availability", "Backend", "DDPBackend", "get_backend", "register", "registered"]

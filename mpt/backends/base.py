@@ -1,0 +1,122 @@
+"""The backend interface: the few operations that differ between DDP, Horovod, DeepSpeed, ..."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from mpt.environments import World
+from mpt.precision import Precision
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Availability:
+    """Whether a backend can run on this machine, as ``mpt backends`` shows it."""
+
+    available: bool
+    """True when the backend's packages import and can run here."""
+    version: str = ""
+    """Version of the package the backend drives (torch, deepspeed, horovod ...)."""
+    reason: str = ""
+    """Why it cannot run, when it cannot."""
+    install: str = ""
+    """The command that makes it available."""
+
+
+class Backend(ABC):
+    """How a model and its optimizer are wrapped and how their gradients are reduced.
+
+    A backend gets the ``World`` (who am I), the device and the run's ``Precision``; it never reads
+    environment variables or flags itself. Loss scaling stays in the precision: the default
+    ``backward``/``optimizer_step``/``clip_grad_norm_`` below route through it, and a backend whose
+    engine scales by itself (DeepSpeed) overrides them.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, *, world: World, device: torch.device, precision: Precision,
+                 accumulate: int = 1, timeout: timedelta = timedelta(minutes=30)) -> None:
+        self.world = world
+        self.device = device
+        self.precision = precision
+        self.accumulate = accumulate
+        """Micro-batches per optimizer step; ``backward`` divides the loss by it."""
+        self.timeout = timeout
+        """How long a collective may wait before it becomes an error instead of a hang."""
+
+    @classmethod
+    def availability(cls) -> Availability:
+        """Whether this backend can run here; the default suits backends built on torch alone."""
+        return Availability(available=True, version=torch.__version__)
+
+    # -- life cycle ---------------------------------------------------------------------------
+    @abstractmethod
+    def init_process_group(self) -> None:
+        """Join the job's other processes (a no-op for a world of one)."""
+
+    @abstractmethod
+    def setup(self, model: nn.Module,
+              optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Wrap model and optimizer so that ``backward`` leaves averaged gradients."""
+
+    def shutdown(self) -> None:
+        """Leave the process group."""
+
+    # -- the training step --------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's loss, scaled for precision and accumulation."""
+        if self.accumulate > 1:
+            loss = loss / self.accumulate
+        self.precision.scale_loss(loss).backward()
+
+    @abstractmethod
+    def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
+        """Whether the next forward/backward reduces gradients (off on non-final micro-batches)."""
+
+    def clip_grad_norm_(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the true (unscaled) gradients; return their total norm before clipping."""
+        self.precision.unscale_(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+
+    def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+        """Step unless the gradients overflowed; return whether the parameters changed."""
+        return self.precision.optimizer_step(optimizer)
+
+    # -- state for checkpoints ----------------------------------------------------------------
+    @abstractmethod
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's module inside whatever wrapper ``setup`` returned."""
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Full, unwrapped weights, keyed as the user's module names them."""
+        return self.unwrap(model).state_dict()
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        self.unwrap(model).load_state_dict(state)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer,
+                                  state: dict[str, Any]) -> None:
+        optimizer.load_state_dict(state)
+
+    # -- collectives the runtime offers to scripts --------------------------------------------
+    @abstractmethod
+    def barrier(self) -> None:
+        """Wait until every process reaches this point."""
+
+    @abstractmethod
+    def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """Reduce ``tensor`` (``"sum"``, ``"mean"``, ``"max"``, ``"min"``) across processes, in place."""
+
+    @abstractmethod
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Return rank ``src``'s ``obj`` on every rank."""

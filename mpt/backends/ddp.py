@@ -1,0 +1,84 @@
+"""Native PyTorch DistributedDataParallel: NCCL on GPUs, gloo on CPUs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from mpt.backends.base import Backend
+from mpt.errors import UsageError
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class DDPBackend(Backend):
+    """One model replica per process; DDP averages gradients in buckets during backward.
+
+    A world of one process gets neither a process group nor the DDP wrapper: there is nothing
+    to reduce, and the wrapper's bucket copies would only cost time.
+    """
+
+    name = "ddp"
+
+    def init_process_group(self) -> None:
+        if not self.world.is_distributed or dist.is_initialized():
+            return
+        if self.world.master_addr is None:
+            raise UsageError("MASTER_ADDR", "(unset)", f"the {self.world.source} launcher did not "
+                             "say where rank 0 runs", "export MASTER_ADDR=<host of rank 0>")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        # tcp:// with the world's explicit address rather than env://: the address may come from
+        # SLURM or MPI variables that torch's env:// would not understand. Under torchrun-style
+        # launchers torch reuses the agent's store on that port instead of binding it twice.
+        dist.init_process_group(
+            backend="nccl" if self.device.type == "cuda" else "gloo",
+            init_method=f"tcp://{self.world.master_addr}:{self.world.master_port}",
+            rank=self.world.rank,
+            world_size=self.world.world_size,
+            timeout=self.timeout,
+        )
+
+    def setup(self, model: nn.Module,
+              optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        if not self.world.is_distributed:
+            return model, optimizer
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids), optimizer
+
+    def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
+        # What DDP.no_sync() does, without a context the user's loop would have to open around
+        # the forward: DDP reads the flag in forward to decide whether backward will reduce.
+        if isinstance(model, DistributedDataParallel):
+            model.require_backward_grad_sync = enabled
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, DistributedDataParallel) else model
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        if not dist.is_initialized():
+            return tensor
+        if op == "mean":
+            dist.all_reduce(tensor, dist.ReduceOp.SUM)
+            return tensor.div_(self.world.world_size)
+        dist.all_reduce(tensor, _REDUCE_OPS[op])
+        return tensor
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]

@@ -1,0 +1,93 @@
+"""What `mpt launch` was asked to do, validated before any process starts."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mpt.backends import get_backend
+from mpt.environments import World
+from mpt.errors import UsageError
+from mpt.precision import LossScaleConfig, check_precision
+
+
+def parse_port(value: str) -> int:
+    """A ``--master-port`` value as an int, or a UsageError that says what a port is."""
+    try:
+        port = int(value)
+    except ValueError:
+        port = 0
+    if not 0 < port < 65536:
+        raise UsageError("--master-port", value, "a TCP port is a number in 1..65535",
+                         "pass a free port such as 29500")
+    return port
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LaunchSpec:
+    """One node's share of a job: which processes to start, where they meet, what they run."""
+
+    script: Path
+    """The training script every process runs."""
+    script_args: tuple[str, ...] = ()
+    """Arguments passed to the script unchanged."""
+    nodes: int = 1
+    """Nodes in the job; each runs one `mpt launch`."""
+    gpus: int = 1
+    """Processes on this node: one per GPU, or CPU processes on gloo where there is no GPU."""
+    nr: int = 0
+    """This node's rank; node 0 hosts the rendezvous."""
+    master_addr: str = "127.0.0.1"
+    """Address of node 0, reachable from every node."""
+    master_port: int = 29500
+    """Port of the rendezvous on node 0."""
+    backend: str = "ddp"
+    """Backend the workers' runtime uses (exported as MPT_BACKEND)."""
+    precision: str = "fp32"
+    """Precision the workers' runtime uses (exported as MPT_PRECISION)."""
+    loss_scale: str = "dynamic"
+    """fp16 loss scaling: 'dynamic' or a static number (exported as MPT_LOSS_SCALE)."""
+    log_dir: Path | None = None
+    """Where each rank's stdout/stderr is also written, one file per rank."""
+    max_restarts: int = 0
+    """How often the whole gang is restarted after a failure before the job fails."""
+    world: World = field(init=False)
+    """The job's rank layout as seen from local rank 0 of this node."""
+
+    def __post_init__(self) -> None:
+        # World validates nodes, gpus, nr and the port; build it first so those errors come first.
+        object.__setattr__(self, "world", World(
+            nodes=self.nodes, gpus=self.gpus, nr=self.nr, master_addr=self.master_addr,
+            master_port=self.master_port, source="mpt launch"))
+        get_backend(self.backend)
+        check_precision(self.precision)
+        LossScaleConfig.parse(self.loss_scale)
+        if not self.script.is_file():
+            raise UsageError("SCRIPT", str(self.script), "no such file",
+                             "pass the path of the training script, e.g. examples/digits.py")
+        if self.max_restarts < 0:
+            raise UsageError("--max-restarts", self.max_restarts, "it cannot be negative",
+                             "pass 0 to fail on the first error")
+
+    def check_machine(self, cuda_devices: int) -> None:
+        """Errors that depend on this machine: too few GPUs, a rendezvous port already taken."""
+        if cuda_devices and self.gpus > cuda_devices:
+            raise UsageError("--gpus", self.gpus, f"this node has only {cuda_devices} visible "
+                             f"GPU(s)", f"pass --gpus {cuda_devices} or fewer, or check "
+                             "CUDA_VISIBLE_DEVICES")
+        if self.nr == 0 and not port_is_free(self.master_port):
+            raise UsageError("--master-port", self.master_port, "the port is already in use on "
+                             "this node", "pick another port, or stop the job that holds it")
+
+
+def port_is_free(port: int) -> bool:
+    """True when nothing listens on ``port`` (node 0 binds it for the rendezvous store)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # SO_REUSEADDR: a port left in TIME_WAIT by a finished job is free to use again.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True
