@@ -65,7 +65,7 @@ class CMakeBuild(build_ext):
             else:
                 built.append(ext)
                 continue
-            # A failed configure caches its bad findings (e.g. the compiler): start afresh next time.
+            # A failed configure caches bad findings (e.g. the compiler): start afresh next time.
             shutil.rmtree(build_dir, ignore_errors=True)
             self._announce_skip(ext, reason)
         self.extensions = built
@@ -81,8 +81,9 @@ class CMakeBuild(build_ext):
             f"-DCMAKE_BUILD_TYPE={config}",
         ]  # fmt: skip
         jobs = str(int(self.parallel or 0) or os.cpu_count() or 1)
+        build = ["cmake", "--build", str(build_dir), "--config", config, "-j", jobs]
         subprocess.run(configure, check=True)
-        subprocess.run(["cmake", "--build", str(build_dir), "--config", config, "-j", jobs], check=True)
+        subprocess.run(build, check=True)
         if not target.is_file():
             raise OSError(f"CMake finished but did not produce {target}")
 

@@ -45,14 +45,15 @@ class Runtime:
         backend: registered backend name (``mpt backends`` lists them).
         precision: ``fp32``, ``fp16-mixed``, ``bf16-mixed`` (or another registered name).
         accumulate: micro-batches per optimizer step; gradients are reduced on the last only.
-        loss_scale: ``"dynamic"`` or a static scale, for fp16.
+        loss_scale: ``"dynamic"``, a static scale, or a ``LossScaleConfig``, for fp16.
         timeout: how long a collective may wait before failing instead of hanging.
         seed: seed of the per-epoch shuffle of ``setup_dataloader``.
         env: the environment to read (``os.environ`` by default).
     """
 
     def __init__(self, backend: str | None = None, precision: str | None = None, *,
-                 accumulate: int | None = None, loss_scale: str | float | None = None,
+                 accumulate: int | None = None,
+                 loss_scale: str | float | LossScaleConfig | None = None,
                  timeout: timedelta = timedelta(minutes=30), seed: int = 0,
                  env: Mapping[str, str] | None = None) -> None:
         env = os.environ if env is None else env
@@ -63,8 +64,8 @@ class Runtime:
         self.accumulate = _positive_int(
             "accumulate", accumulate if accumulate is not None else flags.get("accumulate", 1))
         precision_name = check_precision(precision or flags.get("precision", "fp32"))
-        scale = LossScaleConfig.parse(loss_scale if loss_scale is not None
-                                      else flags.get("loss_scale", "dynamic"))
+        scale = (loss_scale if isinstance(loss_scale, LossScaleConfig) else LossScaleConfig.parse(
+            loss_scale if loss_scale is not None else flags.get("loss_scale", "dynamic")))
         self.precision: Precision = make_precision(precision_name, self.device.type, scale)
         self.backend: Backend = get_backend(backend or flags.get("backend", "ddp"))(
             world=self.world, device=self.device, precision=self.precision,

@@ -1,0 +1,5 @@
+"""`python -m mpt` is the `mpt` command."""
+
+from mpt.cli import main
+
+main()

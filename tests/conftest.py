@@ -1,0 +1,55 @@
+"""Shared test helpers: run `mpt` as a real command, find free ports, check for leftovers."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKERS = Path(__file__).parent / "workers"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; none is visible")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def mpt_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "mpt", *args]
+
+
+def run_mpt(*args: str, timeout: float = 120, env: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess[str]:
+    """Run `mpt ARGS...` to the end, capturing its output."""
+    return subprocess.run(mpt_command(*args), capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def worker(name: str) -> str:
+    return str(WORKERS / name)
+
+
+def pid_alive(pid: int) -> bool:
+    """True while process ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
