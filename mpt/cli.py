@@ -124,10 +124,12 @@ def backends() -> None:
 def main() -> None:
     """Console-script entry point: run the app, turn usage errors into one line and exit 2."""
     try:
-        app(standalone_mode=False)
+        # Without standalone mode typer returns a command's exit code instead of exiting.
+        code = app(standalone_mode=False)
     except MptError as exc:
         err.print(f"mpt: error: {exc}")
         sys.exit(USAGE_ERROR)
     except typer.TyperException as exc:  # typer's own parse errors (unknown option, ...)
         err.print(f"mpt: error: {exc.format_message().rstrip('.')}. Fix: see `mpt --help`")
         sys.exit(USAGE_ERROR)
+    sys.exit(code if isinstance(code, int) else 0)

@@ -7,6 +7,7 @@ never asks which backend it runs on, so adding a backend never touches this file
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -19,7 +20,8 @@ from mpt import checkpoint
 from mpt.backends import Backend, get_backend
 from mpt.data import DistributedLoader
 from mpt.environments import World, detect_world
-from mpt.environments.settings import read_settings
+from mpt._native import bind_to_parent
+from mpt.environments.settings import launcher_pid, read_settings
 from mpt.errors import UsageError
 from mpt.precision import LossScaleConfig, Precision, check_precision, make_precision
 
@@ -33,6 +35,17 @@ def _positive_int(argument: str, value: object) -> int:
         raise UsageError(argument, value, "it must be a whole number of at least 1",
                          f"pass {argument}=1 for no accumulation, or more")
     return number
+
+
+def _die_with_launcher(pid: int | None) -> None:
+    """Have the kernel SIGKILL this worker when the `mpt launch` that started it dies.
+
+    The elastic agent stops workers when it exits normally, but a launcher killed with SIGKILL
+    (OOM killer, a scheduler) runs no cleanup: without this its workers would live on, holding
+    GPUs and ports.
+    """
+    if pid is not None and not bind_to_parent(signal.SIGKILL, pid):
+        raise SystemExit(f"mpt: the launcher (pid {pid}) is gone; this worker stops too")
 
 
 class Runtime:
@@ -57,6 +70,7 @@ class Runtime:
                  timeout: timedelta = timedelta(minutes=30), seed: int = 0,
                  env: Mapping[str, str] | None = None) -> None:
         env = os.environ if env is None else env
+        _die_with_launcher(launcher_pid(env))
         flags = read_settings(env)
         self.world: World = detect_world(env)
         self.device = (torch.device("cuda", self.world.local_rank) if torch.cuda.is_available()

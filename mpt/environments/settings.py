@@ -18,6 +18,16 @@ SETTINGS = {
 """Runtime argument -> environment variable carrying it from `mpt launch` to the workers."""
 
 
+LAUNCHER_PID = "MPT_LAUNCHER_PID"
+"""Pid of the `mpt launch` process that started this worker, so the worker can die with it."""
+
+
+def launcher_pid(env: Mapping[str, str]) -> int | None:
+    """The pid of the `mpt launch` that started this process, if one did."""
+    value = env.get(LAUNCHER_PID, "")
+    return int(value) if value.isdigit() else None
+
+
 def read_settings(env: Mapping[str, str]) -> dict[str, str]:
     """The settings present in ``env``, keyed by Runtime argument name (values not yet parsed)."""
     return {arg: env[var] for arg, var in SETTINGS.items() if env.get(var)}

@@ -17,7 +17,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from mpt.environments.settings import settings_env
+from mpt.environments.settings import LAUNCHER_PID, settings_env
 from mpt.launchers.spec import LaunchSpec
 
 
@@ -57,6 +57,7 @@ def torch_launch_config(spec: LaunchSpec) -> LaunchConfig:
 def worker_env(spec: LaunchSpec) -> dict[str, str]:
     """Variables the workers inherit: mpt's settings, and one thread per process on CPU."""
     env = settings_env(backend=spec.backend, precision=spec.precision, loss_scale=spec.loss_scale)
+    env[LAUNCHER_PID] = str(os.getpid())  # workers bind their lives to ours (see Runtime)
     if spec.gpus > 1:
         # N processes each using every core oversubscribe the CPU (torchrun does the same).
         env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))

@@ -1,0 +1,92 @@
+"""`mpt launch` end to end: real processes on this machine, gloo, CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from conftest import mpt_command, pid_alive, run_mpt, worker
+
+
+def wait_for(predicate, timeout: float) -> bool:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def read_reports(out: Path, n: int) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
+
+
+def test_workers_get_ranks_backend_and_precision_from_the_flags(tmp_path, free_port):
+    result = run_mpt("launch", "--gpus", "2", "--master-port", str(free_port),
+                     "--precision", "bf16-mixed", worker("report_world.py"), str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "running 2 CPU process(es) per node on gloo" in result.stderr
+    reports = read_reports(tmp_path, 2)
+    for rank, rep in enumerate(reports):
+        assert (rep["rank"], rep["local_rank"], rep["nr"]) == (rank, rank, 0)
+        assert (rep["world_size"], rep["source"]) == (2, "torchelastic")
+        assert (rep["backend"], rep["precision"]) == ("ddp", "bf16-mixed")
+        assert rep["sum"] == 3.0  # 1 + 2: the allreduce crossed processes
+
+
+def test_two_launchers_on_loopback_form_one_two_node_job(tmp_path, free_port):
+    common = ["launch", "--nodes", "2", "--gpus", "1", "--master-addr", "127.0.0.1",
+              "--master-port", str(free_port)]
+    procs = [subprocess.Popen(mpt_command(*common, "--nr", str(nr), worker("report_world.py"),
+                                          str(tmp_path)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for nr in (1, 0)]  # the second node may come first
+    for proc in procs:
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, stderr
+    reports = read_reports(tmp_path, 2)
+    assert [(r["rank"], r["nr"], r["local_rank"]) for r in reports] == [(0, 0, 0), (1, 1, 0)]
+    assert all(r["nodes"] == 2 and r["world_size"] == 2 and r["sum"] == 3.0 for r in reports)
+
+
+def test_a_rank_exiting_3_ends_the_job_with_code_3(tmp_path, free_port):
+    start = time.monotonic()
+    result = run_mpt("launch", "--gpus", "2", "--master-port", str(free_port),
+                     worker("exit_code.py"), str(tmp_path), timeout=60)
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+    # Measured from the failure (rank 1 exits ~0.5 s after both pids are written).
+    failed_at = max((tmp_path / f"pid{r}").stat().st_mtime for r in range(2)) + 0.5
+    assert result.returncode == 3, result.stderr
+    assert time.time() - failed_at < 10, "the launcher took too long to end the job"
+    assert "mpt: rank 1 (node 0, local rank 1) exited with code 3" in result.stderr
+    assert time.monotonic() - start < 60
+    assert not any(pid_alive(p) for p in pids), "a worker outlived the job"
+
+
+def test_workers_die_with_a_killed_launcher(tmp_path, free_port):
+    proc = subprocess.Popen(mpt_command("launch", "--gpus", "2", "--master-port", str(free_port),
+                                        worker("report_world.py"), str(tmp_path), "120"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert wait_for(lambda: all((tmp_path / f"rank{r}.json").exists() for r in range(2)), 60)
+        pids = [rep["pid"] for rep in read_reports(tmp_path, 2)]
+        os.kill(proc.pid, signal.SIGKILL)  # no cleanup code of the launcher runs
+        proc.wait(timeout=10)
+        assert wait_for(lambda: not any(pid_alive(p) for p in pids), 10), "orphaned workers"
+    finally:
+        proc.kill()
+
+
+def test_dry_run_prints_every_process_and_starts_none(tmp_path):
+    result = run_mpt("launch", "--dry-run", "--nodes", "2", "--gpus", "2", "--nr", "1",
+                     worker("report_world.py"), str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    rows = [line.split("│")[1:5] for line in result.stdout.splitlines() if line.count("│") == 5]
+    table = [tuple(cell.strip() for cell in row) for row in rows]
+    assert table == [("0", "0", "0", "cpu"), ("0", "1", "1", "cpu"),
+                     ("1", "0", "2", "cpu"), ("1", "1", "3", "cpu")]
+    assert not list(tmp_path.iterdir())
