@@ -3,7 +3,7 @@
     .venv/bin/mpt launch --gpus 2 benchmarks/ddp_overhead.py
     .venv/bin/mpt launch --gpus 2 --precision bf16-mixed benchmarks/ddp_overhead.py
     .venv/bin/mpt launch --gpus 2 benchmarks/ddp_overhead.py --precision fp16-mixed \
-        --steps 50 --warmup 20 --rounds 10
+        --steps 10 --warmup 20 --rounds 40
 
 Both loops train the same MLP (same initial weights, same batches, same AdamW, same clip) in the
 same processes and on the same process group, which ``mpt.Runtime`` opens: side "mpt" goes
@@ -28,6 +28,7 @@ import argparse
 import copy
 import gc
 import os
+import statistics
 import time
 from collections.abc import Callable
 
@@ -47,12 +48,13 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--precision", default=None,
                         help="fp32, bf16-mixed or fp16-mixed (default: mpt launch's --precision)")
-    parser.add_argument("--steps", type=int, default=50, help="timed steps per side per round")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per side per round")
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps per side first")
-    parser.add_argument("--rounds", type=int, default=10, help="rounds of A/B segments")
+    parser.add_argument("--rounds", type=int, default=40, help="rounds of A/B segments")
     parser.add_argument("--batch-size", type=int, default=64, help="per process")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
+    parser.add_argument("--verbose", action="store_true", help="one line per round")
     args = parser.parse_args()
     if min(args.steps, args.rounds) < 1 or args.warmup < 0:
         parser.error("--steps and --rounds must be >= 1, --warmup >= 0")
@@ -206,7 +208,8 @@ def main() -> None:
         cursor[name] = args.warmup
 
     all_times: dict[str, list[torch.Tensor]] = {"mpt": [], "raw": []}
-    rt.print(f"{'round':>5} {'first':>5} {'mpt ms':>8} {'raw ms':>8} {'ratio':>7}")
+    if args.verbose:
+        rt.print(f"{'round':>5} {'first':>5} {'mpt ms':>8} {'raw ms':>8} {'ratio':>7}")
     for r in range(args.rounds):
         order = ("mpt", "raw") if r % 2 == 0 else ("raw", "mpt")
         for name in order:
@@ -215,8 +218,9 @@ def main() -> None:
             times = run_segment(sides[name], cursor[name], args.steps)
             cursor[name] += args.steps
             all_times[name].append(max_over_ranks(times))
-        m, w = median(all_times["mpt"][-1]), median(all_times["raw"][-1])
-        rt.print(f"{r:>5} {order[0]:>5} {m:8.3f} {w:8.3f} {m / w:7.3f}")
+        if args.verbose:
+            m, w = median(all_times["mpt"][-1]), median(all_times["raw"][-1])
+            rt.print(f"{r:>5} {order[0]:>5} {m:8.3f} {w:8.3f} {m / w:7.3f}")
 
     mpt_t, raw_t = torch.cat(all_times["mpt"]), torch.cat(all_times["raw"])
     mpt_ms, raw_ms = median(mpt_t), median(raw_t)
@@ -227,16 +231,19 @@ def main() -> None:
     best_raw = min(median(b) for b in all_times["raw"])
 
     # Same init, same data, same arithmetic: the weights must agree, or the loops differ.
-    diff = max(float((p - q).abs().max()) for p, q in
-               zip(rt.backend.unwrap(mpt_model).parameters(), raw_module.parameters()))
+    with torch.no_grad():
+        diff = max(float((p - q).abs().max()) for p, q in
+                   zip(rt.backend.unwrap(mpt_model).parameters(), raw_module.parameters()))
 
     rt.print(f"median step: mpt {mpt_ms:.3f} ms, raw {raw_ms:.3f} ms "
              f"({len(mpt_t)} steps per side); p10/p90 mpt "
              f"{float(mpt_t.quantile(0.1)):.3f}/{float(mpt_t.quantile(0.9)):.3f}, raw "
              f"{float(raw_t.quantile(0.1)):.3f}/{float(raw_t.quantile(0.9)):.3f} ms")
-    rt.print(f"spread: bootstrap 95% CI of ratio [{lo:.3f}, {hi:.3f}]; per-round ratios "
-             f"{min(round_ratios):.3f}..{max(round_ratios):.3f}; fastest round medians mpt "
-             f"{best_mpt:.3f} ms, raw {best_raw:.3f} ms, ratio {best_mpt / best_raw:.3f}")
+    rt.print(f"spread: bootstrap 95% CI of the ratio [{lo:.3f}, {hi:.3f}]; fastest round "
+             f"medians mpt {best_mpt:.3f} ms, raw {best_raw:.3f} ms, ratio "
+             f"{best_mpt / best_raw:.3f}")
+    rt.print(f"per-round ratios: median {statistics.median(round_ratios):.3f}, range "
+             f"{min(round_ratios):.3f}..{max(round_ratios):.3f}")
     rt.print(f"check: max |w_mpt - w_raw| after {cursor['mpt']} steps = {diff:.3g}"
              f"{'' if diff == 0 else '  (NOT identical)'}")
     rt.print(f"ddp {precision}: mpt {mpt_ms:.2f} ms, raw {raw_ms:.2f} ms, ratio {ratio:.3f} "

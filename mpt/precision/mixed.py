@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -117,7 +117,6 @@ class MixedPrecision(Precision):
         state = super().state_dict()
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
-            state["loss_scale_config"] = asdict(self.scaling)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
