@@ -55,6 +55,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
     parser.add_argument("--verbose", action="store_true", help="one line per round")
+    parser.add_argument("--null", action="store_true",
+                        help="A/A run: side 'mpt' becomes a second raw loop, so the ratio "
+                             "shows the benchmark's own noise floor")
     args = parser.parse_args()
     if min(args.steps, args.rounds) < 1 or args.warmup < 0:
         parser.error("--steps and --rounds must be >= 1, --warmup >= 0")
@@ -178,17 +181,21 @@ def main() -> None:
     clip = 1.0
     batches = make_batches(rt.rank, args.batch_size)
 
-    mpt_opt = torch.optim.AdamW(base.parameters(), lr=1e-3)
-    mpt_model, mpt_opt = rt.setup(base, mpt_opt)
-
     # The raw side: plain torch on the process group the runtime opened.
     raw_module = raw_module.to(rt.device)
     raw_opt = torch.optim.AdamW(raw_module.parameters(), lr=1e-3)
     raw_model = DistributedDataParallel(raw_module)
     scaling = getattr(rt.precision, "scaling", None)
 
+    mpt_opt = torch.optim.AdamW(base.parameters(), lr=1e-3)
+    if args.null:  # a second raw loop in mpt's place, on the other (identical) model copy
+        mpt_model = DistributedDataParallel(base.to(rt.device))
+        a_step = raw_step_fn(mpt_model, mpt_opt, precision, scaling, batches, loss_fn, clip)
+    else:
+        mpt_model, mpt_opt = rt.setup(base, mpt_opt)
+        a_step = mpt_step_fn(rt, mpt_model, batches, loss_fn, clip)
     sides: dict[str, StepFn] = {
-        "mpt": mpt_step_fn(rt, mpt_model, batches, loss_fn, clip),
+        "mpt": a_step,
         "raw": raw_step_fn(raw_model, raw_opt, precision, scaling, batches, loss_fn, clip),
     }
     cursor = {"mpt": 0, "raw": 0}  # each side walks the same batch sequence
@@ -246,7 +253,9 @@ def main() -> None:
              f"{min(round_ratios):.3f}..{max(round_ratios):.3f}")
     rt.print(f"check: max |w_mpt - w_raw| after {cursor['mpt']} steps = {diff:.3g}"
              f"{'' if diff == 0 else '  (NOT identical)'}")
-    rt.print(f"ddp {precision}: mpt {mpt_ms:.2f} ms, raw {raw_ms:.2f} ms, ratio {ratio:.3f} "
+    if args.null:
+        rt.print("NULL RUN: side 'mpt' was a second raw loop; the ratio is pure noise")
+    rt.print(f"ddp {precision}{' (null)' if args.null else ''}: mpt {mpt_ms:.2f} ms, raw {raw_ms:.2f} ms, ratio {ratio:.3f} "
              f"(goal <= {GOAL})")
     rt.close()
 
