@@ -109,7 +109,7 @@ def _print_plan(spec: LaunchSpec, cuda_devices: int) -> None:
 @app.command()
 def backends() -> None:
     """List every backend, whether it can run here, and what to install if not."""
-    from mpt.backends import registered
+    from mpt.backends import broken, registered
 
     table = Table(title="mpt backends")
     for column in ("backend", "available", "version", "reason / install"):
@@ -118,6 +118,8 @@ def backends() -> None:
         info = cls.availability()
         note = "" if info.available else f"{info.reason}; {info.install}"
         table.add_row(name, "yes" if info.available else "no", info.version, note)
+    for name, reason in sorted(broken().items()):
+        table.add_row(name, "no", "", reason)
     out.print(table)
 
 

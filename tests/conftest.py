@@ -39,7 +39,7 @@ def run_mpt(*args: str, timeout: float = 120, env: dict[str, str] | None = None
             ) -> subprocess.CompletedProcess[str]:
     """Run `mpt ARGS...` to the end, capturing its output."""
     return subprocess.run(mpt_command(*args), capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+                          env={**os.environ, "COLUMNS": "200", **(env or {})})
 
 
 def worker(name: str) -> str:

@@ -51,3 +51,22 @@ def test_backends_lists_ddp_as_available():
     assert result.returncode == 0
     row = next(line for line in result.stdout.splitlines() if " ddp " in line)
     assert "yes" in row and torch.__version__ in row
+
+
+def test_third_party_backends_register_through_entry_points(tmp_path):
+    (tmp_path / "fake_backend.py").write_text(
+        "from mpt.backends import DDPBackend\n\n"
+        "class FakeBackend(DDPBackend):\n    name = 'fake'\n")
+    dist = tmp_path / "fake_backend-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-backend\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(
+        "[mpt.backends]\nfake = fake_backend:FakeBackend\nbroken = no_such_module:Nothing\n")
+    env = {"PYTHONPATH": str(tmp_path)}
+    listing = run_mpt("backends", env=env).stdout
+    assert any(" fake " in line and "yes" in line for line in listing.splitlines())
+    assert any(" broken " in line and "failed to load" in line for line in listing.splitlines())
+    result = run_mpt("launch", "--dry-run", "--backend", "fake", SCRIPT, env=env)
+    assert result.returncode == 0 and "backend fake" in result.stdout
+    result = run_mpt("launch", "--backend", "broken", SCRIPT, env=env)
+    assert result.returncode == 2 and "no_such_module" in result.stderr

@@ -11,12 +11,14 @@ from importlib.metadata import entry_points
 
 from mpt.backends.base import Availability, Backend
 from mpt.backends.ddp import DDPBackend
-from mpt.errors import UsageError
+from mpt.errors import MissingDependencyError, UsageError
 
 BUILTIN: dict[str, type[Backend]] = {DDPBackend.name: DDPBackend}
 ENTRY_POINT_GROUP = "mpt.backends"
 
 _registry: dict[str, type[Backend]] = dict(BUILTIN)
+_broken: dict[str, str] = {}
+"""Entry points that failed to load, with the reason: listed by `mpt backends`, never fatal."""
 _plugins_loaded = False
 
 
@@ -32,8 +34,18 @@ def _load_plugins() -> None:
         return
     _plugins_loaded = True
     for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name not in _registry:
+        if ep.name in _registry:
+            continue
+        try:
             _registry[ep.name] = ep.load()
+        except Exception as exc:  # a broken plugin must not take the other backends down
+            _broken[ep.name] = f"entry point {ep.value} failed to load: {exc}"
+
+
+def broken() -> dict[str, str]:
+    """Backends whose entry point failed to load, with the reason."""
+    _load_plugins()
+    return dict(_broken)
 
 
 def registered() -> dict[str, type[Backend]]:
@@ -45,6 +57,9 @@ def registered() -> dict[str, type[Backend]]:
 def get_backend(name: str) -> type[Backend]:
     """The class registered as ``name``; a UsageError lists the valid names otherwise."""
     backends = registered()
+    if name in _broken:
+        raise MissingDependencyError(f"backend {name!r}", "its plugin package", "reinstall the "
+                                     "package that provides it", reason=_broken[name])
     if name not in backends:
         raise UsageError("--backend", name, "unknown backend",
                          f"use one of {', '.join(sorted(backends))}, or install a package that "
@@ -52,4 +67,5 @@ def get_backend(name: str) -> type[Backend]:
     return backends[name]
 
 
-__all__ = ["Availability", "Backend", "DDPBackend", "get_backend", "register", "registered"]
+__all__ = ["Availability", "Backend", "DDPBackend", "broken", "get_backend", "register",
+           "registered"]
