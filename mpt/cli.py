@@ -21,7 +21,6 @@ if TYPE_CHECKING:
 
 app = typer.Typer(
     name="mpt",
-    help="Mixed-precision, multi-process PyTorch training on the backend chosen by a flag.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -30,6 +29,21 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)
 out = Console(highlight=False, soft_wrap=True)
 
 USAGE_ERROR = 2
+
+
+def _version(show: bool) -> None:
+    if show:
+        from mpt import __version__
+
+        out.print(f"mpt {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option(
+        "--version", callback=_version, is_eager=True, help="Print mpt's version.")] = False,
+          ) -> None:
+    """Mixed-precision, multi-process PyTorch training on the backend chosen by a flag."""
 
 
 @app.command(context_settings={"allow_interspersed_args": False,

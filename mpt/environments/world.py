@@ -40,7 +40,7 @@ class World:
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise UsageError(f"--{name}", value, "it must be a whole number of at least 1",
                                  f"pass --{name} 1 or more")
         if not isinstance(self.nr, int) or not 0 <= self.nr < self.nodes:

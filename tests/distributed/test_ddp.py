@@ -15,12 +15,12 @@ from conftest import run_mpt, worker  # noqa: E402
 STEPS, MICRO = 6, 4
 
 
-def launch_equivalence(tmp_path: Path, port: int, accumulate: int) -> list[dict]:
-    result = run_mpt("launch", "--gpus", "2", "--master-port", str(port),
+def launch_equivalence(tmp_path: Path, port: int, accumulate: int, gpus: int = 2) -> list[dict]:
+    result = run_mpt("launch", "--gpus", str(gpus), "--master-port", str(port),
                      worker("equivalence.py"), str(tmp_path), str(STEPS), str(MICRO),
                      str(accumulate))
     assert result.returncode == 0, result.stderr
-    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(gpus)]
 
 
 @pytest.mark.parametrize("accumulate", [1, 3])
@@ -53,3 +53,13 @@ def test_fp16_overflow_on_one_rank_skips_that_step_everywhere(tmp_path, free_por
         assert r["restored"] == r["saved"] and r["extra"] == {"step": 6}
     for p0, p1 in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
         assert torch.equal(p0, p1) and torch.isfinite(p0).all()
+
+
+@pytest.mark.gpu
+def test_ddp_on_gpus_with_nccl_matches_one_process(tmp_path, free_port):
+    gpus = min(2, torch.cuda.device_count())
+    ranks = launch_equivalence(tmp_path, free_port, accumulate=2, gpus=gpus)
+    reference = reference_params(STEPS, gpus * 2 * MICRO)
+    for r in ranks:
+        for got, want in zip(r["params"], reference, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # TF32/cuBLAS order

@@ -38,13 +38,13 @@ stepped = []
 for x, y in global_batches(steps, per_step):
     for j in range(accumulate):
         start = (rt.rank * accumulate + j) * micro
-        xs, ys = x[start:start + micro], y[start:start + micro]
+        xs, ys = x[start:start + micro].to(rt.device), y[start:start + micro].to(rt.device)
         with rt.autocast():
             loss = nn.functional.mse_loss(model(xs), ys)
         rt.backward(loss)
         stepped.append(rt.step())
 
-params = [p.detach().clone() for p in rt.backend.unwrap(model).parameters()]
+params = [p.detach().cpu() for p in rt.backend.unwrap(model).parameters()]
 torch.save({"params": params, "allreduces": allreduces[0], "stepped": stepped,
             "rank": rt.rank, "world_size": rt.world_size}, out / f"rank{rt.rank}.pt")
 rt.close()

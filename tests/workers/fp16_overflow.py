@@ -20,11 +20,11 @@ model = make_model()
 model, optimizer = rt.setup(model, make_optimizer(model))
 log = []
 for step, (x, y) in enumerate(global_batches(6, 8)):
-    x = x[rt.rank * 4:(rt.rank + 1) * 4].clone()
+    x, y = x[rt.rank * 4:(rt.rank + 1) * 4].clone(), y[rt.rank * 4:(rt.rank + 1) * 4]
     if step == 3 and rt.rank == 1:
         x[0, 0] = float("inf")  # only one rank overflows; the allreduce spreads it
     with rt.autocast():
-        loss = nn.functional.mse_loss(model(x), y[rt.rank * 4:(rt.rank + 1) * 4])
+        loss = nn.functional.mse_loss(model(x.to(rt.device)), y.to(rt.device))
     rt.backward(loss)
     stepped = rt.step()
     log.append({"stepped": stepped, "scale": rt.precision.loss_scale})
@@ -35,6 +35,6 @@ rt.precision.scaler.update(new_scale=1.0)  # spoil the state, then restore it fr
 rt.precision.skipped_steps = 0
 extra = rt.load(out / "ckpt.pt")
 torch.save({"log": log, "saved": saved, "restored": rt.precision.state_dict(), "extra": extra,
-            "params": [p.detach() for p in rt.backend.unwrap(model).parameters()]},
+            "params": [p.detach().cpu() for p in rt.backend.unwrap(model).parameters()]},
            out / f"rank{rt.rank}.pt")
 rt.close()
