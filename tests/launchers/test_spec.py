@@ -1,0 +1,47 @@
+"""LaunchSpec: validation that needs no process, and the torchrun config it becomes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mpt.errors import UsageError
+from mpt.launchers import LaunchSpec
+from mpt.launchers.elastic import torch_launch_config, worker_env
+
+SCRIPT = Path(__file__)
+
+
+def test_more_gpus_than_visible_is_refused(free_port):
+    spec = LaunchSpec(script=SCRIPT, gpus=4, master_port=free_port)
+    with pytest.raises(UsageError, match=r"^--gpus=4 is invalid: this node has only 2 visible"):
+        spec.check_machine(cuda_devices=2)
+    spec.check_machine(cuda_devices=0)  # CPU processes: any number
+
+
+def test_spec_becomes_a_static_rendezvous_with_the_node_rank():
+    spec = LaunchSpec(script=SCRIPT, nodes=2, gpus=3, nr=1, master_addr="10.0.0.1",
+                      master_port=1234, max_restarts=2, log_dir=Path("logs"))
+    config = torch_launch_config(spec)
+    assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (2, 2, 3)
+    assert (config.rdzv_backend, config.rdzv_endpoint) == ("static", "10.0.0.1:1234")
+    assert config.rdzv_configs["rank"] == 1 and config.max_restarts == 2
+    assert config.logs_specs.root_log_dir == "logs"
+    assert spec.world.world_size == 6
+
+
+def test_workers_inherit_the_settings():
+    env = worker_env(LaunchSpec(script=SCRIPT, gpus=2, backend="ddp", precision="fp16-mixed",
+                                loss_scale="128"))
+    assert env["MPT_BACKEND"] == "ddp" and env["MPT_PRECISION"] == "fp16-mixed"
+    assert env["MPT_LOSS_SCALE"] == "128" and env["MPT_LAUNCHER_PID"].isdigit()
+
+
+@pytest.mark.parametrize(("kwargs", "argument"), [
+    ({"max_restarts": -1}, "--max-restarts"), ({"nodes": 0}, "--nodes"),
+    ({"master_port": 0}, "--master-port"), ({"script": Path("nope.py")}, "SCRIPT"),
+])
+def test_invalid_specs_name_their_argument(kwargs, argument):
+    with pytest.raises(UsageError, match=f"^{argument}="):
+        LaunchSpec(**{"script": SCRIPT, **kwargs})
