@@ -90,3 +90,15 @@ def test_dry_run_prints_every_process_and_starts_none(tmp_path):
     assert table == [("0", "0", "0", "cpu"), ("0", "1", "1", "cpu"),
                      ("1", "0", "2", "cpu"), ("1", "1", "3", "cpu")]
     assert not list(tmp_path.iterdir())
+
+
+def test_log_dir_keeps_one_file_per_rank(tmp_path, free_port):
+    logs = tmp_path / "logs"
+    result = run_mpt("launch", "--gpus", "2", "--master-port", str(free_port), "--log-dir",
+                     str(logs), worker("report_world.py"), str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    for rank in range(2):
+        [stdout] = logs.glob(f"**/attempt_0/{rank}/stdout.log")
+        assert f"report from rank {rank}" in stdout.read_text()
+        assert (stdout.parent / "stderr.log").exists()
+    assert "report from rank 0" in result.stdout  # tee'd to the console as well

@@ -22,6 +22,7 @@ w = rt.world
     "world_size": w.world_size, "source": w.source, "backend": rt.backend.name,
     "precision": rt.precision.name, "sum": total.item(), "pid": os.getpid(),
 }))
+print(f"report from rank {rt.rank}", flush=True)
 if len(sys.argv) > 2:
     time.sleep(float(sys.argv[2]))
 rt.close()
