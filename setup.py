@@ -96,7 +96,7 @@ setup(
     name="mpt",
     version="0.1.0",
     description="Mixed-precision, multi-process PyTorch training on the backend chosen by a flag",
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=Path("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",

@@ -95,8 +95,8 @@ def launch(
     if failure is not None:
         how = (f"was killed by {failure.signal}" if failure.signal
                else f"exited with code {failure.exit_code}")
-        err.print(f"mpt: rank {failure.rank} (node {spec.nr}, local rank {failure.local_rank}) {how}; "
-                  f"the job was stopped")
+        err.print(f"mpt: rank {failure.rank} (node {spec.nr}, local rank "
+                  f"{failure.local_rank}) {how}; the job was stopped")
         raise typer.Exit(failure.exit_code)
 
 
@@ -105,7 +105,8 @@ def _int(flag: str, value: str) -> int:
     try:
         return int(value)
     except ValueError:
-        raise UsageError(flag, value, "it is not a whole number", f"pass {flag} 1, 2, ...") from None
+        raise UsageError(flag, value, "it is not a whole number",
+                         f"pass {flag} 1, 2, ...") from None
 
 
 def _print_plan(spec: LaunchSpec, cuda_devices: int) -> None:

@@ -17,10 +17,10 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from mpt import checkpoint
+from mpt._native import bind_to_parent
 from mpt.backends import Backend, get_backend
 from mpt.data import DistributedLoader
 from mpt.environments import World, detect_world
-from mpt._native import bind_to_parent
 from mpt.environments.settings import launcher_pid, read_settings
 from mpt.errors import UsageError
 from mpt.precision import LossScaleConfig, Precision, check_precision, make_precision

@@ -6,7 +6,6 @@ import socket
 
 import pytest
 import torch
-
 from conftest import run_mpt, worker
 
 SCRIPT = worker("report_world.py")

@@ -140,7 +140,7 @@ def test_rejects_bad_arguments_before_touching_the_process() -> None:
     with pytest.raises(UsageError, match="via=cuda"):
         native.bind_to_parent(signal.SIGTERM, via="cuda")  # type: ignore[arg-type]
     if not native.NATIVE_AVAILABLE:
-        with pytest.raises(UsageError, match="mpt._C was not built"):
+        with pytest.raises(UsageError, match=r"mpt\._C was not built"):
             native.bind_to_parent(signal.SIGTERM, via="native")
 
 

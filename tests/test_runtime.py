@@ -34,7 +34,7 @@ def test_accumulation_steps_and_clips_once_per_k_micro_batches():
     rt = mpt.Runtime(accumulate=3, env={})
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
-    model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model, _ = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     results = []
     for _ in range(6):
         rt.backward(model(torch.randn(2, 4)).pow(2).mean())
@@ -54,7 +54,7 @@ def test_accumulating_k_micro_batches_equals_one_batch_k_times_larger():
         torch.manual_seed(1)
         model = nn.Linear(4, 1)
         rt = mpt.Runtime(accumulate=accumulate, env={})
-        model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        model, _ = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
         for _ in range(3):
             for xs, ys in zip(x.chunk(accumulate), y.chunk(accumulate), strict=True):
                 rt.backward(nn.functional.mse_loss(model(xs), ys))
@@ -118,5 +118,5 @@ def test_ranks_get_disjoint_shards_reshuffled_every_epoch():
 
 def test_training_before_setup_says_what_to_do():
     rt = mpt.Runtime(env={})
-    with pytest.raises(RuntimeError, match="rt.setup"):
+    with pytest.raises(RuntimeError, match=r"rt\.setup"):
         rt.step()

@@ -115,7 +115,7 @@ class Backend(ABC):
 
     @abstractmethod
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        """Reduce ``tensor`` (``"sum"``, ``"mean"``, ``"max"``, ``"min"``) across processes, in place."""
+        """Reduce ``tensor`` across processes in place: ``sum``, ``mean``, ``max`` or ``min``."""
 
     @abstractmethod
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:

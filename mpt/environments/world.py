@@ -44,8 +44,8 @@ class World:
                 raise UsageError(f"--{name}", value, "it must be a whole number of at least 1",
                                  f"pass --{name} 1 or more")
         if not isinstance(self.nr, int) or not 0 <= self.nr < self.nodes:
-            raise UsageError("--nr", self.nr, f"the node rank must be in 0..{self.nodes - 1} "
-                             f"for --nodes {self.nodes}", f"pass --nr between 0 and {self.nodes - 1}")
+            raise UsageError("--nr", self.nr, f"the node rank must be in 0..{self.nodes - 1} for "
+                             f"--nodes {self.nodes}", f"pass --nr between 0 and {self.nodes - 1}")
         if not isinstance(self.local_rank, int) or not 0 <= self.local_rank < self.gpus:
             raise UsageError("local_rank", self.local_rank, f"it must be in 0..{self.gpus - 1} "
                              f"for {self.gpus} processes per node",

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-from abc import ABC
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
 
 
-class Precision(ABC):
+class Precision:
     """What a numeric format does to a training step: autocast, loss scaling and their state.
 
     One instance per run. Backends call ``scale_loss`` before backward, ``unscale_`` before clipping

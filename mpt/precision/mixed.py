@@ -15,10 +15,10 @@ from mpt.precision.base import Precision
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LossScaleConfig:
-    """How fp16 losses are scaled so small gradients survive the cast (Micikevicius et al., 2018)."""
+    """How fp16 losses are scaled so that small gradients survive the cast (Micikevicius 2018)."""
 
     dynamic: bool = True
-    """Grow the scale after ``growth_interval`` clean steps, back it off on overflow; else keep it."""
+    """Grow the scale after ``growth_interval`` clean steps and back it off on overflow."""
     init_scale: float = 2.0**16
     """The first scale (dynamic) or the only one (static)."""
     growth_factor: float = 2.0

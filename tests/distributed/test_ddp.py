@@ -9,8 +9,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
-from common import reference_params  # noqa: E402
-from conftest import run_mpt, worker  # noqa: E402
+from common import reference_params
+from conftest import run_mpt, worker
 
 STEPS, MICRO = 6, 4
 

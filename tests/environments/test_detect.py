@@ -53,7 +53,8 @@ def kubernetes(rank: int, world_size: int, **extra: str) -> dict[str, str]:
 
 
 DEEPSPEED = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_SIZE": "2",
-             "CROSS_RANK": "1", "CROSS_SIZE": "2", "MASTER_ADDR": "worker-0", "MASTER_PORT": "29500"}
+             "CROSS_RANK": "1", "CROSS_SIZE": "2", "MASTER_ADDR": "worker-0",
+             "MASTER_PORT": "29500"}
 """What the DeepSpeed launcher gives rank 3 of 2 nodes x 2 GPUs: no LOCAL_WORLD_SIZE, no run id."""
 
 
@@ -65,7 +66,8 @@ DEEPSPEED = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_SIZE": "2
                  World(nodes=2, gpus=4, nr=1, local_rank=1, master_addr="10.0.0.1",
                        master_port=29400, source="torchelastic"), id="torchrun-two-nodes"),
     pytest.param({"RANK": "6", "LOCAL_RANK": "2", "WORLD_SIZE": "12", "LOCAL_WORLD_SIZE": "4"},
-                 World(nodes=3, gpus=4, nr=1, local_rank=2, master_addr=None, source="torchelastic"),
+                 World(nodes=3, gpus=4, nr=1, local_rank=2, master_addr=None,
+                       source="torchelastic"),
                  id="torchrun-vars-by-hand-no-master"),
     pytest.param(DEEPSPEED, World(nodes=2, gpus=2, nr=1, local_rank=1, master_addr="worker-0",
                                   source="torchelastic"), id="deepspeed-launcher"),

@@ -12,7 +12,7 @@ from pathlib import Path
 from conftest import mpt_command, pid_alive, run_mpt, worker
 
 
-def wait_for(predicate, timeout: float) -> bool:  # noqa: ANN001
+def wait_for(predicate, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():

@@ -16,7 +16,7 @@ def model_and_opt() -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
 
-def backward(precision, model, inf: bool = False) -> None:  # noqa: ANN001
+def backward(precision, model, inf: bool = False) -> None:
     x = torch.randn(3, 4)
     if inf:
         x[0, 0] = float("inf")
@@ -80,7 +80,7 @@ def test_gradients_are_unscaled_exactly_once_for_clip_and_step():
 
 def test_bf16_needs_no_scaler():
     p = make_precision("bf16-mixed", "cpu")
-    model, opt = model_and_opt()
+    model, _ = model_and_opt()
     with p.autocast():
         assert model(torch.randn(2, 4)).dtype == torch.bfloat16
     assert p.scaler is None and p.loss_scale == 1.0

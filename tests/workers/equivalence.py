@@ -25,7 +25,7 @@ model, optimizer = rt.setup(model, make_optimizer(model))
 allreduces = [0]
 
 
-def counting_hook(state, bucket):  # noqa: ANN001
+def counting_hook(state, bucket):
     allreduces[0] += 1
     return default_hooks.allreduce_hook(None, bucket)
 
