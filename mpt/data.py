@@ -29,10 +29,10 @@ class DistributedLoader:
     per-rank batch: the global batch is ``batch_size * world_size``.
     """
 
-    def __init__(self, loader: DataLoader, *, rank: int, world_size: int,
+    def __init__(self, loader: DataLoader[Any], *, rank: int, world_size: int,
                  device: torch.device, seed: int = 0) -> None:
         shuffle = isinstance(loader.sampler, RandomSampler)
-        self.sampler = DistributedSampler(loader.dataset, num_replicas=world_size, rank=rank,
+        self.sampler: DistributedSampler[Any] = DistributedSampler(loader.dataset, num_replicas=world_size, rank=rank,
                                           shuffle=shuffle, seed=seed, drop_last=loader.drop_last)
         self.loader = DataLoader(
             loader.dataset, batch_size=loader.batch_size, sampler=self.sampler,

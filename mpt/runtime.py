@@ -28,7 +28,7 @@ from mpt.precision import LossScaleConfig, Precision, check_precision, make_prec
 
 def _positive_int(argument: str, value: object) -> int:
     try:
-        number = int(value)  # type: ignore[call-overload]
+        number: int = int(value)  # type: ignore[call-overload]
     except (TypeError, ValueError):
         number = 0
     if number < 1:
@@ -125,7 +125,7 @@ class Runtime:
         self.backend.set_gradient_sync(self._model, self.accumulate == 1)
         return self._model, self._optimizer
 
-    def setup_dataloader(self, loader: DataLoader) -> DistributedLoader:
+    def setup_dataloader(self, loader: DataLoader[Any]) -> DistributedLoader:
         """This rank's shard of ``loader``'s dataset, batches on this rank's device."""
         return DistributedLoader(loader, rank=self.rank, world_size=self.world_size,
                                  device=self.device, seed=self.seed)

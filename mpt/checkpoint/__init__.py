@@ -45,4 +45,5 @@ def load_state(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise UsageError("checkpoint", str(path), "no such file",
                          "pass the path a previous rt.save() wrote")
     # weights_only: a checkpoint is data, and unpickling arbitrary objects would run code.
-    return torch.load(path, map_location="cpu", weights_only=True)
+    state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+    return state
