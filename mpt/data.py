@@ -32,8 +32,9 @@ class DistributedLoader:
     def __init__(self, loader: DataLoader[Any], *, rank: int, world_size: int,
                  device: torch.device, seed: int = 0) -> None:
         shuffle = isinstance(loader.sampler, RandomSampler)
-        self.sampler: DistributedSampler[Any] = DistributedSampler(loader.dataset, num_replicas=world_size, rank=rank,
-                                          shuffle=shuffle, seed=seed, drop_last=loader.drop_last)
+        self.sampler: DistributedSampler[Any] = DistributedSampler(
+            loader.dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
+            drop_last=loader.drop_last)
         self.loader = DataLoader(
             loader.dataset, batch_size=loader.batch_size, sampler=self.sampler,
             num_workers=loader.num_workers, collate_fn=loader.collate_fn,
