@@ -44,8 +44,22 @@ def _die_with_launcher(pid: int | None) -> None:
     (OOM killer, a scheduler) runs no cleanup: without this its workers would live on, holding
     GPUs and ports.
     """
-    if pid is not None and not bind_to_parent(signal.SIGKILL, pid):
+    if pid is None:
+        return
+    if os.getppid() != pid and _pid_exists(pid):
+        return  # a process the worker started inherited the variable: not the launcher's child
+    if not bind_to_parent(signal.SIGKILL, pid):
         raise SystemExit(f"mpt: the launcher (pid {pid}) is gone; this worker stops too")
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class Runtime:
