@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test bench clean
 
-$(STAMP): setup.py
+$(STAMP): setup.py CMakeLists.txt $(wildcard backends/csrc/*)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet "$(TORCH)" setuptools wheel
 	$(BIN)/pip install --quiet --no-build-isolation -e ".[test,examples]"
