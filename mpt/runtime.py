@@ -159,9 +159,10 @@ class Runtime:
         model, _ = self._require_setup()
         self.backend.backward(loss)
         self._micro_step += 1
-        # The *next* forward must know whether its backward reduces: only the last micro-batch
-        # of a step does, so the allreduce runs once per optimizer step.
-        self.backend.set_gradient_sync(model, (self._micro_step + 1) % self.accumulate == 0)
+        if self.accumulate > 1:
+            # The *next* forward must know whether its backward reduces: only the last
+            # micro-batch of a step does, so the allreduce runs once per optimizer step.
+            self.backend.set_gradient_sync(model, (self._micro_step + 1) % self.accumulate == 0)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
         """Clip the unscaled gradients at the end of a step; None while accumulating."""

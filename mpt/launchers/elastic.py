@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from mpt.environments.settings import LAUNCHER_PID, settings_env
@@ -64,17 +67,42 @@ def worker_env(spec: LaunchSpec) -> dict[str, str]:
     return env
 
 
+def root_cause(failures: dict[int, ProcessFailure],
+               failed_at: dict[int, int]) -> tuple[int, ProcessFailure]:
+    """The rank whose failure brought the job down.
+
+    torch's own choice (``get_first_failure``) compares timestamps in whole seconds and also
+    lists the ranks the agent stopped itself, so it often names a victim. Here, in order:
+    a rank that died without a note (a crash signal, the OOM killer's SIGKILL, ``os._exit``);
+    then the rank whose note (``failed_at``: pid -> ns, written by ``mpt.launchers.worker``) is
+    earliest; last, ranks ended by SIGTERM, which is what the agent sends the survivors.
+    """
+
+    def order(item: tuple[int, ProcessFailure]) -> tuple[int, float]:
+        failure = item[1]
+        if failure.pid in failed_at:
+            return 1, failed_at[failure.pid]
+        if failure.exitcode == -signal.SIGTERM:
+            return 2, failure.timestamp
+        return 0, failure.timestamp
+
+    return min(failures.items(), key=order)
+
+
 def run(spec: LaunchSpec) -> Failure | None:
     """Run this node's share of the job to the end; the first failure, or None on success."""
-    os.environ.update(worker_env(spec))  # the elastic agent passes its environment on
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
-    try:
-        elastic_launch(torch_launch_config(spec), sys.executable)(
-            "-u", str(spec.script), *spec.script_args)
-    except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
-        code = failure.exitcode
-        signal = failure.signal_name() if code < 0 else ""
-        return Failure(rank=rank, local_rank=failure.local_rank,
-                       exit_code=128 - code if code < 0 else code, signal=signal)
+    with tempfile.TemporaryDirectory(prefix="mpt-failures-") as failure_dir:
+        # The elastic agent passes its own environment on to the workers.
+        os.environ.update(worker_env(spec), MPT_FAILURE_DIR=failure_dir)
+        try:
+            elastic_launch(torch_launch_config(spec), sys.executable)(
+                "-u", "-m", "mpt.launchers.worker", str(spec.script), *spec.script_args)
+        except ChildFailedError as err:
+            notes = {int(p.name): int(p.read_text() or 0) for p in Path(failure_dir).iterdir()}
+            rank, failure = root_cause(err.failures, notes)
+            code = failure.exitcode
+            return Failure(rank=rank, local_rank=failure.local_rank,
+                           exit_code=128 - code if code < 0 else code,
+                           signal=failure.signal_name() if code < 0 else "")
     return None

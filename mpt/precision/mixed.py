@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,10 +79,8 @@ class MixedPrecision(Precision):
         # ids of optimizers already unscaled this step: clipping and stepping share one unscale.
         self._unscaled: set[int] = set()
 
-    @contextlib.contextmanager
-    def autocast(self) -> Iterator[None]:
-        with torch.autocast(self.device_type, dtype=self.dtype):
-            yield
+    def autocast(self) -> AbstractContextManager[Any]:
+        return torch.autocast(self.device_type, dtype=self.dtype)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss if self.scaler is None else self.scaler.scale(loss)

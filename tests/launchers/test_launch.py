@@ -9,6 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from conftest import mpt_command, pid_alive, run_mpt, worker
 
 
@@ -53,16 +54,19 @@ def test_two_launchers_on_loopback_form_one_two_node_job(tmp_path, free_port):
     assert all(r["nodes"] == 2 and r["world_size"] == 2 and r["sum"] == 3.0 for r in reports)
 
 
-def test_a_rank_exiting_3_ends_the_job_with_code_3(tmp_path, free_port):
+@pytest.mark.parametrize(("mode", "code", "how"), [
+    ("exit", 3, "exited with code 3"), ("kill", 128 + 9, "was killed by SIGKILL")])
+def test_a_failing_rank_ends_the_job_with_its_code(tmp_path, free_port, mode, code, how):
     start = time.monotonic()
     result = run_mpt("launch", "--gpus", "2", "--master-port", str(free_port),
-                     worker("exit_code.py"), str(tmp_path), timeout=60)
+                     worker("exit_code.py"), str(tmp_path), mode, timeout=60)
     pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
-    # Measured from the failure (rank 1 exits ~0.5 s after both pids are written).
+    # Measured from the failure (rank 1 fails ~0.5 s after both pids are written).
     failed_at = max((tmp_path / f"pid{r}").stat().st_mtime for r in range(2)) + 0.5
-    assert result.returncode == 3, result.stderr
+    assert result.returncode == code, result.stderr
     assert time.time() - failed_at < 10, "the launcher took too long to end the job"
-    assert "mpt: rank 1 (node 0, local rank 1) exited with code 3" in result.stderr
+    # rank 0 fails too ("connection closed by peer"), but rank 1 is named: it failed first
+    assert f"mpt: rank 1 (node 0, local rank 1) {how}" in result.stderr
     assert time.monotonic() - start < 60
     assert not any(pid_alive(p) for p in pids), "a worker outlived the job"
 

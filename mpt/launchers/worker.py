@@ -1,0 +1,43 @@
+"""What each rank of `mpt launch` runs: the user's script, plus the time it failed, if it did.
+
+When one rank fails, its peers fail a few milliseconds later ("connection closed by peer"), and
+torch's elastic agent finds them all dead in the same poll, stamped with the same second. To name
+the rank that failed first, each rank notes the nanosecond it ended with an error in
+``MPT_FAILURE_DIR/<pid>``; the launcher reads these notes (see ``elastic.root_cause``).
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import time
+
+
+def _exit_code(exc: SystemExit) -> int:
+    """The status Python exits with for ``exc``: None is 0, an int is itself, anything else 1."""
+    if exc.code is None:
+        return 0
+    return exc.code if isinstance(exc.code, int) else 1
+
+
+def main() -> None:
+    script, *args = sys.argv[1:]
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python script.py` would
+    failure_dir = os.environ.get("MPT_FAILURE_DIR")
+    code = 1
+    try:
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = _exit_code(exc)
+        raise
+    finally:
+        if code and failure_dir:
+            with open(os.path.join(failure_dir, str(os.getpid())), "w") as note:
+                note.write(str(time.time_ns()))
+
+
+if __name__ == "__main__":
+    main()
