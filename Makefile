@@ -21,7 +21,8 @@ test: $(STAMP)
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/ddp_overhead.py
+	for p in fp32 bf16-mixed fp16-mixed; do \
+	  $(BIN)/mpt launch --gpus 2 --precision $$p benchmarks/ddp_overhead.py || exit 1; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info mpt/_C*.so
