@@ -61,9 +61,9 @@ def worker_env(spec: LaunchSpec) -> dict[str, str]:
     """Variables the workers inherit: mpt's settings, and one thread per process on CPU."""
     env = settings_env(backend=spec.backend, precision=spec.precision, loss_scale=spec.loss_scale)
     env[LAUNCHER_PID] = str(os.getpid())  # workers bind their lives to ours (see Runtime)
-    if spec.gpus > 1:
+    if spec.gpus > 1 and "OMP_NUM_THREADS" not in os.environ:
         # N processes each using every core oversubscribe the CPU (torchrun does the same).
-        env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+        env["OMP_NUM_THREADS"] = "1"
     return env
 
 
