@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from mpt.backends.base import Backend
+from mpt.backends.base import Availability, Backend
 from mpt.errors import UsageError
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -25,6 +25,17 @@ class DDPBackend(Backend):
     """
 
     name = "ddp"
+
+    @classmethod
+    def availability(cls) -> Availability:
+        if not dist.is_available():
+            return Availability(available=False, version=torch.__version__,
+                                reason="this torch build has no torch.distributed",
+                                install="pip install torch==2.13.0 (a Linux build)")
+        comms = [n for n, ok in (("gloo", dist.is_gloo_available()),
+                                 ("nccl", dist.is_nccl_available()),
+                                 ("mpi", dist.is_mpi_available())) if ok]
+        return Availability(available=True, version=f"{torch.__version__} ({', '.join(comms)})")
 
     def init_process_group(self) -> None:
         if not self.world.is_distributed or dist.is_initialized():
