@@ -40,9 +40,10 @@ def _version(show: bool) -> None:
 
 
 @app.callback()
-def _root(version: Annotated[bool, typer.Option(
-        "--version", callback=_version, is_eager=True, help="Print mpt's version.")] = False,
-          ) -> None:
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print mpt's version.")] = False,
+) -> None:
     """Mixed-precision, multi-process PyTorch training on the backend chosen by a flag."""
 
 
