@@ -304,14 +304,16 @@ def main() -> None:
     mpt_ms, raw_ms = median(mpt_t), median(raw_t)
     ratio = mpt_ms / raw_ms
     lo, hi = bootstrap_ratio(mpt_t, raw_t, args.bootstrap)
-    round_ratios = [median(a) / median(b) for a, b in zip(all_times["mpt"], all_times["raw"], strict=True)]
+    round_ratios = [median(a) / median(b)
+                    for a, b in zip(all_times["mpt"], all_times["raw"], strict=True)]
     best_mpt = min(median(a) for a in all_times["mpt"])
     best_raw = min(median(b) for b in all_times["raw"])
 
     # Same init, same data, same arithmetic: the weights must agree, or the loops differ.
     with torch.no_grad():
-        diff = max(float((p - q).abs().max()) for p, q in
-                   zip(rt.backend.unwrap(mpt_model).parameters(), raw_module.parameters(), strict=True))
+        pairs = zip(rt.backend.unwrap(mpt_model).parameters(), raw_module.parameters(),
+                    strict=True)
+        diff = max(float((p - q).abs().max()) for p, q in pairs)
 
     rt.print(f"median step: {a} {mpt_ms:.3f} ms, raw {raw_ms:.3f} ms "
              f"({len(mpt_t)} steps per side); p10/p90 {a} "
