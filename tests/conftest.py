@@ -24,11 +24,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-@pytest.fixture
-def free_port() -> int:
+def find_free_port() -> int:
+    """A port nothing listens on now (the kernel picks it)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@pytest.fixture
+def free_port() -> int:
+    return find_free_port()
 
 
 def mpt_command(*args: str) -> list[str]:

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import mpt_command, pid_alive, run_mpt, worker
+from conftest import find_free_port, mpt_command, pid_alive, run_mpt, worker
 
 
 def wait_for(predicate, timeout: float) -> bool:
@@ -108,11 +108,11 @@ def test_log_dir_keeps_one_file_per_rank(tmp_path, free_port):
     assert "report from rank 0" in result.stdout  # tee'd to the console as well
 
 
-def test_scripts_that_never_close_the_runtime_exit_cleanly(free_port):
+def test_scripts_that_never_close_the_runtime_exit_cleanly():
     # Left to interpreter teardown, gloo's work objects abort ~1 exit in 6 (SIGABRT, "terminate
     # called without an active exception"); the backend frees them at exit. Several runs, since
     # a single clean exit proves little.
-    for attempt in range(4):
-        result = run_mpt("launch", "--gpus", "2", "--master-port", str(free_port + attempt),
+    for _ in range(4):
+        result = run_mpt("launch", "--gpus", "2", "--master-port", str(find_free_port()),
                          worker("no_close.py"))
         assert result.returncode == 0, result.stderr
