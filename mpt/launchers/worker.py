@@ -12,6 +12,7 @@ import os
 import runpy
 import sys
 import time
+from types import TracebackType
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -19,6 +20,14 @@ def _exit_code(exc: SystemExit) -> int:
     if exc.code is None:
         return 0
     return exc.code if isinstance(exc.code, int) else 1
+
+
+def _from_script(tb: TracebackType | None, script: str) -> TracebackType | None:
+    """``tb`` from the first frame of ``script`` on (all of it if the script has none)."""
+    path, head = os.path.abspath(script), tb
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) != path:
+        tb = tb.tb_next
+    return tb or head
 
 
 def main() -> None:
@@ -33,6 +42,11 @@ def main() -> None:
     except SystemExit as exc:
         code = _exit_code(exc)
         raise
+    except Exception as exc:
+        # Report it as `python script.py` would: without this shim's and runpy's frames.
+        exc.with_traceback(_from_script(exc.__traceback__, script))
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        sys.exit(1)
     finally:
         if code and failure_dir:
             with open(os.path.join(failure_dir, str(os.getpid())), "w") as note:

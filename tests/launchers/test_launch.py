@@ -116,3 +116,16 @@ def test_scripts_that_never_close_the_runtime_exit_cleanly():
         result = run_mpt("launch", "--gpus", "2", "--master-port", str(find_free_port()),
                          worker("no_close.py"))
         assert result.returncode == 0, result.stderr
+
+
+def test_a_script_runs_as_main_and_its_traceback_starts_in_it(tmp_path, free_port):
+    script = tmp_path / "boom.py"
+    script.write_text("import sys\n"
+                      "assert __name__ == '__main__' and sys.argv[1:] == ['--flag', 'x']\n"
+                      "raise ValueError('boom')\n")
+    result = run_mpt("launch", "--master-port", str(free_port), str(script), "--flag", "x")
+    assert result.returncode == 1
+    assert f'File "{script}", line 3, in <module>' in result.stderr
+    assert "ValueError: boom" in result.stderr and "AssertionError" not in result.stderr
+    assert "runpy" not in result.stderr and "launchers/worker.py" not in result.stderr
+    assert "mpt: rank 0 (node 0, local rank 0) exited with code 1" in result.stderr
