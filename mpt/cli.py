@@ -111,14 +111,16 @@ def _int(flag: str, value: str) -> int:
 
 
 def _print_plan(spec: LaunchSpec, cuda_devices: int) -> None:
+    from mpt.environments import device_name
+
     table = Table(title=f"{spec.script} on {spec.world.world_size} process(es): backend "
                   f"{spec.backend}, precision {spec.precision}, rendezvous "
                   f"{spec.master_addr}:{spec.master_port}")
     for column in ("node", "local rank", "global rank", "device"):
         table.add_column(column, justify="right" if column != "device" else "left")
     for node, local_rank, rank in spec.world.all_processes():
-        device = f"cuda:{local_rank}" if cuda_devices else "cpu"
-        table.add_row(str(node), str(local_rank), str(rank), device)
+        table.add_row(str(node), str(local_rank), str(rank),
+                      device_name(local_rank, cuda_devices > 0))
     out.print(table)
 
 

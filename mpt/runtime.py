@@ -20,13 +20,13 @@ from mpt import checkpoint
 from mpt._native import bind_to_parent
 from mpt.backends import Backend, get_backend
 from mpt.data import DistributedLoader
-from mpt.environments import World, detect_world
+from mpt.environments import World, detect_world, device_name
 from mpt.environments.settings import launcher_pid, read_settings
 from mpt.errors import UsageError
 from mpt.precision import LossScaleConfig, Precision, check_precision, make_precision
 
 
-def _positive_int(argument: str, value: object) -> int:
+def _parse_accumulate(argument: str, value: object) -> int:
     try:
         number: int = int(value)  # type: ignore[call-overload]
     except (TypeError, ValueError):
@@ -57,8 +57,8 @@ def _pid_exists(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # exists, owned by someone else
+        pass
     return True
 
 
@@ -87,9 +87,8 @@ class Runtime:
         _die_with_launcher(launcher_pid(env))
         flags = read_settings(env)
         self.world: World = detect_world(env)
-        self.device = (torch.device("cuda", self.world.local_rank) if torch.cuda.is_available()
-                       else torch.device("cpu"))
-        self.accumulate = _positive_int(
+        self.device = torch.device(device_name(self.world.local_rank, torch.cuda.is_available()))
+        self.accumulate = _parse_accumulate(
             "accumulate", accumulate if accumulate is not None else flags.get("accumulate", 1))
         precision_name = check_precision(precision or flags.get("precision", "fp32"))
         scale = (loss_scale if isinstance(loss_scale, LossScaleConfig) else LossScaleConfig.parse(
@@ -136,7 +135,8 @@ class Runtime:
         """
         model = self.precision.convert_module(model.to(self.device))
         self._model, self._optimizer = self.backend.setup(model, optimizer)
-        self.backend.set_gradient_sync(self._model, self.accumulate == 1)
+        if self.accumulate > 1:
+            self.backend.set_gradient_sync(self._model, False)  # the first micro-batch
         return self._model, self._optimizer
 
     def setup_dataloader(self, loader: DataLoader[Any]) -> DistributedLoader:

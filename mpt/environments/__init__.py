@@ -5,6 +5,6 @@ cluster that started the process (torchrun, SLURM, horovodrun, OpenMPI, Kubernet
 """
 
 from mpt.environments.detect import SOURCES, detect_world, first_host
-from mpt.environments.world import World
+from mpt.environments.world import World, device_name
 
-__all__ = ["SOURCES", "World", "detect_world", "first_host"]
+__all__ = ["SOURCES", "World", "detect_world", "device_name", "first_host"]

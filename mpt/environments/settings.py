@@ -22,6 +22,10 @@ LAUNCHER_PID = "MPT_LAUNCHER_PID"
 """Pid of the `mpt launch` process that started this worker, so the worker can die with it."""
 
 
+FAILURE_DIR = "MPT_FAILURE_DIR"
+"""Folder where each worker of `mpt launch` notes when it failed (see mpt.launchers.worker)."""
+
+
 def launcher_pid(env: Mapping[str, str]) -> int | None:
     """The pid of the `mpt launch` that started this process, if one did."""
     value = env.get(LAUNCHER_PID, "")

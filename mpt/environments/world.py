@@ -8,6 +8,11 @@ from dataclasses import dataclass
 from mpt.errors import UsageError
 
 
+def device_name(local_rank: int, cuda: bool) -> str:
+    """The device of the process with ``local_rank``: its own GPU, or the CPU without CUDA."""
+    return f"cuda:{local_rank}" if cuda else "cpu"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class World:
     """Rank arithmetic of a job, in one validated place.

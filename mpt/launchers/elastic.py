@@ -20,7 +20,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from mpt.environments.settings import LAUNCHER_PID, settings_env
+from mpt.environments.settings import FAILURE_DIR, LAUNCHER_PID, settings_env
 from mpt.launchers.spec import LaunchSpec
 
 
@@ -57,10 +57,11 @@ def torch_launch_config(spec: LaunchSpec) -> LaunchConfig:
     )
 
 
-def worker_env(spec: LaunchSpec) -> dict[str, str]:
+def worker_env(spec: LaunchSpec, failure_dir: str) -> dict[str, str]:
     """Variables the workers inherit: mpt's settings, and one thread per process on CPU."""
     env = settings_env(backend=spec.backend, precision=spec.precision, loss_scale=spec.loss_scale)
     env[LAUNCHER_PID] = str(os.getpid())  # workers bind their lives to ours (see Runtime)
+    env[FAILURE_DIR] = failure_dir  # where they note when they failed (see root_cause)
     if spec.gpus > 1 and "OMP_NUM_THREADS" not in os.environ:
         # N processes each using every core oversubscribe the CPU (torchrun does the same).
         env["OMP_NUM_THREADS"] = "1"
@@ -94,7 +95,7 @@ def run(spec: LaunchSpec) -> Failure | None:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     with tempfile.TemporaryDirectory(prefix="mpt-failures-") as failure_dir:
         # The elastic agent passes its own environment on to the workers.
-        os.environ.update(worker_env(spec), MPT_FAILURE_DIR=failure_dir)
+        os.environ.update(worker_env(spec, failure_dir))
         try:
             elastic_launch(torch_launch_config(spec), sys.executable)(
                 "-u", "-m", "mpt.launchers.worker", str(spec.script), *spec.script_args)

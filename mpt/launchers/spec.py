@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from mpt.backends import get_backend
@@ -52,14 +52,15 @@ class LaunchSpec:
     """Where each rank's stdout/stderr is also written, one file per rank."""
     max_restarts: int = 0
     """How often the whole gang is restarted after a failure before the job fails."""
-    world: World = field(init=False)
-    """The job's rank layout as seen from local rank 0 of this node."""
+
+    @property
+    def world(self) -> World:
+        """The job's rank layout as seen from local rank 0 of this node."""
+        return World(nodes=self.nodes, gpus=self.gpus, nr=self.nr, master_addr=self.master_addr,
+                     master_port=self.master_port, source="mpt launch")
 
     def __post_init__(self) -> None:
-        # World validates nodes, gpus, nr and the port; build it first so those errors come first.
-        object.__setattr__(self, "world", World(
-            nodes=self.nodes, gpus=self.gpus, nr=self.nr, master_addr=self.master_addr,
-            master_port=self.master_port, source="mpt launch"))
+        self.world  # noqa: B018 - World validates nodes, gpus, nr and the port: those errors first
         get_backend(self.backend)
         check_precision(self.precision)
         LossScaleConfig.parse(self.loss_scale)

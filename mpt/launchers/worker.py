@@ -3,7 +3,7 @@
 When one rank fails, its peers fail a few milliseconds later ("connection closed by peer"), and
 torch's elastic agent finds them all dead in the same poll, stamped with the same second. To name
 the rank that failed first, each rank notes the nanosecond it ended with an error in
-``MPT_FAILURE_DIR/<pid>``; the launcher reads these notes (see ``elastic.root_cause``).
+``$MPT_FAILURE_DIR/<pid>``; the launcher reads these notes (see ``elastic.root_cause``).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import runpy
 import sys
 import time
 from types import TracebackType
+
+from mpt.environments.settings import FAILURE_DIR
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -34,7 +36,7 @@ def main() -> None:
     script, *args = sys.argv[1:]
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python script.py` would
-    failure_dir = os.environ.get("MPT_FAILURE_DIR")
+    failure_dir = os.environ.get(FAILURE_DIR)
     code = 1
     try:
         runpy.run_path(script, run_name="__main__")

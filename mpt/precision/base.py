@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from contextlib import AbstractContextManager
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -17,7 +17,8 @@ class Precision:
     never again in a backend.
     """
 
-    name: ClassVar[str]
+    name: str
+    """The ``--precision`` name."""
 
     def __init__(self, device_type: str) -> None:
         self.device_type = device_type

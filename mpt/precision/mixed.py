@@ -65,7 +65,7 @@ class MixedPrecision(Precision):
                  loss_scale: LossScaleConfig | None = None) -> None:
         super().__init__(device_type)
         self.dtype = dtype
-        self.name = "fp16-mixed" if dtype == torch.float16 else "bf16-mixed"  # type: ignore[misc]
+        self.name = "fp16-mixed" if dtype == torch.float16 else "bf16-mixed"
         self.scaling = loss_scale or LossScaleConfig()
         self.scaler: torch.amp.GradScaler | None = None
         if dtype == torch.float16:

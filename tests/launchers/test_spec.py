@@ -33,9 +33,10 @@ def test_spec_becomes_a_static_rendezvous_with_the_node_rank():
 
 def test_workers_inherit_the_settings():
     env = worker_env(LaunchSpec(script=SCRIPT, gpus=2, backend="ddp", precision="fp16-mixed",
-                                loss_scale="128"))
+                                loss_scale="128"), failure_dir="/tmp/notes")
     assert env["MPT_BACKEND"] == "ddp" and env["MPT_PRECISION"] == "fp16-mixed"
     assert env["MPT_LOSS_SCALE"] == "128" and env["MPT_LAUNCHER_PID"].isdigit()
+    assert env["MPT_FAILURE_DIR"] == "/tmp/notes"
 
 
 @pytest.mark.parametrize(("kwargs", "argument"), [
