@@ -15,6 +15,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -68,26 +69,48 @@ def worker_env(spec: LaunchSpec, failure_dir: str) -> dict[str, str]:
     return env
 
 
-def root_cause(failures: dict[int, ProcessFailure],
-               failed_at: dict[int, int]) -> tuple[int, ProcessFailure]:
+class Note(NamedTuple):
+    """What ``mpt.launchers.worker`` writes when a rank's script ends with an error."""
+
+    failed_at: int
+    """``time.time_ns()`` when the script ended."""
+    exit_code: int
+    """The code the script exited with."""
+
+    @classmethod
+    def read(cls, path: Path) -> Note:
+        failed_at, exit_code = path.read_text().split()
+        return cls(int(failed_at), int(exit_code))
+
+
+def root_cause(failures: dict[int, ProcessFailure], notes: dict[int, Note]) -> Failure:
     """The rank whose failure brought the job down.
 
     torch's own choice (``get_first_failure``) compares timestamps in whole seconds and also
     lists the ranks the agent stopped itself, so it often names a victim. Here, in order:
     a rank that died without a note (a crash signal, the OOM killer's SIGKILL, ``os._exit``);
-    then the rank whose note (``failed_at``: pid -> ns, written by ``mpt.launchers.worker``) is
-    earliest; last, ranks ended by SIGTERM, which is what the agent sends the survivors.
+    then the rank whose note (by pid) is earliest; last, ranks ended by SIGTERM, which is what
+    the agent sends the survivors.
     """
 
     def order(item: tuple[int, ProcessFailure]) -> tuple[int, float]:
         failure = item[1]
-        if failure.pid in failed_at:
-            return 1, failed_at[failure.pid]
+        if failure.pid in notes:
+            return 1, notes[failure.pid].failed_at
         if failure.exitcode == -signal.SIGTERM:
             return 2, failure.timestamp
         return 0, failure.timestamp
 
-    return min(failures.items(), key=order)
+    rank, failure = min(failures.items(), key=order)
+    if failure.pid in notes:
+        # The script's own code: the agent's SIGTERM may still catch the rank on its way out
+        # (in atexit handlers) once a peer has failed in turn, and replace the code it exits with.
+        return Failure(rank=rank, local_rank=failure.local_rank,
+                       exit_code=notes[failure.pid].exit_code)
+    code = failure.exitcode
+    return Failure(rank=rank, local_rank=failure.local_rank,
+                   exit_code=128 - code if code < 0 else code,
+                   signal=failure.signal_name() if code < 0 else "")
 
 
 def run(spec: LaunchSpec) -> Failure | None:
@@ -100,10 +123,7 @@ def run(spec: LaunchSpec) -> Failure | None:
             elastic_launch(torch_launch_config(spec), sys.executable)(
                 "-u", "-m", "mpt.launchers.worker", str(spec.script), *spec.script_args)
         except ChildFailedError as err:
-            notes = {int(p.name): int(p.read_text() or 0) for p in Path(failure_dir).iterdir()}
-            rank, failure = root_cause(err.failures, notes)
-            code = failure.exitcode
-            return Failure(rank=rank, local_rank=failure.local_rank,
-                           exit_code=128 - code if code < 0 else code,
-                           signal=failure.signal_name() if code < 0 else "")
+            notes = {int(p.name): Note.read(p) for p in Path(failure_dir).iterdir()
+                     if p.name.isdigit()}
+            return root_cause(err.failures, notes)
     return None

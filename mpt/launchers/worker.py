@@ -2,8 +2,8 @@
 
 When one rank fails, its peers fail a few milliseconds later ("connection closed by peer"), and
 torch's elastic agent finds them all dead in the same poll, stamped with the same second. To name
-the rank that failed first, each rank notes the nanosecond it ended with an error in
-``$MPT_FAILURE_DIR/<pid>``; the launcher reads these notes (see ``elastic.root_cause``).
+the rank that failed first, each rank notes the nanosecond it ended with an error, and its exit
+code, in ``$MPT_FAILURE_DIR/<pid>``; the launcher reads these notes (see ``elastic.root_cause``).
 """
 
 from __future__ import annotations
@@ -51,9 +51,11 @@ def main() -> None:
         sys.exit(1)
     finally:
         if code and failure_dir:
-            with open(os.path.join(failure_dir, str(os.getpid())), "w") as note:
-                note.write(str(time.time_ns()))
-
+            # Written whole, then renamed: the launcher never reads half a note.
+            note = os.path.join(failure_dir, str(os.getpid()))
+            with open(note + ".tmp", "w") as out:
+                out.write(f"{time.time_ns()} {code}")
+            os.replace(note + ".tmp", note)
 
 if __name__ == "__main__":
     main()

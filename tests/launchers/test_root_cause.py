@@ -7,7 +7,7 @@ import signal
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from mpt.launchers.elastic import root_cause
+from mpt.launchers.elastic import Note, root_cause
 
 
 def failures(*exitcodes: int) -> dict[int, ProcessFailure]:
@@ -16,16 +16,24 @@ def failures(*exitcodes: int) -> dict[int, ProcessFailure]:
             for rank, code in enumerate(exitcodes)}
 
 
-@pytest.mark.parametrize(("exitcodes", "notes", "expected"), [
+@pytest.mark.parametrize(("exitcodes", "notes", "expected", "code"), [
     # rank 1 exited first; rank 0's collective then failed: the notes order them
-    ((1, 3), {100: 2_000, 101: 1_000}, 1),
+    ((1, 3), {100: Note(2_000, 1), 101: Note(1_000, 3)}, 1, 3),
     # rank 2 was OOM-killed (no note); ranks 0 and 1 failed afterwards with notes
-    ((1, 1, -signal.SIGKILL), {100: 5, 101: 6}, 2),
+    ((1, 1, -signal.SIGKILL), {100: Note(5, 1), 101: Note(6, 1)}, 2, 128 + signal.SIGKILL),
     # rank 0 failed; the agent stopped rank 1 with SIGTERM
-    ((4, -signal.SIGTERM), {100: 7}, 0),
+    ((4, -signal.SIGTERM), {100: Note(7, 4)}, 0, 4),
+    # rank 1 called sys.exit(3) first, but the agent's SIGTERM caught it in its atexit handlers
+    # after rank 0 had failed in turn: the script's code is reported, not the SIGTERM
+    ((1, -signal.SIGTERM), {100: Note(9, 1), 101: Note(8, 3)}, 1, 3),
     # only ranks the agent stopped: any of them, not an error
-    ((-signal.SIGTERM, -signal.SIGTERM), {}, 0),
+    ((-signal.SIGTERM, -signal.SIGTERM), {}, 0, 128 + signal.SIGTERM),
 ])
-def test_root_cause(exitcodes, notes, expected):
-    rank, failure = root_cause(failures(*exitcodes), notes)
-    assert rank == expected and failure.exitcode == exitcodes[expected]
+def test_root_cause(exitcodes, notes, expected, code):
+    failure = root_cause(failures(*exitcodes), notes)
+    assert (failure.rank, failure.exit_code) == (expected, code)
+
+
+def test_a_note_is_read_back_as_written(tmp_path):
+    (tmp_path / "123").write_text("1700000000000000000 3")
+    assert Note.read(tmp_path / "123") == Note(1_700_000_000_000_000_000, 3)
