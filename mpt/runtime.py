@@ -206,7 +206,7 @@ class Runtime:
         model, optimizer = self._require_setup()
         state = {
             "model": self.backend.model_state_dict(model),
-            "optimizer": self.backend.optimizer_state_dict(optimizer),
+            "optimizer": self.backend.optimizer_state_dict(model, optimizer),
             "precision": self.precision.state_dict(),
             "step": step,
             "extra": extra,
@@ -223,7 +223,7 @@ class Runtime:
         model, optimizer = self._require_setup()
         state = checkpoint.load_state(path)
         self.backend.load_model_state_dict(model, state["model"])
-        self.backend.load_optimizer_state_dict(optimizer, state["optimizer"])
+        self.backend.load_optimizer_state_dict(model, optimizer, state["optimizer"])
         self.precision.load_state_dict(state["precision"])
         return {"step": state["step"], **state["extra"]}
 

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from mpt.checkpoint.named import from_named, to_named
 from mpt.environments import World
 from mpt.precision import Precision
 
@@ -95,18 +96,30 @@ class Backend(ABC):
         """The user's module inside whatever wrapper ``setup`` returned."""
 
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Full, unwrapped weights, keyed as the user's module names them."""
+        """Full, unwrapped weights, keyed as the user's module names them (every rank calls)."""
         return self.unwrap(model).state_dict()
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         self.unwrap(model).load_state_dict(state)
 
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return optimizer.state_dict()
+    def parameter_names(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+        """The name of each parameter the optimizer holds, in its param-group order."""
+        names = {param: name for name, param in self.unwrap(model).named_parameters()}
+        return [names[self.precision.model_parameter(param)]
+                for group in optimizer.param_groups for param in group["params"]]
 
-    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer,
+    def optimizer_state_dict(self, model: nn.Module,
+                             optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Full optimizer state keyed by parameter name (see ``mpt.checkpoint.named``).
+
+        Every rank calls it: a backend that shards the state gathers it here.
+        """
+        return to_named(optimizer.state_dict(), self.parameter_names(model, optimizer))
+
+    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                                   state: dict[str, Any]) -> None:
-        optimizer.load_state_dict(state)
+        """Restore what ``optimizer_state_dict`` returned, on every rank."""
+        optimizer.load_state_dict(from_named(state, self.parameter_names(model, optimizer)))
 
     # -- collectives the runtime offers to scripts --------------------------------------------
     @abstractmethod

@@ -45,6 +45,10 @@ class Precision:
         optimizer.step()
         return True
 
+    def model_parameter(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
+        """The model's parameter behind one the optimizer steps (a master copy's original)."""
+        return param
+
     @property
     def loss_scale(self) -> float:
         """The current loss scale (1.0 where the format does not scale)."""
