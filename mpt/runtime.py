@@ -75,6 +75,8 @@ class Runtime:
         loss_scale: ``"dynamic"``, a static scale, or a ``LossScaleConfig``, for fp16.
         timeout: how long a collective may wait before failing instead of hanging.
         seed: seed of the per-epoch shuffle of ``setup_dataloader``.
+        backend_options: the backend's own options (e.g. DeepSpeed's ``zero_stage``); they
+            update those `mpt launch` passed.
         env: the environment to read (``os.environ`` by default).
     """
 
@@ -82,6 +84,7 @@ class Runtime:
                  accumulate: int | None = None,
                  loss_scale: str | float | LossScaleConfig | None = None,
                  timeout: timedelta = timedelta(minutes=30), seed: int = 0,
+                 backend_options: Mapping[str, Any] | None = None,
                  env: Mapping[str, str] | None = None) -> None:
         env = os.environ if env is None else env
         _die_with_launcher(launcher_pid(env))
@@ -96,7 +99,8 @@ class Runtime:
         self.precision: Precision = make_precision(precision_name, self.device.type, scale)
         self.backend: Backend = get_backend(backend or flags.get("backend", "ddp"))(
             world=self.world, device=self.device, precision=self.precision,
-            accumulate=self.accumulate, timeout=timeout)
+            accumulate=self.accumulate, timeout=timeout,
+            options={**flags.get("backend_options", {}), **(backend_options or {})})
         self.seed = seed
         self.backend.init_process_group()
         self._model: nn.Module | None = None

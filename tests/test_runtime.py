@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -10,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import mpt
 from mpt.checkpoint import load_state, save_state
 from mpt.data import DistributedLoader
+from mpt.errors import UsageError
 
 
 def test_launch_flags_apply_where_the_code_is_silent_and_code_wins():
@@ -120,3 +123,11 @@ def test_training_before_setup_says_what_to_do():
     rt = mpt.Runtime(env={})
     with pytest.raises(RuntimeError, match=r"rt\.setup"):
         rt.step()
+
+
+def test_backend_options_from_the_launcher_and_from_code_are_checked_by_the_backend():
+    env = {"MPT_BACKEND_OPTIONS": json.dumps({"bucket": 1})}
+    with pytest.raises(UsageError, match="bucket.*'ddp' has no such option"):
+        mpt.Runtime(env=env)
+    with pytest.raises(UsageError, match="zero_stage"):
+        mpt.Runtime(backend_options={"zero_stage": 2}, env={})

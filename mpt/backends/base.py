@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, ClassVar
@@ -12,6 +13,7 @@ from torch import nn
 
 from mpt.checkpoint.named import from_named, to_named
 from mpt.environments import World
+from mpt.errors import UsageError
 from mpt.precision import Precision
 
 
@@ -39,9 +41,14 @@ class Backend(ABC):
     """
 
     name: ClassVar[str]
+    options: ClassVar[dict[str, str]] = {}
+    """The backend's own options (``Runtime(backend_options=...)``, `mpt launch` flags): name ->
+    what it does. A subclass that declares some reads them from ``self.option_values``."""
 
     def __init__(self, *, world: World, device: torch.device, precision: Precision,
-                 accumulate: int = 1, timeout: timedelta = timedelta(minutes=30)) -> None:
+                 accumulate: int = 1, timeout: timedelta = timedelta(minutes=30),
+                 options: Mapping[str, Any] | None = None) -> None:
+        self.option_values: dict[str, Any] = self.check_options(options or {})
         self.world = world
         self.device = device
         self.precision = precision
@@ -49,6 +56,16 @@ class Backend(ABC):
         """Micro-batches per optimizer step; ``backward`` divides the loss by it."""
         self.timeout = timeout
         """How long a collective may wait before it becomes an error instead of a hang."""
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
+        """``options`` as a dict, or a UsageError naming one this backend does not have."""
+        unknown = sorted(set(options) - set(cls.options))
+        if unknown:
+            known = ", ".join(sorted(cls.options)) or "none"
+            raise UsageError("backend option", unknown[0], f"backend {cls.name!r} has no such "
+                             "option", f"use one of its options ({known}) or another --backend")
+        return dict(options)
 
     @classmethod
     def availability(cls) -> Availability:

@@ -7,13 +7,16 @@ backend by a flag. Arguments given to ``Runtime(...)`` in code take precedence o
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from typing import Any
 
 SETTINGS = {
     "backend": "MPT_BACKEND",
     "precision": "MPT_PRECISION",
     "loss_scale": "MPT_LOSS_SCALE",
     "accumulate": "MPT_ACCUMULATE",
+    "backend_options": "MPT_BACKEND_OPTIONS",
 }
 """Runtime argument -> environment variable carrying it from `mpt launch` to the workers."""
 
@@ -32,11 +35,18 @@ def launcher_pid(env: Mapping[str, str]) -> int | None:
     return int(value) if value.isdigit() else None
 
 
-def read_settings(env: Mapping[str, str]) -> dict[str, str]:
-    """The settings present in ``env``, keyed by Runtime argument name (values not yet parsed)."""
-    return {arg: env[var] for arg, var in SETTINGS.items() if env.get(var)}
+def read_settings(env: Mapping[str, str]) -> dict[str, Any]:
+    """The settings present in ``env``, keyed by Runtime argument name.
+
+    Values are strings still to be parsed, except ``backend_options``: a dict, carried as JSON.
+    """
+    values: dict[str, Any] = {arg: env[var] for arg, var in SETTINGS.items() if env.get(var)}
+    if "backend_options" in values:
+        values["backend_options"] = json.loads(values["backend_options"])
+    return values
 
 
 def settings_env(**values: object) -> dict[str, str]:
-    """The environment variables that carry ``values`` (None values are left out)."""
-    return {SETTINGS[arg]: str(v) for arg, v in values.items() if v is not None}
+    """The variables that carry ``values`` (None values and empty dicts are left out)."""
+    return {SETTINGS[arg]: json.dumps(v) if isinstance(v, dict) else str(v)
+            for arg, v in values.items() if v is not None and v != {}}

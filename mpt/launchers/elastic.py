@@ -60,7 +60,8 @@ def torch_launch_config(spec: LaunchSpec) -> LaunchConfig:
 
 def worker_env(spec: LaunchSpec, failure_dir: str) -> dict[str, str]:
     """Variables the workers inherit: mpt's settings, and one thread per process on CPU."""
-    env = settings_env(backend=spec.backend, precision=spec.precision, loss_scale=spec.loss_scale)
+    env = settings_env(backend=spec.backend, precision=spec.precision, loss_scale=spec.loss_scale,
+                       backend_options=spec.backend_options)
     env[LAUNCHER_PID] = str(os.getpid())  # workers bind their lives to ours (see Runtime)
     env[FAILURE_DIR] = failure_dir  # where they note when they failed (see root_cause)
     if spec.gpus > 1 and "OMP_NUM_THREADS" not in os.environ:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from mpt.backends import get_backend
 from mpt.environments import World
@@ -48,6 +49,8 @@ class LaunchSpec:
     """Precision the workers' runtime uses (exported as MPT_PRECISION)."""
     loss_scale: str = "dynamic"
     """fp16 loss scaling: 'dynamic' or a static number (exported as MPT_LOSS_SCALE)."""
+    backend_options: dict[str, Any] = field(default_factory=dict)
+    """The backend's own options, JSON-able (exported as MPT_BACKEND_OPTIONS)."""
     log_dir: Path | None = None
     """Where each rank's stdout/stderr is also written, one file per rank."""
     max_restarts: int = 0
@@ -61,7 +64,7 @@ class LaunchSpec:
 
     def __post_init__(self) -> None:
         self.world  # noqa: B018 - World validates nodes, gpus, nr and the port: those errors first
-        get_backend(self.backend)
+        get_backend(self.backend).check_options(self.backend_options)
         check_precision(self.precision)
         LossScaleConfig.parse(self.loss_scale)
         if not self.script.is_file():
