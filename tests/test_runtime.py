@@ -127,7 +127,7 @@ def test_training_before_setup_says_what_to_do():
 
 def test_backend_options_from_the_launcher_and_from_code_are_checked_by_the_backend():
     env = {"MPT_BACKEND_OPTIONS": json.dumps({"bucket": 1})}
-    with pytest.raises(UsageError, match="bucket.*'ddp' has no such option"):
+    with pytest.raises(UsageError, match=r"bucket.*'ddp' has no such option"):
         mpt.Runtime(env=env)
     with pytest.raises(UsageError, match="zero_stage"):
         mpt.Runtime(backend_options={"zero_stage": 2}, env={})
