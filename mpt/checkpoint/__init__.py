@@ -1,4 +1,9 @@
-"""A first, single-file checkpoint: atomic on write, never unpickled on read."""
+"""Checkpoints: one portable, atomic, amp-aware format, restorable under any backend and world size.
+
+``save_checkpoint``/``load_checkpoint`` (used by ``rt.save``/``rt.load``) write and read mpt's
+directory format (see ``mpt.checkpoint.format`` and ``docs/checkpoints.md``). ``save_state``/
+``load_state`` below are the older single-file form, kept for small states of the user's own.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,12 @@ from typing import Any
 
 import torch
 
+from mpt.checkpoint.format import CheckpointError, Manifest
+from mpt.checkpoint.state import Stateful, TrainingState, load_checkpoint, save_checkpoint
 from mpt.errors import UsageError
+
+__all__ = ["CheckpointError", "Manifest", "Stateful", "TrainingState", "load_checkpoint",
+           "load_state", "save_checkpoint", "save_state"]
 
 
 def save_state(path: str | os.PathLike[str], state: dict[str, Any]) -> Path:

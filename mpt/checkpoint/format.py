@@ -1,0 +1,130 @@
+"""What a checkpoint directory holds, and how its contents are checked before they are used.
+
+A checkpoint is a directory of plain files: ``model.safetensors`` (full weights, keyed by
+parameter name), ``state.safetensors`` + ``state.json`` (optimizer state keyed by parameter name,
+precision, LR scheduler, sampler position, every rank's RNG, user extras: tensors in the first,
+everything else in the second) and ``manifest.json``, written last, which lists every other file
+with its size and sha256. Nothing in it is pickled, so reading it never runs code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mpt.errors import MptError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+MODEL_FILE = "model.safetensors"
+STATE_TENSORS = "state.safetensors"
+STATE_JSON = "state.json"
+SHARDED_DIR = "sharded"
+"""Subdirectory of torch.distributed.checkpoint's per-rank safetensors shards."""
+
+
+class CheckpointError(MptError):
+    """A checkpoint that is missing, incomplete, tampered with or from an unknown format."""
+
+    def __init__(self, path: str, problem: str, hint: str) -> None:
+        self.path = path
+        self.problem = problem
+        self.hint = hint
+        super().__init__(f"checkpoint {path}: {problem}. Fix: {hint}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FileEntry:
+    """One file of a checkpoint, as the manifest records it."""
+
+    sha256: str
+    """Hex digest of the file's bytes: a changed byte anywhere is refused at load."""
+    bytes: int
+    """Size; a truncated file is named by this before its hash is even computed."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Manifest:
+    """The checkpoint's table of contents, written after every other file (the commit mark)."""
+
+    format: int
+    """``FORMAT_VERSION`` of the writer; a newer one than this mpt knows is refused."""
+    mpt_version: str
+    """mpt's version that wrote it (informative)."""
+    backend: str
+    """Backend of the run that saved (informative: any backend can load it)."""
+    world_size: int
+    """Processes of the run that saved (informative: any world size can load it)."""
+    precision: str
+    """``--precision`` of the run that saved."""
+    step: int
+    """The training step the user passed to ``save``."""
+    epoch: int | None
+    """The epoch the user passed, or the first loader's epoch."""
+    saved_at: float
+    """Unix time of the save; keep-last-k and the fallback for a lost ``latest`` order by it."""
+    sharded: bool
+    """Model and optimizer tensors are in ``sharded/`` (torch.distributed.checkpoint)."""
+    parameters: int
+    """Number of model parameters (elements), for ``mpt checkpoint inspect``."""
+    loss_scale: float
+    """The precision's loss scale at the save (1.0 without scaling)."""
+    files: dict[str, FileEntry] = field(default_factory=dict)
+    """Every other file of the checkpoint, by path relative to its directory."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> Manifest:
+        try:
+            raw = json.loads(text)
+            if raw.get("format", 0) > FORMAT_VERSION:
+                raise CheckpointError(where, f"format {raw['format']} is newer than this mpt "
+                                      f"reads ({FORMAT_VERSION})", "upgrade mpt")
+            raw["files"] = {name: FileEntry(**entry) for name, entry in raw["files"].items()}
+            return cls(**raw)
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise CheckpointError(f"{where}/{MANIFEST}", f"the manifest is unreadable ({exc})",
+                                  "load another checkpoint; this one was not written completely "
+                                  "or was edited") from None
+
+
+def digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def verify(where: str, name: str, data: bytes, entry: FileEntry | None) -> bytes:
+    """``data`` if it is the file the manifest lists as ``name``; a CheckpointError if not."""
+    check(where, name, len(data), lambda: digest(data), entry)
+    return data
+
+
+def check(where: str, name: str, size: int, sha256: Callable[[], str],
+          entry: FileEntry | None) -> None:
+    """Refuse file ``name`` of ``size`` bytes unless the manifest lists it with that size and
+    the hash ``sha256()`` returns (called only when the size matches)."""
+    if entry is None:
+        raise CheckpointError(f"{where}/{name}", "the manifest does not list this file",
+                              "load a checkpoint written by mpt.Runtime.save")
+    if size != entry.bytes:
+        raise CheckpointError(f"{where}/{name}", f"it has {size} bytes, the manifest says "
+                              f"{entry.bytes} (sha256 {entry.sha256}): truncated or replaced",
+                              "load another checkpoint (e.g. an earlier step)")
+    got = sha256()
+    if got != entry.sha256:
+        raise CheckpointError(f"{where}/{name}", f"sha256 {got} does not match the manifest's "
+                              f"{entry.sha256}: the file was corrupted or edited",
+                              "load another checkpoint (e.g. an earlier step)")
+
+
+def entry_for(data: bytes) -> FileEntry:
+    return FileEntry(sha256=digest(data), bytes=len(data))
+
+
+def manifest_dict(manifest: Manifest) -> dict[str, Any]:
+    """The manifest as plain data (for ``mpt checkpoint inspect --json``)."""
+    return asdict(manifest)

@@ -1,0 +1,230 @@
+"""Save and restore a whole training state in mpt's format, through the Backend interface only.
+
+Nothing here knows which backend runs: full weights come from ``backend.model_state_dict`` and
+optimizer state keyed by parameter name from ``backend.optimizer_state_dict`` (both collectives
+every rank calls), so a checkpoint written under one backend and world size loads under any
+other. Rank 0 writes (every rank writes its own shard in the sharded variant); every rank reads,
+so the path must be one every rank sees: a shared filesystem or an fsspec URL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from mpt.checkpoint import io, tensorfile
+from mpt.checkpoint.encode import decode, encode, rng_state, set_rng_state
+from mpt.checkpoint.format import (
+    FORMAT_VERSION,
+    MANIFEST,
+    MODEL_FILE,
+    SHARDED_DIR,
+    STATE_JSON,
+    STATE_TENSORS,
+    CheckpointError,
+    FileEntry,
+    Manifest,
+    entry_for,
+    verify,
+)
+from mpt.errors import UsageError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from mpt.backends.base import Backend
+    from mpt.data import DistributedLoader
+
+SHARD_THRESHOLD = 2**31
+"""Model + optimizer bytes above which ``sharded=None`` picks the sharded variant (2 GiB)."""
+
+
+class Stateful(Protocol):
+    """An LR scheduler or anything else with torch's ``state_dict``/``load_state_dict`` pair."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainingState:
+    """The live objects a checkpoint is taken from and restored into."""
+
+    backend: Backend
+    """The run's backend: gathers and scatters weights and optimizer state."""
+    model: nn.Module
+    """The model ``setup`` returned (wrapped or not)."""
+    optimizer: torch.optim.Optimizer
+    """The optimizer ``setup`` returned."""
+    scheduler: Stateful | None = None
+    """The LR scheduler, when the script has one."""
+    loaders: Sequence[DistributedLoader] = field(default_factory=list)
+    """Loaders made by ``setup_dataloader``, whose sampler positions are saved, in order."""
+
+
+def save_checkpoint(path: str | os.PathLike[str], parts: TrainingState, *, step: int,
+                    epoch: int | None = None, extra: dict[str, Any] | None = None,
+                    keep: int | None = None, sharded: bool | None = None) -> str:
+    """Collective: write a checkpoint under root ``path``; return its directory's URL."""
+    backend, world = parts.backend, parts.backend.world
+    if keep is not None and keep < 1:
+        raise UsageError("keep", keep, "at least the new checkpoint must be kept",
+                         "pass keep=1 or more, or None to keep every checkpoint")
+    root = io.Location.parse(path)
+    model_state = backend.model_state_dict(parts.model)
+    optimizer_state = backend.optimizer_state_dict(parts.model, parts.optimizer)
+    # every rank's RNG, so each rank of a resumed run draws what it would have drawn
+    rngs = [backend.broadcast_object(rng_state() if world.rank == r else None, src=r)
+            for r in range(world.world_size)]
+
+    tensors: dict[str, torch.Tensor] = {}
+    state = {
+        "optimizer": encode(optimizer_state, "optimizer", tensors),
+        "precision": encode(backend.precision.state_dict(), "precision", tensors),
+        "scheduler": (None if parts.scheduler is None
+                      else encode(parts.scheduler.state_dict(), "scheduler", tensors)),
+        "loaders": [loader.state_dict() for loader in parts.loaders],
+        "rng": encode(rngs, "rng", tensors),
+        "extra": encode(dict(extra or {}), "extra", tensors),
+    }
+    model_tensors = {name: t.detach() for name, t in model_state.items()}
+    if sharded is None:
+        size = sum(t.numel() * t.element_size() for t in [*model_tensors.values(),
+                                                            *tensors.values()])
+        sharded = size > SHARD_THRESHOLD
+    if sharded and not root.local:
+        raise UsageError("sharded", True, f"{root.url} is not on a filesystem every rank writes "
+                         "to", "pass a shared local path, or sharded=False for a remote URL")
+
+    final = io.step_dir_name(step)
+    staging = backend.broadcast_object(io.staging_name(step) if root.local else final)
+    target = root.child(staging)
+    if world.rank == 0:
+        root.makedirs()
+        if not root.local and root.exists(final):
+            root.remove(final)  # an object store writes in place: drop the old copy first
+    backend.barrier()
+    if sharded:
+        from mpt.checkpoint import sharded as dcp_storage
+
+        moved = {key: t for key, t in tensors.items() if key.startswith("optimizer/")}
+        dcp_storage.save({**{f"model/{k}": v for k, v in model_tensors.items()}, **moved},
+                         target.child(SHARDED_DIR).path)
+        tensors = {key: t for key, t in tensors.items() if key not in moved}
+    if world.rank == 0:
+        blobs: dict[str, bytes | dict[str, torch.Tensor]] = {
+            STATE_TENSORS: tensors, STATE_JSON: json.dumps(state).encode()}
+        if not sharded:
+            blobs[MODEL_FILE] = model_tensors
+        write_directory(root, staging, final, blobs, keep=keep, manifest=dict(
+            backend=backend.name, world_size=world.world_size,
+            precision=backend.precision.name, step=step,
+            epoch=epoch if epoch is not None or not parts.loaders else parts.loaders[0].epoch,
+            sharded=sharded, loss_scale=backend.precision.loss_scale,
+            parameters=sum(p.numel() for p in backend.unwrap(parts.model).parameters())))
+    backend.barrier()  # nobody goes on (or loads) before the checkpoint is committed
+    return root.child(final).url
+
+
+def write_directory(root: io.Location, staging: str, final: str,
+                    blobs: dict[str, bytes | dict[str, torch.Tensor]], *,
+                    manifest: dict[str, Any], keep: int | None = None) -> None:
+    """Write ``blobs`` (bytes, or tensors for a safetensors file) and the manifest into
+    ``root/staging``, commit it as ``final``, prune.
+
+    ``manifest``: the Manifest's fields but the version, time and file list, filled in here.
+    Shards other ranks already wrote under ``staging/sharded`` are listed too.
+    """
+    target = root.child(staging)
+    files: dict[str, FileEntry] = {}
+    for name, data in blobs.items():
+        if isinstance(data, bytes):
+            target.write(name, data)
+            files[name] = entry_for(data)
+            continue
+        with target.open_write(name) as f:
+            files[name] = tensorfile.write(f, data)
+    shards = target.child(SHARDED_DIR)
+    if shards.exists():
+        target.fsync_tree()
+        for name in shards.listdir():
+            files[f"{SHARDED_DIR}/{name}"] = entry_for(shards.read(name))
+    record = Manifest(format=FORMAT_VERSION, mpt_version=_mpt_version(), saved_at=time.time(),
+                      files=files, **manifest)
+    target.write(MANIFEST, record.to_json().encode())  # the commit mark, last
+    target.fsync_tree()
+    io.commit(root, staging, final)
+    if keep is not None:
+        io.prune(root, keep, protect=final)
+
+
+def load_checkpoint(path: str | os.PathLike[str], parts: TrainingState) -> dict[str, Any]:
+    """Collective: restore the checkpoint at ``path`` (a root or one checkpoint directory).
+
+    Returns ``{"step": ..., "epoch": ... (when saved), **extra}``.
+    """
+    backend, world = parts.backend, parts.backend.world
+    location = io.resolve(path)
+    manifest = location.manifest()
+
+    def read(name: str) -> bytes:
+        return verify(location.url, name, location.read(name), manifest.files.get(name))
+
+    def parse(name: str, parser: Callable[[bytes], Any]) -> Any:
+        try:
+            return parser(read(name))
+        except CheckpointError:
+            raise
+        except Exception as exc:  # the checksum matched: the manifest was edited to match
+            raise CheckpointError(f"{location.url}/{name}", f"it cannot be parsed ({exc})",
+                                  "load a checkpoint written by mpt.Runtime.save") from None
+
+    tensors = tensorfile.read(location, STATE_TENSORS, manifest.files.get(STATE_TENSORS))
+    state = parse(STATE_JSON, json.loads)
+    if manifest.sharded:
+        from mpt.checkpoint import sharded as dcp_storage
+
+        for name in manifest.files:
+            if name.startswith(f"{SHARDED_DIR}/"):
+                read(name)  # refuse a tampered shard before DCP opens it
+        shards = location.child(SHARDED_DIR)
+        if sorted(shards.listdir()) != sorted(n.split("/", 1)[1] for n in manifest.files
+                                              if n.startswith(f"{SHARDED_DIR}/")):
+            raise CheckpointError(shards.url, "it holds files the manifest does not list",
+                                  "remove them, or load another checkpoint")
+        loaded = dcp_storage.load(shards.path)
+        model_state = {k.removeprefix("model/"): v for k, v in loaded.items()
+                       if k.startswith("model/")}
+        tensors.update({k: v for k, v in loaded.items() if not k.startswith("model/")})
+    else:
+        model_state = tensorfile.read(location, MODEL_FILE, manifest.files.get(MODEL_FILE))
+    backend.load_model_state_dict(parts.model, model_state)
+    if state["optimizer"] is not None:  # None: converted from weights only
+        backend.load_optimizer_state_dict(parts.model, parts.optimizer,
+                                          decode(state["optimizer"], tensors))
+    backend.precision.load_state_dict(decode(state["precision"], tensors))
+    if parts.scheduler is not None:
+        if state["scheduler"] is None:
+            raise CheckpointError(location.url, "it holds no LR-scheduler state",
+                                  "load it without scheduler=, or save with scheduler=")
+        parts.scheduler.load_state_dict(decode(state["scheduler"], tensors))
+    for loader, position in zip(parts.loaders, state["loaders"], strict=False):
+        loader.load_state_dict(position)
+    rngs = decode(state["rng"], tensors)
+    if world.rank < len(rngs):  # ranks a smaller run did not have keep the state they seeded
+        set_rng_state(rngs[world.rank])
+    epoch = {} if manifest.epoch is None else {"epoch": manifest.epoch}
+    return {"step": manifest.step, **epoch, **decode(state["extra"], tensors)}
+
+
+def _mpt_version() -> str:
+    from mpt import __version__
+
+    return __version__

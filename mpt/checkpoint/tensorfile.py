@@ -1,0 +1,120 @@
+"""Write a safetensors file straight from tensor memory, hashing it on the way.
+
+``safetensors.torch.save`` first builds the whole file as one ``bytes`` object, then mpt would
+hash it and write it: three passes over every byte, and twice the memory. A safetensors file is
+an 8-byte little-endian header length, a JSON header (dtype, shape, byte offsets per tensor) and
+the raw tensor bytes, so it can be streamed: each tensor's memory is handed to ``write`` and to
+sha256 directly, the hash running in a second thread while the disk writes (both release the
+GIL). Reading stays with the safetensors library, which validates every offset; on a local disk
+the file is hashed in a second thread while safetensors reads it, and nothing read is used
+unless the hash matches.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, BinaryIO
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load as load_bytes
+
+from mpt.checkpoint.format import CheckpointError, FileEntry, check, verify
+
+if TYPE_CHECKING:
+    from mpt.checkpoint.io import Location
+
+_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32",
+    torch.uint64: "U64", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+
+
+def _raw(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (valid while ``tensor`` lives)."""
+    size = tensor.numel() * tensor.element_size()
+    if size == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_ubyte * size).from_address(tensor.data_ptr())).cast("B")
+
+
+def write(f: BinaryIO, tensors: dict[str, torch.Tensor]) -> FileEntry:
+    """Write ``tensors`` to ``f`` in the safetensors format; return its size and sha256."""
+    ordered = {name: t.detach().to("cpu").contiguous() for name, t in sorted(tensors.items())}
+    header: dict[str, object] = {}
+    offset = 0
+    for name, t in ordered.items():
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name}: safetensors cannot store dtype {t.dtype}")
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    chunks = [struct.pack("<Q", len(text)) + text, *(_raw(t) for t in ordered.values())]
+
+    sha = hashlib.sha256()
+    hasher = threading.Thread(target=lambda: [sha.update(c) for c in chunks])
+    hasher.start()
+    try:
+        for chunk in chunks:
+            f.write(chunk)
+    finally:
+        hasher.join()
+    return FileEntry(sha256=sha.hexdigest(), bytes=len(chunks[0]) + offset)
+
+
+
+def read(location: Location, name: str, entry: FileEntry | None) -> dict[str, torch.Tensor]:
+    """The tensors of file ``name``, refused (CheckpointError) unless it matches ``entry``."""
+    if not location.local:
+        data = verify(location.url, name, location.read(name), entry)
+        try:
+            return load_bytes(data)
+        except Exception as exc:  # the checksum matched: the manifest was edited to match
+            raise _unparsable(location, name, exc) from None
+    path = location.local_path(name)
+    try:
+        size = os.path.getsize(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{location.url}/{name}", "the file is missing",
+                              "load another checkpoint (e.g. an earlier step)") from None
+    if entry is None or size != entry.bytes:
+        check(location.url, name, size, str, entry)  # refused before any byte is hashed
+    with ThreadPoolExecutor(1) as pool:
+        sha = pool.submit(_hash_file, path)
+        error: Exception | None = None
+        try:
+            with safe_open(path, framework="pt") as f:
+                tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118
+        except Exception as exc:  # reported after the checksum, which names tampering first
+            tensors, error = {}, exc
+        digest = sha.result()
+    check(location.url, name, size, lambda: digest, entry)
+    if error is not None:
+        raise _unparsable(location, name, error)
+    return tensors
+
+
+def _unparsable(location: Location, name: str, exc: Exception) -> CheckpointError:
+    return CheckpointError(f"{location.url}/{name}", f"it cannot be parsed ({exc})",
+                           "load a checkpoint written by mpt.Runtime.save")
+
+
+def _hash_file(path: str, chunk: int = 16 << 20) -> str:
+    sha = hashlib.sha256()
+    buffer = bytearray(chunk)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            sha.update(view[:n])
+    return sha.hexdigest()
