@@ -1,0 +1,279 @@
+"""DeepSpeed ZeRO (stages 0-3, CPU offload) behind mpt's backend interface.
+
+The same script that runs under ``ddp`` runs here unchanged; the engine does what the precision
+and the optimizer did there:
+
+- ``rt.backward``: ``engine.backward`` (it divides by the accumulation steps and, in fp16, scales
+  the loss). DeepSpeed counts micro-batches in ``engine.step()`` and reduces gradients on its own
+  accumulation boundary, so off the boundary ``backward`` also calls ``engine.step()``, which there
+  only advances the counter. At the boundary ``rt.step`` calls it and the update happens: one
+  update per ``accumulate`` micro-batches, with the same averaged gradients as ``ddp``.
+- ``rt.clip_grad_norm_(max_norm)``: ZeRO clips inside its step, where the sharded gradients are,
+  with the same formula as ``torch.nn.utils.clip_grad_norm_``. The limit is handed to the engine
+  for the coming step only, and the returned 0-dim tensor receives the norm DeepSpeed computed
+  once ``rt.step()`` ran (NaN until then). Without ZeRO and in fp32 the gradients are plain
+  ``.grad`` tensors, clipped at once as under ``ddp``.
+- Checkpoints: full fp32 weights and per-parameter optimizer state, gathered from the shards by
+  DeepSpeed's ``safe_get_full_*`` functions (collective: every rank calls), in mpt's by-name
+  format, so a ZeRO checkpoint loads under any backend, stage and world size.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.metadata
+import os
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mpt.backends.base import Availability
+from mpt.backends.ddp import DDPBackend
+from mpt.backends.deepspeed_config import (
+    build_config,
+    check_stage_and_offload,
+    load_user_config,
+    parse_offload,
+    parse_stage,
+)
+from mpt.checkpoint.named import from_named
+from mpt.environments import World
+from mpt.errors import MissingDependencyError, UsageError
+from mpt.precision import LossScaleConfig, Precision
+
+if TYPE_CHECKING:  # it imports deepspeed, which is imported only once a run asks for it
+    from mpt.backends.deepspeed_state import FlatState
+
+INSTALL = 'pip install "deepspeed>=0.19,<0.20"'
+
+
+def _import_deepspeed(device_type: str, local_rank: int | None = None) -> Any:
+    """Import DeepSpeed for ``device_type``, or raise MissingDependencyError.
+
+    DeepSpeed reads two variables that mpt knows better, so they are exported here, where
+    DeepSpeed starts, and nowhere else (a value the user set wins):
+
+    - ``DS_ACCELERATOR``: DeepSpeed picks its accelerator once, at import, from it or by probing.
+      mpt has already chosen the device; on CPU probing also ends on CPU, but only after a
+      warning on every rank.
+    - ``LOCAL_RANK``: ``deepspeed.initialize`` refuses to run without it, and neither SLURM,
+      mpirun nor a plain ``python train.py`` sets it; mpt's ``World`` has it for all of them.
+    """
+    if device_type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if local_rank is not None:
+        os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    try:
+        import deepspeed
+    except Exception as exc:  # ImportError, or a broken install failing at import time
+        raise MissingDependencyError("backend 'deepspeed'", "deepspeed", INSTALL,
+                                     reason=f"{type(exc).__name__}: {exc}") from exc
+    return deepspeed
+
+
+def _installed_version() -> str | None:
+    """DeepSpeed's version if it is installed (cheap: reads package metadata, imports nothing)."""
+    try:
+        return importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+class DeepSpeedBackend(DDPBackend):
+    """ZeRO data parallelism: optimizer state (1), gradients (2) and parameters (3) sharded.
+
+    Process-group plumbing and the script-facing collectives are DDP's (DeepSpeed adopts a group
+    that already exists); everything about the model and the optimizer goes through the engine.
+    """
+
+    name = "deepspeed"
+    options: ClassVar[dict[str, str]] = {
+        "zero_stage": "ZeRO stage 0-3 (default: the config's, else 0)",
+        "offload": "none, optimizer, parameters or optimizer,parameters: move to CPU memory",
+        "config": "DeepSpeed config: a dict or the path of a JSON file; mpt fills what it "
+                  "leaves out",
+    }
+
+    def __init__(self, *, world: World, device: torch.device, precision: Precision,
+                 accumulate: int = 1, timeout: timedelta = timedelta(minutes=30),
+                 options: Mapping[str, Any] | None = None) -> None:
+        super().__init__(world=world, device=device, precision=precision, accumulate=accumulate,
+                         timeout=timeout, options=options)
+        values = self.option_values
+        stage = parse_stage(values["zero_stage"]) if values.get("zero_stage") is not None else None
+        scale = getattr(precision, "scaling", None) or LossScaleConfig()
+        self.config: dict[str, Any] = build_config(
+            load_user_config(values.get("config")), stage=stage,
+            offload=parse_offload(values.get("offload", "none")), precision=precision.name,
+            loss_scale=scale, accumulate=accumulate, world_size=world.world_size)
+        """What ``deepspeed.initialize`` gets: the user's config, completed by mpt."""
+        self._ds = _import_deepspeed(device.type, world.local_rank)  # before any process group
+        self._engine: Any = None
+        self._state: FlatState | None = None
+        self._norm: torch.Tensor | None = None  # filled with DeepSpeed's norm after the step
+        self._default_clip = 0.0
+        self._push_scale = False
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
+        """Every check that needs no process: run by `mpt launch` before it starts any."""
+        values = super().check_options(options)
+        if _installed_version() is None:  # `mpt launch` says so once, instead of every rank
+            raise MissingDependencyError("backend 'deepspeed'", "deepspeed", INSTALL,
+                                         reason="it is not installed")
+        stage = parse_stage(values["zero_stage"]) if values.get("zero_stage") is not None else None
+        user = load_user_config(values.get("config"))
+        check_stage_and_offload(user, stage, parse_offload(values.get("offload", "none")))
+        return values
+
+    @classmethod
+    def availability(cls) -> Availability:
+        version = _installed_version()
+        if version is None:
+            return Availability(available=False, reason="deepspeed is not installed",
+                                install=INSTALL)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            _import_deepspeed(device)
+        except MissingDependencyError as exc:
+            cause = exc.__cause__
+            return Availability(available=False, version=version, install=INSTALL,
+                                reason=f"import deepspeed failed: {type(cause).__name__}: {cause}")
+        return Availability(available=True, version=f"{version} ({device})")
+
+    # -- life cycle ---------------------------------------------------------------------------
+    def init_process_group(self) -> None:
+        if self.world.is_distributed or dist.is_initialized():
+            super().init_process_group()
+            return
+        # DeepSpeed needs a process group even for one process; an in-process store needs no
+        # port and no launcher variables.
+        dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
+                                store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=self.timeout)
+        atexit.register(self.shutdown)  # as DDP does, for scripts that never call rt.close()
+
+    def setup(self, model: nn.Module,
+              optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        from mpt.backends.deepspeed_state import FlatState
+
+        names = {param: name for name, param in model.named_parameters()}
+        # DeepSpeed drops empty groups and replaces the parameters of the others by flat shards:
+        # remember each group's names now, for checkpoints keyed by name.
+        groups = [[names[p] for p in g["params"]] for g in optimizer.param_groups if g["params"]]
+        engine, _, _, _ = self._ds.initialize(model=model, optimizer=optimizer,
+                                              config=self.config, dist_init_required=False)
+        self._engine = engine
+        self._state = FlatState(engine, groups)
+        self._default_clip = float(getattr(engine.optimizer, "clip_grad", 0.0) or 0.0)
+        return engine, engine.optimizer
+
+    def _require_engine(self) -> Any:
+        if self._engine is None:
+            raise RuntimeError("call rt.setup(model, optimizer) before training with deepspeed")
+        return self._engine
+
+    # -- the training step --------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        engine = self._require_engine()
+        if self._push_scale:  # a checkpoint was loaded: its loss scale goes into the engine
+            self._push_scale = False
+            from mpt.backends.deepspeed_state import apply_scaler_state, loss_scaler_of
+
+            state = getattr(getattr(self.precision, "scaler", None), "state_dict", dict)()
+            loss_scaler = loss_scaler_of(engine.optimizer)
+            if state and loss_scaler is not None:
+                apply_scaler_state(loss_scaler, state)
+        engine.backward(loss)
+        if not engine.is_gradient_accumulation_boundary():
+            engine.step()  # only advances DeepSpeed's micro-batch counter (see module docstring)
+
+    def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
+        """Nothing to do: the engine knows its accumulation boundary from its own counter."""
+
+    def clip_grad_norm_(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        engine = self._require_engine()
+        if norm_type != 2.0:
+            raise UsageError("norm_type", norm_type, "DeepSpeed clips by the 2-norm only",
+                             "call rt.clip_grad_norm_(max_norm) with the default norm_type=2")
+        if engine.optimizer is engine.basic_optimizer:  # stage 0, fp32: plain averaged .grad
+            params = [p for p in engine.module.parameters() if p.grad is not None]
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if not hasattr(engine.optimizer, "clip_grad"):
+            raise UsageError("rt.clip_grad_norm_", max_norm, f"DeepSpeed's "
+                             f"{type(engine.optimizer).__name__} has no clipping limit mpt can "
+                             "set per step", 'set "gradient_clipping" in the DeepSpeed config')
+        engine.optimizer.clip_grad = float(max_norm)  # for the coming step only
+        self._norm = torch.full((), float("nan"))
+        return self._norm
+
+    def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+        engine = self._require_engine()
+        engine.step()
+        if self._norm is not None:
+            norm = engine.get_global_grad_norm()
+            self._norm.fill_(float("nan") if norm is None else float(norm))
+            self._norm = None
+            engine.optimizer.clip_grad = self._default_clip
+        applied = bool(engine.was_step_applied())
+        self.precision.skipped_steps += int(not applied)
+        scaler = getattr(self.precision, "scaler", None)
+        if scaler is not None:
+            # mpt's checkpoint stores the precision's scaler: keep it equal to DeepSpeed's.
+            from mpt.backends.deepspeed_state import loss_scaler_of, scaler_state
+
+            loss_scaler = loss_scaler_of(engine.optimizer)
+            if loss_scaler is not None:
+                scaler.load_state_dict(scaler_state(loss_scaler))
+        return applied
+
+    # -- state for checkpoints ----------------------------------------------------------------
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if model is self._engine and model is not None else model
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        engine = self._require_engine()
+        state = engine.module.state_dict()
+        for name, param in engine.module.named_parameters():
+            full = self._ds.utils.safe_get_full_fp32_param(param)  # collective
+            state[name] = (param.detach() if full is None else full).clone()
+        return state
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        engine = self._require_engine()
+        module = engine.module
+        wanted = set(module.state_dict())
+        if set(state) != wanted:
+            missing, unknown = sorted(wanted - set(state)), sorted(set(state) - wanted)
+            raise UsageError("checkpoint", ", ".join((missing or unknown)[:3]),
+                             "the checkpoint's weights do not match the model's "
+                             f"({'missing' if missing else 'unknown'} names)",
+                             "load it into the model it was saved from")
+        assert self._state is not None
+        self._state.load_weights({n: t.to(self.device) for n, t in state.items()})
+
+    def optimizer_state_dict(self, model: nn.Module,
+                             optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        engine = self._require_engine()
+        if engine.optimizer is engine.basic_optimizer:
+            return super().optimizer_state_dict(model, optimizer)
+        assert self._state is not None
+        return self._state.optimizer_state()
+
+    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                                  state: dict[str, Any]) -> None:
+        engine = self._require_engine()
+        # Runtime.load restores the precision (loss scale) right after this: the engine takes
+        # it over at the next backward.
+        self._push_scale = True
+        if engine.optimizer is engine.basic_optimizer:
+            super().load_optimizer_state_dict(model, optimizer, state)
+            return
+        assert self._state is not None
+        from_named(state, self._state.names)  # refuses checkpoints of other models
+        self._state.load_optimizer_state(state)

@@ -1,0 +1,234 @@
+"""The DeepSpeed config mpt builds: the user's config first; mpt fills only what it leaves out.
+
+Pure dict work, no ``import deepspeed``: `mpt launch` validates the options with it before any
+process starts (and on a machine where DeepSpeed is not installed yet), so every conflict is one
+``UsageError`` instead of an assertion deep inside ``deepspeed.initialize`` on every rank.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from mpt.errors import UsageError
+from mpt.precision import LossScaleConfig
+
+ZERO_STAGES = (0, 1, 2, 3)
+OFFLOAD_TARGETS = ("optimizer", "parameters")
+"""What ``--offload`` may move to CPU memory: optimizer state (ZeRO 1-3), parameters (ZeRO 3)."""
+
+KNOWN_KEYS = frozenset({
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+    "steps_per_print", "wall_clock_breakdown", "dump_state", "prescale_gradients",
+    "gradient_predivide_factor", "gradient_clipping", "sparse_gradients",
+    "communication_data_type", "seq_parallel_communication_data_type", "fp16", "bf16",
+    "bfloat16", "amp", "torch_autocast", "zero_optimization", "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer", "optimizer", "scheduler", "activation_checkpointing",
+    "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger",
+    "aio", "elasticity", "autotuning", "checkpoint", "data_types", "data_efficiency",
+    "curriculum_learning", "compression_training", "pipeline", "monitor_config",
+    "memory_breakdown", "disable_allgather", "sparse_attention", "eigenvalue",
+    "progressive_layer_drop", "quantize_training", "zero_quantized_weights",
+    "zero_quantized_gradients", "zero_quantized_nontrainable_weights", "nebula",
+    "tensor_parallel", "compile", "hybrid_engine", "weight_quantization", "dataloader_drop_last",
+    "use_node_local_storage", "load_universal_checkpoint", "graph_harvesting",
+    "timers", "zenflow", "managed_gradient_accumulation", "use_data_before_expert_parallelism",
+    "expert_parallel", "mics_shard_size", "mics_hierarchical_params_gather",
+})
+"""Top-level keys DeepSpeed 0.19 reads. DeepSpeed ignores any other key without a word, so a
+typo such as ``"gradient_cliping"`` would silently train without clipping: mpt refuses it."""
+
+
+def parse_stage(value: object) -> int:
+    """``--zero-stage``: 0, 1, 2 or 3."""
+    try:
+        stage = int(str(value))
+    except ValueError:
+        stage = -1
+    if stage not in ZERO_STAGES:
+        raise UsageError("--zero-stage", value, "DeepSpeed ZeRO has stages 0, 1, 2 and 3",
+                         "pass --zero-stage 2 (shards optimizer state and gradients), or 3 to "
+                         "shard parameters too")
+    return stage
+
+
+def parse_offload(value: object) -> frozenset[str]:
+    """``--offload``: ``none``, ``optimizer``, ``parameters`` or ``optimizer,parameters``."""
+    items = {part.strip() for part in str(value).split(",") if part.strip()}
+    if items == {"none"}:
+        return frozenset()
+    if not items or not items <= set(OFFLOAD_TARGETS):
+        raise UsageError("--offload", value, "it names nothing DeepSpeed can offload",
+                         "pass none, optimizer, parameters or optimizer,parameters")
+    return frozenset(items)
+
+
+def load_user_config(value: object) -> dict[str, Any]:
+    """The user's DeepSpeed config: a dict, or the path of a JSON file; unknown keys refused."""
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        config = dict(value)
+    else:
+        path = Path(str(value))
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise UsageError("--deepspeed-config", path, f"it cannot be read ({exc.strerror})",
+                             "pass the path of a DeepSpeed JSON config file") from None
+        try:
+            config = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UsageError("--deepspeed-config", path, f"it is not valid JSON (line {exc.lineno}"
+                             f", column {exc.colno}: {exc.msg})", "fix the file; DeepSpeed configs "
+                             "are plain JSON objects") from None
+        if not isinstance(config, dict):
+            raise UsageError("--deepspeed-config", path, "it holds no JSON object",
+                             'write the config as {"key": value, ...}')
+    for key in config:
+        if key not in KNOWN_KEYS:
+            close = difflib.get_close_matches(key, sorted(KNOWN_KEYS), n=1)
+            hint = f"did you mean {close[0]!r}?" if close else "see DeepSpeed's config reference"
+            raise UsageError("DeepSpeed config key", key, "DeepSpeed 0.19 has no such key and "
+                             "would ignore it", f"{hint} Remove or rename it")
+    for key in ("optimizer", "scheduler"):
+        if key in config:
+            raise UsageError("DeepSpeed config key", key, "mpt hands DeepSpeed your torch "
+                             "optimizer from rt.setup(model, optimizer), and DeepSpeed refuses "
+                             f"a config {key} next to it", f"remove {key!r} from the config and "
+                             "build the optimizer (and scheduler) in the script")
+    return config
+
+
+def check_stage_and_offload(user: Mapping[str, Any], stage: int | None,
+                            offload: frozenset[str]) -> int:
+    """The ZeRO stage the run uses; flags that contradict the config or each other are refused."""
+    zero = user.get("zero_optimization", {})
+    user_stage = zero.get("stage") if isinstance(zero, Mapping) else None
+    if stage is not None and user_stage is not None and int(user_stage) != stage:
+        raise UsageError("--zero-stage", stage, f"the DeepSpeed config sets stage {user_stage}",
+                         "drop one of the two, or make them agree")
+    final = stage if stage is not None else parse_stage(user_stage if user_stage is not None
+                                                        else 0)
+    if "optimizer" in offload and final == 0:
+        raise UsageError("--offload", "optimizer", "ZeRO stage 0 keeps no optimizer state of "
+                         "its own to offload", "pass --zero-stage 1, 2 or 3 with it")
+    if "parameters" in offload and final != 3:
+        raise UsageError("--offload", "parameters", f"only ZeRO stage 3 partitions parameters "
+                         f"(stage is {final})", "pass --zero-stage 3, or --offload optimizer")
+    return final
+
+
+def _section(config: dict[str, Any], key: str) -> dict[str, Any]:
+    value = config.get(key)
+    if value is None:
+        value = config[key] = {}
+    if not isinstance(value, dict):
+        raise UsageError("DeepSpeed config key", key, "it must be a JSON object",
+                         f'write "{key}": {{...}}')
+    return value
+
+
+def _enabled(config: Mapping[str, Any], key: str) -> bool:
+    section = config.get(key)
+    return isinstance(section, Mapping) and bool(section.get("enabled", False))
+
+
+def _precision(config: dict[str, Any], precision: str, scale: LossScaleConfig) -> None:
+    """Map mpt's precision onto DeepSpeed's ``fp16`` / ``bf16`` sections."""
+    for key, wanted in (("fp16", "fp16-mixed"), ("bf16", "bf16-mixed")):
+        section = config.get(key)
+        if not (isinstance(section, Mapping) and "enabled" in section):
+            continue
+        on = bool(section["enabled"])
+        if on != (precision == wanted):
+            raise UsageError("--precision", precision, f"the DeepSpeed config "
+                             f"{'enables' if on else 'disables'} {key}",
+                             f"pass --precision {wanted if on else 'fp32'}, or drop the {key!r} "
+                             "section")
+    if precision == "bf16-mixed":
+        _section(config, "bf16").setdefault("enabled", True)
+    elif precision == "fp16-mixed":
+        fp16 = _section(config, "fp16")
+        fp16.setdefault("enabled", True)
+        if any(k in fp16 for k in ("loss_scale", "initial_scale_power")):
+            return  # the user's loss-scale settings win as a whole
+        if not scale.dynamic:
+            fp16["loss_scale"] = scale.init_scale
+            return
+        power = math.log2(scale.init_scale)
+        if (not power.is_integer() or scale.growth_factor != 2.0
+                or scale.backoff_factor != 0.5):
+            raise UsageError("loss_scale", scale, "DeepSpeed's dynamic loss scaler starts at a "
+                             "power of two and only doubles and halves",
+                             "use init_scale 2**k with growth 2 and backoff 0.5, or put an fp16 "
+                             "section in the DeepSpeed config")
+        fp16.setdefault("loss_scale", 0)  # 0 = dynamic
+        fp16.setdefault("initial_scale_power", int(power))
+        fp16.setdefault("loss_scale_window", scale.growth_interval)
+        fp16.setdefault("hysteresis", 1)  # GradScaler backs off on the first overflow
+        fp16.setdefault("min_loss_scale", 1)
+
+
+def _batch_sizes(config: dict[str, Any], accumulate: int, world_size: int) -> None:
+    """Fill ``gradient_accumulation_steps`` and the batch sizes so that they multiply out.
+
+    mpt never sees the batch size (the script's loader has it); DeepSpeed needs one only for its
+    throughput reports and its own data loader, so a micro-batch of 1 is assumed when the config
+    names none.
+    """
+    gas = config.setdefault("gradient_accumulation_steps", accumulate)
+    if gas != accumulate:
+        raise UsageError("accumulate", accumulate, "the DeepSpeed config sets "
+                         f"gradient_accumulation_steps={gas}", "pass the same number to "
+                         "--accumulate / Runtime(accumulate=...), or drop it from the config")
+    micro = config.get("train_micro_batch_size_per_gpu")
+    total = config.get("train_batch_size")
+    if micro is None and total is None:
+        micro = 1
+    if micro is None:
+        micro, rest = divmod(int(total), accumulate * world_size)  # type: ignore[arg-type]
+        if rest or micro < 1:
+            raise UsageError("train_batch_size", total, f"it is not a multiple of "
+                             f"gradient_accumulation_steps ({accumulate}) x world size "
+                             f"({world_size})", "make it one, or give "
+                             "train_micro_batch_size_per_gpu instead")
+    if total is None:
+        total = int(micro) * accumulate * world_size
+    if int(total) != int(micro) * accumulate * world_size:
+        raise UsageError("train_batch_size", total, f"it must equal train_micro_batch_size_per_gpu"
+                         f" ({micro}) x gradient_accumulation_steps ({accumulate}) x world size "
+                         f"({world_size}) = {int(micro) * accumulate * world_size}",
+                         "give only one of the two batch sizes and mpt fills the other")
+    config["train_micro_batch_size_per_gpu"] = int(micro)
+    config["train_batch_size"] = int(total)
+
+
+def build_config(user: Mapping[str, Any], *, stage: int | None, offload: frozenset[str],
+                 precision: str, loss_scale: LossScaleConfig, accumulate: int,
+                 world_size: int) -> dict[str, Any]:
+    """The config handed to ``deepspeed.initialize``; raises UsageError on any conflict."""
+    config = json.loads(json.dumps(dict(user)))  # a deep copy; the user's dict stays untouched
+    final_stage = check_stage_and_offload(config, stage, offload)
+    zero = _section(config, "zero_optimization")
+    zero["stage"] = final_stage
+    if "optimizer" in offload:
+        zero.setdefault("offload_optimizer", {"device": "cpu"})
+    if "parameters" in offload:
+        zero.setdefault("offload_param", {"device": "cpu"})
+    _precision(config, precision, loss_scale)
+    _batch_sizes(config, accumulate, world_size)
+    # mpt hands DeepSpeed the script's own torch optimizer: let ZeRO take any of them, and let
+    # offload run it on CPU (DeepSpeedCPUAdam is faster, but it is not what the script built).
+    config.setdefault("zero_allow_untested_optimizer", True)
+    if offload:
+        config.setdefault("zero_force_ds_cpu_optimizer", False)
+    # DeepSpeed 0.19 clips at 1.0 unless told otherwise; under mpt a step clips only when the
+    # script calls rt.clip_grad_norm_ (as under ddp), or at the config's own gradient_clipping.
+    config.setdefault("gradient_clipping", 0.0)
+    config.setdefault("steps_per_print", 2**31 - 1)  # mpt's script does its own logging
+    return config

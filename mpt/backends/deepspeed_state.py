@@ -1,0 +1,195 @@
+"""Full, by-name state out of DeepSpeed's flat shards, and back in.
+
+ZeRO keeps the fp32 master weights and the optimizer state as one flat tensor per param group
+and rank (stages 1-2, and bf16 at stage 0) or per sub-group (stage 3); the torch optimizer inside
+only ever sees those flat shards. DeepSpeed's ``safe_get_full_*`` / ``safe_set_full_*`` functions
+translate one parameter at a time; this module applies them to a whole model, in mpt's by-name
+format (``mpt.checkpoint.named``), and handles what they leave out: per-group scalars such as
+Adam's ``step``, optimizer state that does not exist yet in a fresh job, and refreshing the
+low-precision weights after the masters changed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def _utils() -> Any:
+    """``deepspeed.utils``, imported on use: the backend imported deepspeed already (after
+    choosing its accelerator), and the loss-scale translation below needs none of it."""
+    import deepspeed.utils
+
+    return deepspeed.utils
+
+
+def _full_shape(param: torch.nn.Parameter) -> torch.Size:
+    """A parameter's real shape (ZeRO-3 leaves an empty placeholder in the module)."""
+    return getattr(param, "ds_shape", param.shape)
+
+
+def _set_full(param: torch.nn.Parameter, value: torch.Tensor, key: str | None = None) -> None:
+    """Write this rank's part of a full fp32 master (``key`` None) or optimizer state tensor.
+
+    At ZeRO-3 DeepSpeed 0.19's ``safe_set_full_*`` cuts the value into equal partitions without
+    the padding its own partitions carry, and fails on a parameter whose size is not a
+    multiple of the world size (e.g. a bias of 1 on 2 ranks); the padded cut is done here.
+    """
+    if not hasattr(param, "ds_id"):
+        if key is None:
+            _utils().safe_set_full_fp32_param(param, value)
+        else:
+            _utils().safe_set_full_optimizer_state(param, value, key)
+        return
+    opt = param._z3_optimizer
+    part, _ = opt._get_fp32_opt_state_partition(param, release_swap_buffers=False,
+                                                 optim_state_key=key)
+    flat = value.flatten().to(part.dtype)
+    start = part.numel() * opt._get_param_partition_rank(param)
+    count = max(0, min(part.numel(), flat.numel() - start))
+    part.data.narrow(0, 0, count).copy_(flat.narrow(0, start, count))
+
+
+def _has_master(param: torch.nn.Parameter) -> bool:
+    """Whether DeepSpeed keeps this parameter's fp32 master in a flat shard."""
+    return hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")
+
+
+class FlatState:
+    """The parameters of one DeepSpeed engine by name, and their state in the flat shards."""
+
+    def __init__(self, engine: Any, groups: list[list[str]]) -> None:
+        self.engine = engine
+        self.groups = groups
+        """Parameter names per (non-empty) param group, as the user's optimizer held them."""
+        self.names = [name for group in groups for name in group]
+        self.params = dict(engine.module.named_parameters())
+
+    @property
+    def _inner(self) -> torch.optim.Optimizer:
+        """The torch optimizer that DeepSpeed's wrapper steps on the flat shards."""
+        return self.engine.optimizer.optimizer
+
+    def _flat(self, param: torch.nn.Parameter, group: int) -> torch.Tensor:
+        """The flat fp32 shard holding this rank's part of ``param`` (and its state's key)."""
+        opt = self.engine.optimizer
+        if hasattr(param, "ds_id"):  # stage 3: one shard per sub-group
+            sub_group = opt.grad_position[opt.get_param_id(param)][0]
+            return opt.fp32_partitioned_groups_flat[sub_group]
+        return self._inner.param_groups[group]["params"][0]
+
+    # -- weights ------------------------------------------------------------------------------
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Set full weights (fp32 masters where DeepSpeed has them) and buffers on every rank."""
+        module, opt = self.engine.module, self.engine.optimizer
+        masters = False
+        with torch.no_grad():
+            for name, param in self.params.items():
+                if _has_master(param):
+                    _set_full(param, state[name])
+                    masters = True
+                else:
+                    param.copy_(state[name])
+            for name, buffer in module.named_buffers():
+                buffer.copy_(state[name])
+            if not masters:
+                if opt is not self.engine.basic_optimizer and hasattr(opt, "refresh_fp32_params"):
+                    opt.refresh_fp32_params()  # fp16 at stage 0: masters from the weights
+                return
+            # The masters changed: copy them into the (partitioned) weights the forward uses.
+            if self.engine.zero_optimization_partition_weights():
+                for sub_group in range(len(opt.fp16_groups)):
+                    opt._reassign_or_swap_out_partitioned_parameters(sub_group)
+            else:
+                opt.update_lp_params()
+
+    # -- optimizer state ----------------------------------------------------------------------
+    def optimizer_state(self) -> dict[str, Any]:
+        """Full optimizer state by name (collective: every rank calls, in the same order)."""
+        state: dict[str, dict[str, Any]] = {}
+        for group, names in enumerate(self.groups):
+            for name in names:
+                param = self.params[name]
+                flat = self._flat(param, group)
+                entry: dict[str, Any] = {}
+                for key, value in self._inner.state.get(flat, {}).items():
+                    if torch.is_tensor(value) and value.shape == flat.shape:
+                        entry[key] = _utils().safe_get_full_optimizer_state(param, key).clone()
+                    else:  # per group, e.g. Adam's step: the same for each of its parameters
+                        entry[key] = value.clone() if torch.is_tensor(value) else value
+                if entry:
+                    state[name] = entry
+        param_groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": names}
+                        for group, names in zip(self.engine.optimizer.param_groups, self.groups,
+                                                strict=True)]
+        return {"state": state, "param_groups": param_groups}
+
+    def load_optimizer_state(self, named: dict[str, Any]) -> None:
+        """Restore ``optimizer_state``'s output, even into an optimizer that never stepped."""
+        for group, saved in zip(self.engine.optimizer.param_groups, named["param_groups"],
+                                strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        inner = self._inner
+        for group, names in enumerate(self.groups):
+            for name in names:
+                saved = named["state"].get(name)
+                if not saved:
+                    continue
+                param = self.params[name]
+                flat = self._flat(param, group)
+                slot = inner.state[flat]
+                full = [k for k, v in saved.items()
+                        if torch.is_tensor(v) and v.shape == _full_shape(param)]
+                for key, value in saved.items():
+                    if key in full:
+                        # torch creates its state at the first step; create it now instead.
+                        slot.setdefault(key, torch.zeros_like(flat))
+                    else:
+                        slot[key] = value.clone() if torch.is_tensor(value) else value
+                mapping = getattr(param, "_hp_mapping", None)
+                if mapping is not None:  # stages 1-2: point the param at the new state tensors
+                    mapping.set_optim_state_fragment(flat, slot)
+                for key in full:
+                    value = saved[key].to(device=flat.device, dtype=flat.dtype)
+                    _set_full(param, value, key)
+
+
+def loss_scaler_of(optimizer: Any) -> Any:
+    """DeepSpeed's fp16 loss-scale state: ``loss_scaler`` in ZeRO, ``loss_scale_config`` in the
+    stage-0 fp16 optimizer (both have ``cur_scale``, ``cur_iter``, ``last_overflow_iter``)."""
+    for name in ("loss_scaler", "loss_scale_config"):
+        scaler = getattr(optimizer, name, None)
+        if scaler is not None and hasattr(scaler, "cur_scale"):
+            return scaler
+    return None
+
+
+def _dynamic(loss_scaler: Any) -> bool:
+    return bool(getattr(loss_scaler, "dynamic", getattr(loss_scaler, "dynamic_loss_scale", False)))
+
+
+def _last_overflow(loss_scaler: Any) -> int:
+    value = getattr(loss_scaler, "last_overflow_iter", None)
+    return -1 if value is None else int(value)
+
+
+def scaler_state(loss_scaler: Any) -> dict[str, Any]:
+    """DeepSpeed's fp16 loss scaler as a ``torch.amp.GradScaler`` state dict (mpt's format).
+
+    GradScaler counts clean steps since the last growth or overflow (``_growth_tracker``);
+    DeepSpeed counts iterations since the last overflow and grows every ``scale_window``.
+    """
+    window = int(getattr(loss_scaler, "scale_window", 1) or 1)
+    clean = int(loss_scaler.cur_iter) - _last_overflow(loss_scaler) - 1
+    dynamic = _dynamic(loss_scaler)
+    return {"scale": float(loss_scaler.cur_scale), "growth_factor": 2.0, "backoff_factor": 0.5,
+            "growth_interval": window, "_growth_tracker": clean % window if dynamic else 0}
+
+
+def apply_scaler_state(loss_scaler: Any, state: dict[str, Any]) -> None:
+    """Set DeepSpeed's loss scaler from a GradScaler state dict (inverse of ``scaler_state``)."""
+    loss_scaler.cur_scale = float(state["scale"])
+    if _dynamic(loss_scaler):
+        loss_scaler.last_overflow_iter = int(loss_scaler.cur_iter) - 1 - int(
+            state.get("_growth_tracker", 0))
