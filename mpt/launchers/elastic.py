@@ -14,14 +14,13 @@ import signal
 import sys
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
-from typing import NamedTuple
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from mpt.environments.settings import FAILURE_DIR, LAUNCHER_PID, settings_env
+from mpt.launchers.notes import Note
 from mpt.launchers.spec import LaunchSpec
 
 
@@ -61,27 +60,16 @@ def torch_launch_config(spec: LaunchSpec) -> LaunchConfig:
 def worker_env(spec: LaunchSpec, failure_dir: str) -> dict[str, str]:
     """Variables the workers inherit: mpt's settings, and one thread per process on CPU."""
     env = settings_env(backend=spec.backend, precision=spec.precision, loss_scale=spec.loss_scale,
-                       backend_options=spec.backend_options)
+                       backend_options=spec.backend_options,
+                       global_batch_size=spec.global_batch_size, lr_scaling=spec.lr_scaling,
+                       run_dir=spec.run_dir and spec.run_dir.absolute(), quiet=spec.quiet,
+                       log_every=spec.log_every, metrics_all_ranks=spec.metrics_all_ranks)
     env[LAUNCHER_PID] = str(os.getpid())  # workers bind their lives to ours (see Runtime)
     env[FAILURE_DIR] = failure_dir  # where they note when they failed (see root_cause)
     if spec.gpus > 1 and "OMP_NUM_THREADS" not in os.environ:
         # N processes each using every core oversubscribe the CPU (torchrun does the same).
         env["OMP_NUM_THREADS"] = "1"
     return env
-
-
-class Note(NamedTuple):
-    """What ``mpt.launchers.worker`` writes when a rank's script ends with an error."""
-
-    failed_at: int
-    """``time.time_ns()`` when the script ended."""
-    exit_code: int
-    """The code the script exited with."""
-
-    @classmethod
-    def read(cls, path: Path) -> Note:
-        failed_at, exit_code = path.read_text().split()
-        return cls(int(failed_at), int(exit_code))
 
 
 def root_cause(failures: dict[int, ProcessFailure], notes: dict[int, Note]) -> Failure:
@@ -124,7 +112,5 @@ def run(spec: LaunchSpec) -> Failure | None:
             elastic_launch(torch_launch_config(spec), sys.executable)(
                 "-u", "-m", "mpt.launchers.worker", str(spec.script), *spec.script_args)
         except ChildFailedError as err:
-            notes = {int(p.name): Note.read(p) for p in Path(failure_dir).iterdir()
-                     if p.name.isdigit()}
-            return root_cause(err.failures, notes)
+            return root_cause(err.failures, Note.read_all(failure_dir))
     return None

@@ -2,8 +2,8 @@
 
 When one rank fails, its peers fail a few milliseconds later ("connection closed by peer"), and
 torch's elastic agent finds them all dead in the same poll, stamped with the same second. To name
-the rank that failed first, each rank notes the nanosecond it ended with an error, and its exit
-code, in ``$MPT_FAILURE_DIR/<pid>``; the launcher reads these notes (see ``elastic.root_cause``).
+the rank that failed first, each rank notes the nanosecond it ended with an error, its exit code
+and its rank in ``$MPT_FAILURE_DIR/<pid>`` (a ``Note``); the launchers read them back.
 """
 
 from __future__ import annotations
@@ -14,7 +14,10 @@ import sys
 import time
 from types import TracebackType
 
+from mpt.environments import detect_world
 from mpt.environments.settings import FAILURE_DIR
+from mpt.errors import MptError
+from mpt.launchers.notes import Note
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -30,6 +33,14 @@ def _from_script(tb: TracebackType | None, script: str) -> TracebackType | None:
     while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) != path:
         tb = tb.tb_next
     return tb or head
+
+
+def _rank() -> int:
+    """This process's global rank, for the note (-1 where the launcher's variables say none)."""
+    try:
+        return detect_world(os.environ).rank
+    except MptError:
+        return -1
 
 
 def main() -> None:
@@ -51,11 +62,7 @@ def main() -> None:
         sys.exit(1)
     finally:
         if code and failure_dir:
-            # Written whole, then renamed: the launcher never reads half a note.
-            note = os.path.join(failure_dir, str(os.getpid()))
-            with open(note + ".tmp", "w") as out:
-                out.write(f"{time.time_ns()} {code}")
-            os.replace(note + ".tmp", note)
+            Note(time.time_ns(), code, _rank()).write(failure_dir, os.getpid())
 
 if __name__ == "__main__":
     main()

@@ -7,7 +7,8 @@ import signal
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from mpt.launchers.elastic import Note, root_cause
+from mpt.launchers.elastic import root_cause
+from mpt.launchers.notes import Note
 
 
 def failures(*exitcodes: int) -> dict[int, ProcessFailure]:
@@ -34,6 +35,8 @@ def test_root_cause(exitcodes, notes, expected, code):
     assert (failure.rank, failure.exit_code) == (expected, code)
 
 
-def test_a_note_is_read_back_as_written(tmp_path):
-    (tmp_path / "123").write_text("1700000000000000000 3")
-    assert Note.read(tmp_path / "123") == Note(1_700_000_000_000_000_000, 3)
+def test_notes_are_read_back_as_written(tmp_path):
+    note = Note(1_700_000_000_000_000_000, 3, 1)
+    note.write(str(tmp_path), 123)
+    (tmp_path / "124.tmp").write_text("1")  # a note still being written is not read
+    assert Note.read_all(str(tmp_path)) == {123: note}

@@ -1,0 +1,207 @@
+"""Horovod: ring-allreduce of gradients through ``hvd.DistributedOptimizer``, started by horovodrun.
+
+Horovod reduces gradients from hooks fired during backward and waits for them in
+``optimizer.step()``. Everything that reads gradients between backward and step (unscaling fp16
+gradients, clipping) must therefore first wait for the reduction (``optimizer.synchronize()``)
+and then step without reducing again (``optimizer.skip_synchronize()``): this backend does so,
+once per step, for every precision. ``horovod`` is imported here only, when the backend is used.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from mpt.backends.base import Availability, Backend
+from mpt.errors import MissingDependencyError, UsageError
+
+INSTALL = ("run `make horovod-wheel` (Horovod 0.28.1 patched for C++17, built with "
+           "HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1) and pip install the wheel it leaves in "
+           ".cache/wheels; see docs/horovod.md")
+"""How to get a Horovod that works with this torch: its sdist needs a C++17 patch to build."""
+
+OPS = ("average", "sum", "adasum")
+COMPRESSIONS = ("none", "fp16")
+_COLLECTIVE_OPS = {"mean": "Average", "sum": "Sum", "max": "Max", "min": "Min"}
+
+
+def _import_horovod() -> ModuleType:
+    """``horovod.torch``, or one error that says how to build it."""
+    try:
+        import horovod.torch as hvd
+    except ImportError as exc:
+        raise MissingDependencyError("backend 'horovod'", "horovod with PyTorch support",
+                                     INSTALL, reason=str(exc)) from None
+    if not hvd.gloo_built() and not hvd.mpi_built():
+        raise MissingDependencyError("backend 'horovod'", "horovod with gloo or MPI", INSTALL,
+                                     reason="this horovod was built without either")
+    return hvd
+
+
+def _refuse_bf16(what: str, tensor: torch.Tensor) -> None:
+    if tensor.dtype == torch.bfloat16:
+        raise UsageError(what, "torch.bfloat16", "Horovod cannot allreduce bf16 tensors",
+                         "keep parameters in fp32 and use --precision bf16-mixed (autocast "
+                         "computes in bf16, gradients stay fp32)")
+
+
+class HorovodBackend(Backend):
+    """``hvd.DistributedOptimizer`` on a plain model; parameters broadcast from rank 0."""
+
+    name = "horovod"
+    launcher = "horovodrun"
+    options: ClassVar[dict[str, str]] = {
+        "op": f"gradient reduction: {', '.join(OPS)} (default average)",
+        "compression": "gradient compression on the wire: none or fp16 (default none)",
+        "fusion_threshold_mb": "tensor-fusion buffer in MB, 0 = no fusion; a horovodrun flag "
+                               "(HOROVOD_FUSION_THRESHOLD), applied by `mpt launch`",
+        "cycle_time_ms": "wait between fusion cycles in ms; a horovodrun flag "
+                         "(HOROVOD_CYCLE_TIME), applied by `mpt launch`",
+    }
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.op: str = str(self.option_values.get("op", "average"))
+        self.compression: str = str(self.option_values.get("compression", "none"))
+        if self.op not in OPS:
+            raise UsageError("backend option op", self.op, "Horovod has no such reduction",
+                             f"use one of {', '.join(OPS)}")
+        if self.compression not in COMPRESSIONS:
+            raise UsageError("backend option compression", self.compression, "unknown "
+                             "compression", f"use one of {', '.join(COMPRESSIONS)}")
+        for option in ("fusion_threshold_mb", "cycle_time_ms"):
+            value = self.option_values.get(option, 0)
+            if not isinstance(value, int | float) or value < 0:
+                raise UsageError(f"backend option {option}", value, "it must be a number >= 0",
+                                 f"pass e.g. {option}=64")
+        self.hvd: ModuleType | None = None
+        self._synchronized = False
+        """Whether this step's reduction was already awaited (clipping does it before step)."""
+
+    @classmethod
+    def availability(cls) -> Availability:
+        try:
+            hvd = _import_horovod()
+        except MissingDependencyError as exc:
+            return Availability(available=False, reason=str(exc).split(" Fix:")[0],
+                                install=INSTALL)
+        import horovod
+
+        comms = [n for n, ok in (("gloo", hvd.gloo_built()), ("mpi", hvd.mpi_built()),
+                                 ("nccl", hvd.nccl_built())) if ok]
+        return Availability(available=True, version=f"{horovod.__version__} ({', '.join(comms)})")
+
+    def _require(self) -> ModuleType:
+        if self.hvd is None:
+            raise RuntimeError("init_process_group() has not run")
+        return self.hvd
+
+    # -- life cycle ---------------------------------------------------------------------------
+    def init_process_group(self) -> None:
+        if self.world.is_distributed and self.world.source not in ("horovod", "openmpi"):
+            raise UsageError("--backend", "horovod", f"Horovod's processes must be started by "
+                             f"horovodrun, but these were started by {self.world.source}",
+                             "use `mpt launch --backend horovod` or `mpt horovodrun`")
+        hvd = self.hvd = _import_horovod()
+        hvd.init()
+        if (hvd.rank(), hvd.size()) != (self.world.rank, self.world.world_size):
+            raise UsageError("HOROVOD_RANK", hvd.rank(), f"Horovod sees rank {hvd.rank()} of "
+                             f"{hvd.size()}, mpt rank {self.world.rank} of "
+                             f"{self.world.world_size}", "start the job with horovodrun unchanged")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    def setup(self, model: nn.Module,
+              optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        hvd = self._require()
+        for name, param in model.named_parameters():
+            _refuse_bf16(f"parameter {name}", param)
+        self._broadcast(model, optimizer)
+        ops = {"average": hvd.Average, "sum": hvd.Sum, "adasum": hvd.Adasum}
+        compression = hvd.Compression.fp16 if self.compression == "fp16" else hvd.Compression.none
+        # accumulation: Horovod's hooks count backward passes and reduce on the last one only.
+        distributed = hvd.DistributedOptimizer(
+            optimizer, named_parameters=model.named_parameters(), compression=compression,
+            backward_passes_per_step=self.accumulate, op=ops[self.op])
+        return model, distributed
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        # Horovod 0.28's own zero_grad takes no argument (it predates set_to_none) and checks
+        # that no allreduce is still pending; it leaves None gradients, as torch's default.
+        optimizer.zero_grad()
+
+    def _broadcast(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Make every rank start from rank 0's weights and optimizer state."""
+        hvd = self._require()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        if optimizer.state_dict()["state"]:
+            hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+            return
+        # A fresh optimizer has no state yet. hvd.broadcast_optimizer_state would create it by
+        # stepping on zero gradients, which counts a step (Adam's bias correction) and applies
+        # weight decay: the run would no longer match a ddp run. Only hyper-parameters differ.
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        for group, values in zip(optimizer.param_groups, self.broadcast_object(groups, 0),
+                                 strict=True):
+            group.update(values)
+
+    def shutdown(self) -> None:
+        if self.hvd is not None and self.hvd.is_initialized():
+            self.hvd.shutdown()
+
+    # -- the training step --------------------------------------------------------------------
+    def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
+        """Nothing to do: ``backward_passes_per_step`` already reduces on the last micro-batch."""
+
+    def _synchronize(self, optimizer: torch.optim.Optimizer) -> None:
+        # Once per step: a second synchronize() would reduce every gradient again.
+        if not self._synchronized:
+            optimizer.synchronize()  # type: ignore[attr-defined]
+            self._synchronized = True
+
+    def clip_grad_norm_(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        self._synchronize(optimizer)  # clip the reduced gradients, not this rank's own
+        return super().clip_grad_norm_(model, optimizer, max_norm, norm_type)
+
+    def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+        self._synchronize(optimizer)  # the scaler must unscale (and inf-check) reduced grads
+        try:
+            with optimizer.skip_synchronize():  # type: ignore[attr-defined]
+                return self.precision.optimizer_step(optimizer)
+        finally:
+            self._synchronized = False
+
+    # -- state for checkpoints ----------------------------------------------------------------
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model  # Horovod wraps the optimizer, not the model
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        super().load_model_state_dict(model, state)
+        self._require().broadcast_parameters(model.state_dict(), root_rank=0)
+
+    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                                  state: dict[str, Any]) -> None:
+        super().load_optimizer_state_dict(model, optimizer, state)
+        if optimizer.state_dict()["state"]:
+            self._require().broadcast_optimizer_state(optimizer, root_rank=0)
+
+    # -- collectives --------------------------------------------------------------------------
+    def barrier(self) -> None:
+        self._require().barrier()
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        hvd = self._require()
+        _refuse_bf16("all_reduce tensor", tensor)
+        if op not in _COLLECTIVE_OPS:
+            raise UsageError("op", op, "unknown reduction", f"use one of "
+                             f"{', '.join(_COLLECTIVE_OPS)}")
+        return hvd.allreduce_(tensor, op=getattr(hvd, _COLLECTIVE_OPS[op]))
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        # Horovod matches collectives across ranks by name, and names this one after the type
+        # of obj by default: a None on the receiving ranks would never meet rank src's dict.
+        return self._require().broadcast_object(obj, root_rank=src, name=f"mpt.object.{src}")

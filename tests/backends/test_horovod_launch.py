@@ -1,0 +1,115 @@
+"""The horovodrun command mpt builds, and the bad input it refuses (no process is started)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import run_mpt, worker
+
+from mpt.errors import UsageError
+from mpt.launchers import LaunchSpec
+from mpt.launchers.horovodrun import horovodrun_command, horovodrun_env, job_hosts, read_hostfile
+
+SCRIPT = worker("report_world.py")
+
+
+def spec(**kwargs) -> LaunchSpec:
+    return LaunchSpec(script=Path(SCRIPT), script_args=("out", "1"), backend="horovod", **kwargs)
+
+
+def test_two_nodes_of_two_from_hosts():
+    s = spec(nodes=2, gpus=2)
+    assert horovodrun_command(s, job_hosts(s, "h1,h2", None)) == [
+        "horovodrun", "-np", "4", "-H", "h1:2,h2:2", "--gloo",
+        "python", "-u", "-m", "mpt.launchers.worker", SCRIPT, "out", "1"]
+    assert job_hosts(s, "h1:2,h2:2", None) == [("h1", 2), ("h2", 2)]
+
+
+def test_hostfile_mpi_fusion_flags_and_settings(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# the job\nnode-a slots=2\n\nnode-b slots=2  # second\n")
+    s = spec(nodes=2, gpus=2, precision="fp16-mixed",
+             backend_options={"op": "sum", "fusion_threshold_mb": 0, "cycle_time_ms": 2.5})
+    assert read_hostfile(hostfile) == [("node-a", 2), ("node-b", 2)]
+    command = horovodrun_command(s, job_hosts(s, None, hostfile), controller="mpi")
+    assert command[:6] == ["horovodrun", "-np", "4", "-H", "node-a:2,node-b:2", "--mpi"]
+    assert command[6:10] == ["--fusion-threshold-mb", "0", "--cycle-time-ms", "2.5"]
+    env = horovodrun_env(s)
+    assert env["MPT_BACKEND"] == "horovod" and env["MPT_PRECISION"] == "fp16-mixed"
+    # horovodrun turns the fusion flags into HOROVOD_* variables; the rest reaches the backend
+    assert env["MPT_BACKEND_OPTIONS"] == '{"op": "sum"}'
+
+
+def test_one_node_without_hosts_is_localhost():
+    s = spec(gpus=3)
+    assert horovodrun_command(s, job_hosts(s, None, None))[1:5] == ["-np", "3", "-H",
+                                                                    "localhost:3"]
+
+
+@pytest.mark.parametrize(("hosts", "nodes", "argument"), [
+    ("h1,h2,h3", 2, "--hosts"),     # one host too many
+    ("h1:4,h2:2", 2, "--hosts"),    # slots differ from --gpus
+    ("h1:x", 1, "--hosts"),         # not HOST:SLOTS
+    (None, 2, "--hosts"),           # two nodes, nobody said where
+])
+def test_hosts_that_do_not_match_nodes_and_gpus(hosts, nodes, argument):
+    with pytest.raises(UsageError) as info:
+        job_hosts(spec(nodes=nodes, gpus=2), hosts, None)
+    assert info.value.argument == argument
+
+
+def test_bad_options_are_usage_errors():
+    with pytest.raises(UsageError):
+        horovodrun_command(spec(), [("localhost", 1)], controller="nccl")
+    with pytest.raises(UsageError):
+        job_hosts(spec(nodes=2, nr=1), "h1,h2", None)  # horovodrun runs once, from one place
+    with pytest.raises(UsageError, match="restarts nothing"):
+        horovodrun_command(spec(max_restarts=2), [("localhost", 1)])
+    assert horovodrun_command(spec(log_dir=Path("logs")), [("localhost", 1)])[6:8] == [
+        "--output-filename", "logs"]
+    with pytest.raises(UsageError, match="no such option"):
+        spec(backend_options={"zero_stage": 2})
+
+
+def test_cli_dry_run_prints_the_command_and_bad_hosts_exit_2(tmp_path):
+    result = run_mpt("launch", "--backend", "horovod", "--nodes", "2", "--gpus", "2",
+                     "--hosts", "h1,h2", "--horovod-op", "adasum", "--dry-run", SCRIPT, "x")
+    assert result.returncode == 0, result.stderr
+    assert (f"horovodrun -np 4 -H h1:2,h2:2 --gloo python -u -m mpt.launchers.worker {SCRIPT} x"
+            in result.stdout)
+    assert "MPT_BACKEND=horovod" in result.stdout and "adasum" in result.stdout
+    bad = run_mpt("launch", "--backend", "horovod", "--nodes", "2", "--gpus", "2",
+                  "--hosts", "h1:1,h2:1", "--dry-run", SCRIPT)
+    assert bad.returncode == 2
+    assert bad.stderr.count("\n") == 1 and "--hosts=h1:1,h2:1 is invalid" in bad.stderr
+    ddp = run_mpt("launch", "--hosts", "h1", "--dry-run", SCRIPT)
+    assert ddp.returncode == 2 and "not started by horovodrun" in ddp.stderr
+
+
+def test_backends_lists_horovod():
+    result = run_mpt("backends")
+    assert result.returncode == 0, result.stderr
+    line = next(x for x in result.stdout.splitlines() if "horovod" in x)
+    try:
+        import horovod.torch  # noqa: F401
+    except ImportError:
+        assert " no " in line and "make horovod-wheel" in result.stdout
+    else:
+        assert " yes " in line and "gloo" in line
+
+
+def test_without_horovod_the_backend_is_listed_with_how_to_build_it(monkeypatch):
+    from mpt.backends.horovod import HorovodBackend
+    from mpt.errors import MissingDependencyError
+
+    for name in ("horovod", "horovod.torch"):
+        monkeypatch.setitem(sys.modules, name, None)  # what an environment without it imports
+    info = HorovodBackend.availability()
+    assert not info.available and "horovod" in info.reason
+    assert "make horovod-wheel" in info.install and "HOROVOD_WITH_PYTORCH=1" in info.install
+    from mpt import Runtime
+
+    with pytest.raises(MissingDependencyError, match="make horovod-wheel"):
+        Runtime(backend="horovod", env={})
