@@ -1,0 +1,1 @@
+"""Drop-in replacements for APIs that training code of another era still imports."""
