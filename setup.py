@@ -101,9 +101,11 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["mpt", "mpt.*"]),
-    install_requires=["torch>=2.4", "typer>=0.12", "rich>=13"],
+    install_requires=["torch>=2.4", "typer>=0.12", "rich>=13", "safetensors>=0.4",
+                      "fsspec>=2023.1", "pyyaml>=6", "tomli>=2; python_version < '3.11'",
+                      "tensorboard>=2.14", "matplotlib>=3.7", "psutil>=5.9"],
     extras_require={
-        "deepspeed": ["deepspeed>=0.15"],
+        "deepspeed": ["deepspeed>=0.19,<0.20"],
         "horovod": ["horovod>=0.28"],
         "examples": ["scikit-learn>=1.3"],
         "test": ["pytest>=8", "scikit-learn>=1.3"],

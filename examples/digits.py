@@ -3,6 +3,8 @@
 The data ships inside scikit-learn, so nothing is downloaded. Run it on two CPU processes in bf16:
 
     mpt launch --gpus 2 --precision bf16-mixed examples/digits.py
+    mpt launch --gpus 2 --precision bf16-mixed --run-dir runs/digits examples/digits.py
+    mpt visualize runs/digits        # runs/digits/plots/index.html; or tensorboard --logdir ...
 
 or alone (`python examples/digits.py`). The backend and precision come from the launch flags;
 the script never names them.
@@ -37,7 +39,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="per process")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--save", default="", help="checkpoint file written at the end")
+    parser.add_argument("--save", default="", help="checkpoint directory written at the end")
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)  # same initial weights on every rank
@@ -49,6 +51,7 @@ def main() -> None:
     loader = rt.setup_dataloader(DataLoader(train, batch_size=args.batch_size, shuffle=True))
     rt.print(f"rank 0 of {rt.world_size}: backend {rt.backend.name}, precision "
              f"{rt.precision.name}, {len(train)} training digits, {len(loader)} steps per epoch")
+    rt.progress(total=args.epochs * len(loader))  # the progress bar's ETA
 
     loss_fn = nn.CrossEntropyLoss()
     for epoch in range(args.epochs):
@@ -62,6 +65,7 @@ def main() -> None:
             n = torch.tensor(len(y), device=rt.device)
             total += torch.stack([loss.detach().float() * n, n])
         rt.all_reduce(total, op="sum")
+        rt.log(epoch=epoch + 1, train_loss=total[0] / total[1])  # with `mpt launch --run-dir`
         if epoch % 5 == 4 or epoch == args.epochs - 1:
             rt.print(f"epoch {epoch + 1:3d}  train loss {total[0] / total[1]:.4f}")
 
@@ -75,6 +79,7 @@ def main() -> None:
             n = torch.tensor(len(y), device=rt.device)
             counts += torch.stack([(pred == y).sum(), n]).float()
     rt.all_reduce(counts, op="sum")
+    rt.log(held_out_accuracy=counts[0] / counts[1])
     rt.print(f"held-out accuracy: {counts[0] / counts[1]:.2%} on {int(counts[1])} digits")
     if args.save:
         rt.save(args.save, step=args.epochs * len(loader))

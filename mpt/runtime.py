@@ -23,7 +23,9 @@ from mpt.data import DistributedLoader
 from mpt.environments import World, detect_world, device_name
 from mpt.environments.settings import launcher_pid, read_settings
 from mpt.errors import UsageError
+from mpt.metrics import MetricsConfig, Monitor
 from mpt.precision import LossScaleConfig, Precision, check_precision, make_precision
+from mpt.scaling import BatchPlan, check_lr_scaling, lr_factor, plan_batch
 
 
 def _parse_accumulate(argument: str, value: object) -> int:
@@ -77,6 +79,20 @@ class Runtime:
         seed: seed of the per-epoch shuffle of ``setup_dataloader``.
         backend_options: the backend's own options (e.g. DeepSpeed's ``zero_stage``); they
             update those `mpt launch` passed.
+        precision_options: the precision's own options (Apex's overrides of an opt level:
+            ``keep_batchnorm_fp32``, ``master_weights``, ``loss_scale``, ``cast_model_type``).
+        global_batch_size: samples per optimizer step over the whole job (`mpt launch
+            --global-batch-size`); the per-rank ``batch_size`` or ``accumulate`` follows from it.
+        batch_size: the script's per-rank micro-batch size; with a global batch size, the
+            accumulation steps are derived from it (else the batch size is derived).
+        lr_scaling: ``"linear"`` or ``"sqrt"``: what ``scale_lr`` multiplies by in the world
+            size (`mpt launch --lr-scaling`); None keeps learning rates unchanged.
+        run_dir: where ``metrics.jsonl`` and TensorBoard files go (`mpt launch --run-dir`);
+            None writes none.
+        quiet: no progress bar or progress lines on rank 0 (`mpt launch --quiet`).
+        log_every: optimizer steps between two metric records (`mpt launch --log-every`).
+        metrics_all_ranks: every rank writes its metrics, not only rank 0
+            (`mpt launch --metrics-all-ranks`).
         env: the environment to read (``os.environ`` by default).
     """
 
@@ -85,27 +101,58 @@ class Runtime:
                  loss_scale: str | float | LossScaleConfig | None = None,
                  timeout: timedelta = timedelta(minutes=30), seed: int = 0,
                  backend_options: Mapping[str, Any] | None = None,
+                 precision_options: Mapping[str, Any] | None = None,
+                 global_batch_size: int | None = None, batch_size: int | None = None,
+                 lr_scaling: str | None = None,
+                 run_dir: str | os.PathLike[str] | None = None, quiet: bool | None = None,
+                 log_every: int | None = None, metrics_all_ranks: bool | None = None,
                  env: Mapping[str, str] | None = None) -> None:
         env = os.environ if env is None else env
         _die_with_launcher(launcher_pid(env))
         flags = read_settings(env)
         self.world: World = detect_world(env)
         self.device = torch.device(device_name(self.world.local_rank, torch.cuda.is_available()))
-        self.accumulate = _parse_accumulate(
-            "accumulate", accumulate if accumulate is not None else flags.get("accumulate", 1))
+        if accumulate is None and "accumulate" in flags:
+            accumulate = _parse_accumulate("accumulate", flags["accumulate"])
+        total = global_batch_size or flags.get("global_batch_size")
+        self.batch_plan: BatchPlan | None = None if total is None else plan_batch(
+            total, self.world.world_size, batch_size=batch_size, accumulate=accumulate)
+        """How the global batch splits over ranks and micro-batches (None: no global size)."""
+        self.accumulate = (self.batch_plan.accumulate if self.batch_plan
+                           else _parse_accumulate("accumulate", 1 if accumulate is None
+                                                  else accumulate))
+        self.batch_size: int | None = self.batch_plan.batch_size if self.batch_plan else batch_size
+        """Per-rank micro-batch size to build the DataLoader with (None: the script decides)."""
+        self.lr_scaling = check_lr_scaling(lr_scaling or flags.get("lr_scaling"))
         precision_name = check_precision(precision or flags.get("precision", "fp32"))
         scale = (loss_scale if isinstance(loss_scale, LossScaleConfig) else LossScaleConfig.parse(
             loss_scale if loss_scale is not None else flags.get("loss_scale", "dynamic")))
-        self.precision: Precision = make_precision(precision_name, self.device.type, scale)
+        self.precision: Precision = make_precision(
+            precision_name, self.device.type, scale,
+            {**flags.get("precision_options", {}), **(precision_options or {})})
         self.backend: Backend = get_backend(backend or flags.get("backend", "ddp"))(
             world=self.world, device=self.device, precision=self.precision,
             accumulate=self.accumulate, timeout=timeout,
             options={**flags.get("backend_options", {}), **(backend_options or {})})
         self.seed = seed
+        metrics = MetricsConfig.resolve(flags, run_dir=run_dir, quiet=quiet, log_every=log_every,
+                                        all_ranks=metrics_all_ranks)
         self.backend.init_process_group()
+        if self.batch_plan is not None:
+            self.print(f"mpt: {self.batch_plan.describe()}")
+        if self.lr_scaling is not None:
+            self.print(f"mpt: lr scaling {self.lr_scaling}: rt.scale_lr multiplies learning rates "
+                       f"by {lr_factor(self.lr_scaling, self.world_size):g} "
+                       f"(world size {self.world_size})")
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._micro_step = 0
+        self._loaders: list[DistributedLoader] = []  # their sampler positions go in checkpoints
+        self.monitor = Monitor(metrics, rank=self.rank, device=self.device,
+                               precision=self.precision, meta={
+                                   "backend": self.backend.name, "precision": self.precision.name,
+                                   "world_size": self.world_size, "accumulate": self.accumulate})
+        """Progress bar and metrics files, fed by backward, clip_grad_norm_ and step."""
 
     # -- who am I -----------------------------------------------------------------------------
     @property
@@ -139,14 +186,29 @@ class Runtime:
         """
         model = self.precision.convert_module(model.to(self.device))
         self._model, self._optimizer = self.backend.setup(model, optimizer)
+        # After the backend: masters (O2) start from the weights it synchronised.
+        self.precision.setup_optimizer(self._model, self._optimizer)
         if self.accumulate > 1:
             self.backend.set_gradient_sync(self._model, False)  # the first micro-batch
         return self._model, self._optimizer
 
+    def scale_lr(self, lr: float) -> float:
+        """``lr`` scaled by the run's rule in the world size (unchanged without a rule)."""
+        return lr * lr_factor(self.lr_scaling, self.world_size)
+
     def setup_dataloader(self, loader: DataLoader[Any]) -> DistributedLoader:
         """This rank's shard of ``loader``'s dataset, batches on this rank's device."""
-        return DistributedLoader(loader, rank=self.rank, world_size=self.world_size,
-                                 device=self.device, seed=self.seed)
+        if self.batch_plan is not None and loader.batch_size != self.batch_plan.batch_size:
+            # The seeds' confusion: a per-rank batch that silently changes the global one.
+            raise UsageError("DataLoader batch_size", loader.batch_size, "the "
+                             f"{self.batch_plan.describe()} needs {self.batch_plan.batch_size} "
+                             "per rank", "build the DataLoader with batch_size=rt.batch_size")
+        if loader.batch_size:  # for samples/s; rt.progress(samples_per_step=...) overrides it
+            self.monitor.samples_per_step = loader.batch_size * self.accumulate * self.world_size
+        distributed = DistributedLoader(loader, rank=self.rank, world_size=self.world_size,
+                                        device=self.device, seed=self.seed)
+        self._loaders.append(distributed)
+        return distributed
 
     # -- the step -----------------------------------------------------------------------------
     def autocast(self) -> Any:
@@ -162,6 +224,7 @@ class Runtime:
         """Backward of one micro-batch, scaled for precision and divided for accumulation."""
         model, _ = self._require_setup()
         self.backend.backward(loss)
+        self.monitor.on_backward(loss)  # kept on the device; read every log_every steps
         self._micro_step += 1
         if self.accumulate > 1:
             # The *next* forward must know whether its backward reduces: only the last
@@ -173,7 +236,9 @@ class Runtime:
         model, optimizer = self._require_setup()
         if self.is_accumulating:
             return None
-        return self.backend.clip_grad_norm_(model, optimizer, max_norm, norm_type)
+        norm = self.backend.clip_grad_norm_(model, optimizer, max_norm, norm_type)
+        self.monitor.on_grad_norm(norm)
+        return norm
 
     def step(self) -> bool:
         """Step the optimizer once every ``accumulate`` micro-batches, then zero the gradients.
@@ -185,8 +250,24 @@ class Runtime:
         if self.is_accumulating or self._micro_step == 0:
             return False
         stepped = self.backend.optimizer_step(model, optimizer)
-        optimizer.zero_grad(set_to_none=True)
+        self.backend.zero_grad(optimizer)
+        self.monitor.on_step(optimizer)
         return stepped
+
+    def progress(self, total: int | None = None, *, samples_per_step: int | None = None) -> None:
+        """Tell the progress bar the run's optimizer steps (for its ETA) and, where the loader
+        did not come through ``setup_dataloader``, the samples per step over all ranks."""
+        self.monitor.set_total(total)
+        if samples_per_step is not None:
+            self.monitor.samples_per_step = samples_per_step
+
+    def log(self, **metrics: float | torch.Tensor) -> None:
+        """Record the script's own figures (e.g. ``val_acc=0.97``) at the current step.
+
+        Written where the run's metrics are (rank 0's files, or every rank's with
+        ``metrics_all_ranks``); a tensor is read here, which waits for the device.
+        """
+        self.monitor.log(metrics)
 
     def _require_setup(self) -> tuple[nn.Module, torch.optim.Optimizer]:
         if self._model is None or self._optimizer is None:
@@ -202,38 +283,41 @@ class Runtime:
         return self.backend.all_reduce(tensor, op)
 
     # -- checkpoints --------------------------------------------------------------------------
-    def save(self, path: str | os.PathLike[str], *, step: int = 0, **extra: Any) -> None:
-        """Save model, optimizer, precision state (loss scale), ``step`` and ``extra`` values.
+    def save(self, path: str | os.PathLike[str], *, step: int = 0, epoch: int | None = None,
+             scheduler: checkpoint.Stateful | None = None, keep: int | None = None,
+             sharded: bool | None = None, **extra: Any) -> str:
+        """Checkpoint the run into ``path/step-<step>/`` and point ``path/latest`` at it.
 
-        Rank 0 writes (atomically); every rank waits until the file is complete.
+        Saved: full weights, optimizer state and precision state (loss scale, masters), the
+        ``scheduler``'s state, the sampler position of every ``setup_dataloader`` loader, every
+        rank's RNG, ``step``, ``epoch`` and the JSON-able ``extra`` values. Every rank calls it;
+        it returns once the checkpoint is committed. ``keep``: delete all but the newest ``keep``
+        checkpoints of ``path``. ``sharded``: write model and optimizer as per-rank shards
+        through torch.distributed.checkpoint (default: when they pass 2 GiB). ``path`` may be
+        an fsspec URL (``s3://...``). Returns the checkpoint directory's URL.
         """
-        model, optimizer = self._require_setup()
-        state = {
-            "model": self.backend.model_state_dict(model),
-            "optimizer": self.backend.optimizer_state_dict(model, optimizer),
-            "precision": self.precision.state_dict(),
-            "step": step,
-            "extra": extra,
-        }
-        if self.is_global_zero:
-            checkpoint.save_state(path, state)
-        self.barrier()
+        return checkpoint.save_checkpoint(path, self._training_state(scheduler), step=step,
+                                          epoch=epoch, extra=extra, keep=keep, sharded=sharded)
 
-    def load(self, path: str | os.PathLike[str]) -> dict[str, Any]:
-        """Restore what ``save`` wrote into the set-up model and optimizer.
+    def load(self, path: str | os.PathLike[str], *,
+             scheduler: checkpoint.Stateful | None = None) -> dict[str, Any]:
+        """Restore a checkpoint (``path``: a root ``save`` wrote into, which loads its latest,
+        or one ``step-*`` directory) into the set-up model, optimizer, ``scheduler`` and loaders.
 
-        Returns ``{"step": ..., **extra}``.
+        Works at any world size and under any backend. Returns ``{"step": ..., "epoch": ...
+        (when known), **extra}``. Call ``setup_dataloader`` before, so loaders resume mid-epoch.
         """
+        return checkpoint.load_checkpoint(path, self._training_state(scheduler))
+
+    def _training_state(self, scheduler: checkpoint.Stateful | None) -> checkpoint.TrainingState:
         model, optimizer = self._require_setup()
-        state = checkpoint.load_state(path)
-        self.backend.load_model_state_dict(model, state["model"])
-        self.backend.load_optimizer_state_dict(model, optimizer, state["optimizer"])
-        self.precision.load_state_dict(state["precision"])
-        return {"step": state["step"], **state["extra"]}
+        return checkpoint.TrainingState(backend=self.backend, model=model, optimizer=optimizer,
+                                        scheduler=scheduler, loaders=self._loaders)
 
     # -- teardown -----------------------------------------------------------------------------
     def close(self) -> None:
-        """Leave the process group."""
+        """Finish the metrics files and the progress bar, and leave the process group."""
+        self.monitor.close()
         self.backend.shutdown()
 
     def __enter__(self) -> Runtime:

@@ -9,11 +9,18 @@ from __future__ import annotations
 
 from importlib.metadata import entry_points
 
+from mpt.backends.apex import ApexBackend
 from mpt.backends.base import Availability, Backend
 from mpt.backends.ddp import DDPBackend
+from mpt.backends.deepspeed import DeepSpeedBackend
+from mpt.backends.horovod import HorovodBackend  # imports horovod only when used
 from mpt.errors import MissingDependencyError, UsageError
 
-BUILTIN: dict[str, type[Backend]] = {DDPBackend.name: DDPBackend}
+BUILTIN: dict[str, type[Backend]] = {DDPBackend.name: DDPBackend,
+                                     DeepSpeedBackend.name: DeepSpeedBackend}
+"""deepspeed is listed even where it is not installed: it imports deepspeed only when used."""
+BUILTIN[ApexBackend.name] = ApexBackend
+BUILTIN[HorovodBackend.name] = HorovodBackend
 ENTRY_POINT_GROUP = "mpt.backends"
 
 _registry: dict[str, type[Backend]] = dict(BUILTIN)
@@ -67,5 +74,5 @@ def get_backend(name: str) -> type[Backend]:
     return backends[name]
 
 
-__all__ = ["Availability", "Backend", "DDPBackend", "broken", "get_backend", "register",
-           "registered"]
+__all__ = ["Availability", "Backend", "DDPBackend", "DeepSpeedBackend", "broken", "get_backend",
+           "register", "registered"]

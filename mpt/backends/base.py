@@ -41,6 +41,8 @@ class Backend(ABC):
     """
 
     name: ClassVar[str]
+    launcher: ClassVar[str] = "elastic"
+    """What `mpt launch` starts the processes with: torch's elastic agent, or ``horovodrun``."""
     options: ClassVar[dict[str, str]] = {}
     """The backend's own options (``Runtime(backend_options=...)``, `mpt launch` flags): name ->
     what it does. A subclass that declares some reads them from ``self.option_values``."""
@@ -106,6 +108,10 @@ class Backend(ABC):
     def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
         """Step unless the gradients overflowed; return whether the parameters changed."""
         return self.precision.optimizer_step(optimizer)
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Clear the gradients after a step (to None: the next backward allocates them)."""
+        optimizer.zero_grad(set_to_none=True)
 
     # -- state for checkpoints ----------------------------------------------------------------
     @abstractmethod

@@ -17,8 +17,20 @@ SETTINGS = {
     "loss_scale": "MPT_LOSS_SCALE",
     "accumulate": "MPT_ACCUMULATE",
     "backend_options": "MPT_BACKEND_OPTIONS",
+    "precision_options": "MPT_PRECISION_OPTIONS",
+    "run_dir": "MPT_RUN_DIR",
+    "quiet": "MPT_QUIET",
+    "log_every": "MPT_LOG_EVERY",
+    "metrics_all_ranks": "MPT_METRICS_ALL_RANKS",
+    "global_batch_size": "MPT_GLOBAL_BATCH_SIZE",
+    "lr_scaling": "MPT_LR_SCALING",
 }
 """Runtime argument -> environment variable carrying it from `mpt launch` to the workers."""
+
+
+LAUNCHER_BACKENDS = {"HOROVOD_RANK": "horovod"}
+"""A launcher's variable -> the backend its processes need when MPT_BACKEND is unset: a script
+started by a plain ``horovodrun`` (gloo) can only join the job through Horovod's rendezvous."""
 
 
 LAUNCHER_PID = "MPT_LAUNCHER_PID"
@@ -41,8 +53,12 @@ def read_settings(env: Mapping[str, str]) -> dict[str, Any]:
     Values are strings still to be parsed, except ``backend_options``: a dict, carried as JSON.
     """
     values: dict[str, Any] = {arg: env[var] for arg, var in SETTINGS.items() if env.get(var)}
-    if "backend_options" in values:
-        values["backend_options"] = json.loads(values["backend_options"])
+    for options in ("backend_options", "precision_options"):
+        if options in values:
+            values[options] = json.loads(values[options])
+    implied = [backend for var, backend in LAUNCHER_BACKENDS.items() if var in env]
+    if "backend" not in values and implied:
+        values["backend"] = implied[0]
     return values
 
 

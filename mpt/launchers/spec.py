@@ -11,6 +11,7 @@ from mpt.backends import get_backend
 from mpt.environments import World
 from mpt.errors import UsageError
 from mpt.precision import LossScaleConfig, check_precision
+from mpt.scaling import check_lr_scaling, plan_batch
 
 
 def parse_port(value: str) -> int:
@@ -55,6 +56,18 @@ class LaunchSpec:
     """Where each rank's stdout/stderr is also written, one file per rank."""
     max_restarts: int = 0
     """How often the whole gang is restarted after a failure before the job fails."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step over the whole job (exported as MPT_GLOBAL_BATCH_SIZE)."""
+    lr_scaling: str | None = None
+    """Learning-rate scaling rule in the world size, linear or sqrt (MPT_LR_SCALING)."""
+    run_dir: Path | None = None
+    """Where the workers write metrics.jsonl and TensorBoard files (exported as MPT_RUN_DIR)."""
+    quiet: bool = False
+    """No progress bar or progress lines on rank 0 (MPT_QUIET)."""
+    log_every: int = 10
+    """Optimizer steps between two metric records (MPT_LOG_EVERY)."""
+    metrics_all_ranks: bool = False
+    """Every rank writes metrics, not only rank 0 (MPT_METRICS_ALL_RANKS)."""
 
     @property
     def world(self) -> World:
@@ -67,6 +80,9 @@ class LaunchSpec:
         get_backend(self.backend).check_options(self.backend_options)
         check_precision(self.precision)
         LossScaleConfig.parse(self.loss_scale)
+        check_lr_scaling(self.lr_scaling)
+        if self.global_batch_size is not None:  # the script's batch size is checked at start-up
+            plan_batch(self.global_batch_size, self.world.world_size)
         if not self.script.is_file():
             raise UsageError("SCRIPT", str(self.script), "no such file",
                              "pass the path of the training script, e.g. examples/digits.py")

@@ -45,6 +45,12 @@ class Precision:
         optimizer.step()
         return True
 
+    def setup_optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Adapt the optimizer to the format once, after the backend wrapped the model.
+
+        Formats that keep fp32 master weights (Apex O2) swap them into the param groups here.
+        """
+
     def model_parameter(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
         """The model's parameter behind one the optimizer steps (a master copy's original)."""
         return param

@@ -1,4 +1,5 @@
-"""The ddp backend on real processes: 2 ranks, gloo, CPU, started by `mpt launch`."""
+"""The ddp backend on real processes: 2 ranks, gloo, CPU, started by `mpt launch` (the fp16
+overflow case also under apex and horovod)."""
 
 from __future__ import annotations
 
@@ -39,9 +40,11 @@ def test_ddp_matches_one_process_on_the_concatenated_batches(tmp_path, free_port
     assert ranks[0]["allreduces"] == STEPS
 
 
-def test_fp16_overflow_on_one_rank_skips_that_step_everywhere(tmp_path, free_port):
-    result = run_mpt("launch", "--gpus", "2", "--master-port", str(free_port),
-                     "--precision", "fp16-mixed", worker("fp16_overflow.py"), str(tmp_path))
+@pytest.mark.parametrize("backend", ["ddp", "apex", "horovod"])
+def test_fp16_overflow_on_one_rank_skips_that_step_everywhere(tmp_path, free_port, backend):
+    result = run_mpt("launch", "--gpus", "2", "--master-port", str(free_port), "--backend",
+                     backend, "--precision", "fp16-mixed", worker("fp16_overflow.py"),
+                     str(tmp_path))
     assert result.returncode == 0, result.stderr
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for r in ranks:
