@@ -73,6 +73,13 @@ def launch(
         "O3-bf16).")] = "fp32",
     loss_scale: Annotated[str, typer.Option(
         help="fp16 loss scaling: 'dynamic' or a static number.")] = "dynamic",
+    keep_batchnorm_fp32: Annotated[str | None, typer.Option(
+        metavar="BOOL", help="Opt levels O1-O3: Apex's override, True or False.")] = None,
+    master_weights: Annotated[str | None, typer.Option(
+        metavar="BOOL", help="Opt levels O1-O3: keep fp32 master weights, True or False.")] = None,
+    cast_model_type: Annotated[str | None, typer.Option(
+        metavar="DTYPE", help="Opt levels O1-O3: cast the model to float16, bfloat16 or "
+        "float32.")] = None,
     log_dir: Annotated[Path | None, typer.Option(
         help="Also write each rank's output to a file here.")] = None,
     max_restarts: Annotated[str, typer.Option(
@@ -155,6 +162,9 @@ def launch(
         gpus=_int("--gpus", gpus), nr=_int("--nr", nr), master_addr=master_addr,
         master_port=launchers.parse_port(master_port), backend=backend, precision=precision,
         loss_scale=loss_scale, backend_options=backend_options, log_dir=log_dir,
+        precision_options={k: v for k, v in {
+            "keep_batchnorm_fp32": keep_batchnorm_fp32, "master_weights": master_weights,
+            "cast_model_type": cast_model_type}.items() if v is not None},
         max_restarts=_int("--max-restarts", max_restarts),
         global_batch_size=_maybe(_int, "--global-batch-size", global_batch_size),
         lr_scaling=lr_scaling, run_dir=run_dir, quiet=quiet,

@@ -19,7 +19,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from mpt.environments.settings import FAILURE_DIR, LAUNCHER_PID, settings_env
+from mpt.environments.settings import FAILURE_DIR, LAUNCHER_PID
 from mpt.launchers.notes import Note
 from mpt.launchers.spec import LaunchSpec
 
@@ -58,17 +58,10 @@ def torch_launch_config(spec: LaunchSpec) -> LaunchConfig:
 
 
 def worker_env(spec: LaunchSpec, failure_dir: str) -> dict[str, str]:
-    """Variables the workers inherit: mpt's settings, and one thread per process on CPU."""
-    env = settings_env(backend=spec.backend, precision=spec.precision, loss_scale=spec.loss_scale,
-                       backend_options=spec.backend_options,
-                       global_batch_size=spec.global_batch_size, lr_scaling=spec.lr_scaling,
-                       run_dir=spec.run_dir and spec.run_dir.absolute(), quiet=spec.quiet,
-                       log_every=spec.log_every, metrics_all_ranks=spec.metrics_all_ranks)
+    """Variables the workers inherit: the spec's settings, and the launcher's own two."""
+    env = spec.worker_env()
     env[LAUNCHER_PID] = str(os.getpid())  # workers bind their lives to ours (see Runtime)
     env[FAILURE_DIR] = failure_dir  # where they note when they failed (see root_cause)
-    if spec.gpus > 1 and "OMP_NUM_THREADS" not in os.environ:
-        # N processes each using every core oversubscribe the CPU (torchrun does the same).
-        env["OMP_NUM_THREADS"] = "1"
     return env
 
 

@@ -19,10 +19,11 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from mpt._native import bind_to_parent
-from mpt.environments.settings import FAILURE_DIR, settings_env
+from mpt.environments.settings import FAILURE_DIR
 from mpt.errors import MissingDependencyError, UsageError
 from mpt.launchers.notes import Note
 from mpt.launchers.spec import LaunchSpec
@@ -122,13 +123,10 @@ def horovodrun_command(spec: LaunchSpec, hosts: list[tuple[str, int]],
 
 
 def horovodrun_env(spec: LaunchSpec) -> dict[str, str]:
-    """What horovodrun's workers need besides horovodrun's own variables: mpt's settings."""
+    """What horovodrun's workers need besides horovodrun's own variables: mpt's settings
+    (less the options that became horovodrun flags)."""
     options = {k: v for k, v in spec.backend_options.items() if k not in HOROVODRUN_FLAGS}
-    env = settings_env(backend=spec.backend, precision=spec.precision,
-                       loss_scale=spec.loss_scale, backend_options=options)
-    if spec.gpus > 1 and "OMP_NUM_THREADS" not in os.environ:
-        env["OMP_NUM_THREADS"] = "1"  # as torchrun does: N processes must not each use every core
-    return env
+    return replace(spec, backend_options=options).worker_env()
 
 
 def horovodrun_executable() -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,8 +10,9 @@ from typing import Any
 
 from mpt.backends import get_backend
 from mpt.environments import World
+from mpt.environments.settings import settings_env
 from mpt.errors import UsageError
-from mpt.precision import LossScaleConfig, check_precision
+from mpt.precision import LossScaleConfig, check_precision, make_precision
 from mpt.scaling import check_lr_scaling, plan_batch
 
 
@@ -52,6 +54,8 @@ class LaunchSpec:
     """fp16 loss scaling: 'dynamic' or a static number (exported as MPT_LOSS_SCALE)."""
     backend_options: dict[str, Any] = field(default_factory=dict)
     """The backend's own options, JSON-able (exported as MPT_BACKEND_OPTIONS)."""
+    precision_options: dict[str, Any] = field(default_factory=dict)
+    """The precision's own options, e.g. Apex's opt-level overrides (MPT_PRECISION_OPTIONS)."""
     log_dir: Path | None = None
     """Where each rank's stdout/stderr is also written, one file per rank."""
     max_restarts: int = 0
@@ -78,8 +82,9 @@ class LaunchSpec:
     def __post_init__(self) -> None:
         self.world  # noqa: B018 - World validates nodes, gpus, nr and the port: those errors first
         get_backend(self.backend).check_options(self.backend_options)
-        check_precision(self.precision)
-        LossScaleConfig.parse(self.loss_scale)
+        # Built once here, on the CPU, only to check name, loss scale and options together.
+        make_precision(check_precision(self.precision), "cpu", LossScaleConfig.parse(
+            self.loss_scale), self.precision_options)
         check_lr_scaling(self.lr_scaling)
         if self.global_batch_size is not None:  # the script's batch size is checked at start-up
             plan_batch(self.global_batch_size, self.world.world_size)
@@ -89,6 +94,20 @@ class LaunchSpec:
         if self.max_restarts < 0:
             raise UsageError("--max-restarts", self.max_restarts, "it cannot be negative",
                              "pass 0 to fail on the first error")
+
+    def worker_env(self) -> dict[str, str]:
+        """What every worker inherits, whichever launcher starts it: the run settings as
+        ``MPT_*`` variables (its ``mpt.Runtime`` reads them), and one thread per process."""
+        env = settings_env(
+            backend=self.backend, precision=self.precision, loss_scale=self.loss_scale,
+            backend_options=self.backend_options, precision_options=self.precision_options,
+            global_batch_size=self.global_batch_size, lr_scaling=self.lr_scaling,
+            run_dir=self.run_dir and self.run_dir.absolute(), quiet=self.quiet,
+            log_every=self.log_every, metrics_all_ranks=self.metrics_all_ranks)
+        if self.gpus > 1 and "OMP_NUM_THREADS" not in os.environ:
+            # N processes each using every core oversubscribe the CPU (torchrun does the same).
+            env["OMP_NUM_THREADS"] = "1"
+        return env
 
     def check_machine(self, cuda_devices: int) -> None:
         """Errors that depend on this machine: too few GPUs, a rendezvous port already taken."""

@@ -46,3 +46,20 @@ def test_workers_inherit_the_settings():
 def test_invalid_specs_name_their_argument(kwargs, argument):
     with pytest.raises(UsageError, match=f"^{argument}="):
         LaunchSpec(**{"script": SCRIPT, **kwargs})
+
+
+def test_opt_level_overrides_reach_the_workers_runtime():
+    import torch
+    from torch import nn
+
+    import mpt
+
+    spec = LaunchSpec(script=SCRIPT, precision="O2",
+                      precision_options={"keep_batchnorm_fp32": "False"})
+    rt = mpt.Runtime(env=spec.worker_env())  # what a worker of this launch reads
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    model, _ = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    # O2 keeps batchnorm in fp32 unless told otherwise: here it was told.
+    assert model[0].weight.dtype == model[1].weight.dtype == torch.float16
+    with pytest.raises(UsageError, match="master_weights"):
+        LaunchSpec(script=SCRIPT, precision="fp32", precision_options={"master_weights": True})
