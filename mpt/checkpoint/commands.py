@@ -54,22 +54,36 @@ def inspect(
 
 @app.command()
 def convert(
-    src: Annotated[Path, typer.Argument(help="A torch .pt file: a plain state dict, or an "
-                                        "apex-era dict with model/optimizer/amp keys.")],
+    src: Annotated[Path, typer.Argument(help="A DeepSpeed ZeRO checkpoint directory (what "
+                                        "engine.save_checkpoint writes), or a torch .pt file: "
+                                        "a plain state dict, or an apex-era dict with "
+                                        "model/optimizer/amp keys.")],
     dst: Annotated[str, typer.Argument(help="Root to write the mpt checkpoint into.")],
-    step: Annotated[int, typer.Option(help="Step to record.")] = 0,
+    step: Annotated[int | None, typer.Option(
+        help="Step to record (default: the DeepSpeed tag's global_stepN, else 0).")] = None,
+    tag: Annotated[str | None, typer.Option(
+        help="DeepSpeed: the tag folder to import (default: the one 'latest' names).")] = None,
 ) -> None:
-    """Import a torch checkpoint (read with weights_only=True) into mpt's format."""
+    """Import a DeepSpeed ZeRO directory or a torch checkpoint (read with weights_only=True)
+    into mpt's format: weights (and an apex-era loss scale), not the optimizer's state."""
+    if src.is_dir():
+        from mpt.checkpoint.zero_import import is_zero_checkpoint, read_zero_checkpoint
+
+        if not is_zero_checkpoint(src):
+            raise UsageError("SRC", src, "this directory is not a DeepSpeed checkpoint (no "
+                             "'latest' file, no *_model_states.pt)", "pass the folder "
+                             "engine.save_checkpoint wrote, or a .pt file")
+        weights, tag_step = read_zero_checkpoint(src, tag)
+        step = step if step is not None else tag_step or 0
+        _write_converted(src, dst, step, weights, None, 0,
+                         "; optimizer state not converted (DeepSpeed keeps it in flat shards)")
+        return
+    _convert_file(src, dst, 0 if step is None else step)
+
+
+def _convert_file(src: Path, dst: str, step: int) -> None:
     import torch
 
-    from mpt.checkpoint import io
-    from mpt.checkpoint.format import MODEL_FILE, STATE_JSON, STATE_TENSORS
-    from mpt.checkpoint.state import write_directory
-
-    if src.is_dir():
-        raise UsageError("SRC", src, "converting a directory (a DeepSpeed ZeRO checkpoint) is "
-                         "not supported yet", "run DeepSpeed's zero_to_fp32.py on it and convert "
-                         "the .pt file it writes (weights only)")
     if not src.is_file():
         raise UsageError("SRC", src, "no such file", "pass a .pt file torch.save wrote")
     try:
@@ -81,6 +95,17 @@ def convert(
                          "pass a state dict of tensors, or a dict with a 'model' state dict"
                          ) from None
     weights, loss_scale, tracker = _split(loaded, src)
+    _write_converted(src, dst, step, weights, loss_scale, tracker,
+                     "; optimizer state not converted (its entries are numbered, not named)")
+
+
+def _write_converted(src: Path, dst: str, step: int, weights: dict[str, Any],
+                     loss_scale: float | None, tracker: int, note: str) -> None:
+    """Commit ``weights`` (and a loss scale) as an mpt checkpoint under root ``dst``."""
+    from mpt.checkpoint import io
+    from mpt.checkpoint.format import MODEL_FILE, STATE_JSON, STATE_TENSORS
+    from mpt.checkpoint.state import write_directory
+
     precision: dict[str, Any] = {"skipped_steps": 0}
     if loss_scale is not None:
         precision["scaler"] = {"scale": loss_scale, "growth_factor": 2.0, "backoff_factor": 0.5,
@@ -98,8 +123,7 @@ def convert(
         precision="fp16-mixed" if loss_scale is not None else "fp32",
         loss_scale=loss_scale or 1.0, parameters=sum(t.numel() for t in weights.values())))
     out.print(f"wrote {root.child(final).url}: {len(weights)} tensors"
-              + ("" if loss_scale is None else f", loss scale {loss_scale:g}")
-              + "; optimizer state not converted (its entries are numbered, not named)")
+              + ("" if loss_scale is None else f", loss scale {loss_scale:g}") + note)
 
 
 def _split(loaded: object, src: Path) -> tuple[dict[str, Any], float | None, int]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -24,12 +25,15 @@ STEPS_PER_EPOCH = SAMPLES // GLOBAL_BATCH
 
 
 def _launch(ranks: int, out: Path, tag: str, save_at: int, *checkpoints: Path,
-            backend: str = "ddp") -> None:
-    """One job; another backend's rows of the save-under-A, load-under-B matrix pass backend=."""
+            backend: str = "ddp", options: Sequence[str] = (), full_only: bool = False,
+            env: dict[str, str] | None = None) -> None:
+    """One job of workers/ckpt_resume.py; the backend matrix (test_matrix.py) passes another
+    backend and its launch ``options`` (``--zero-stage 3``, ``--precision O2``)."""
     result = run_mpt("launch", "--gpus", str(ranks), "--master-port", str(find_free_port()),
-                     "--backend", backend,
+                     "--backend", backend, *options,
                      worker("ckpt_resume.py"), str(out), tag, str(save_at),
-                     str(out / f"ckpt-{tag}"), *map(str, checkpoints), timeout=180)
+                     str(out / f"ckpt-{tag}"), *map(str, checkpoints),
+                     *(["--full-only"] if full_only else []), timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
