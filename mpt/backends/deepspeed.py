@@ -170,7 +170,14 @@ class DeepSpeedBackend(DDPBackend):
         self._engine = engine
         self._state = FlatState(engine, groups)
         self._default_clip = float(getattr(engine.optimizer, "clip_grad", 0.0) or 0.0)
-        return engine, engine.optimizer
+        # The user's optimizer, not DeepSpeed's wrapper: the wrapper steps it and shares its
+        # param-group dicts, so an LR scheduler built on what setup returns works (torch's
+        # schedulers refuse DeepSpeed's ZeRO optimizers, which are no torch Optimizer).
+        return engine, optimizer
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        # The gradients live in DeepSpeed's wrapper (flat, partitioned), not in `optimizer`.
+        self._require_engine().optimizer.zero_grad(set_to_none=True)
 
     def _require_engine(self) -> Any:
         if self._engine is None:

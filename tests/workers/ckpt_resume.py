@@ -44,12 +44,9 @@ g = torch.Generator().manual_seed(3)
 data = TensorDataset(torch.randn(SAMPLES, FEATURES, generator=g),
                      torch.randn(SAMPLES, 1, generator=g), torch.arange(SAMPLES))
 model = make_model()
-client = torch.optim.Adam(model.parameters(), lr=0.01)
-model, optimizer = rt.setup(model, client)
-# torch's schedulers refuse DeepSpeed's optimizer wrapper, which steps the client optimizer's
-# param groups: the scheduler goes on those there (Horovod's wrapper has groups of its own)
-scheduler = torch.optim.lr_scheduler.StepLR(
-    optimizer if isinstance(optimizer, torch.optim.Optimizer) else client, step_size=4, gamma=0.5)
+model, optimizer = rt.setup(model, torch.optim.Adam(model.parameters(), lr=0.01))
+# On what setup returned, as a script would write it, whichever the backend.
+scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
 loader = rt.setup_dataloader(DataLoader(data, batch_size=GLOBAL_BATCH // rt.world_size,
                                         shuffle=True))
 
