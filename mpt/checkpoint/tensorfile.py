@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
+import mmap
 import os
 import struct
 import threading
@@ -36,6 +37,10 @@ _DTYPES = {
     torch.uint8: "U8", torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32",
     torch.uint64: "U64", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }
+
+
+_PIECE = 8 << 20
+"""Bytes per write() and per hash update."""
 
 
 def _raw(tensor: torch.Tensor) -> memoryview:
@@ -60,7 +65,11 @@ def write(f: BinaryIO, tensors: dict[str, torch.Tensor]) -> FileEntry:
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    chunks = [struct.pack("<Q", len(text)) + text, *(_raw(t) for t in ordered.values())]
+    # In 8 MiB pieces: one write() of a whole large tensor's memory measured ten times slower
+    # (2.2 s against 0.2 s for 240 MB here), and the hash thread keeps pace piece by piece.
+    chunks = [struct.pack("<Q", len(text)) + text,
+              *(raw[i:i + _PIECE] for t in ordered.values()
+                for raw in [_raw(t)] for i in range(0, len(raw), _PIECE))]
 
     sha = hashlib.sha256()
     hasher = threading.Thread(target=lambda: [sha.update(c) for c in chunks])
@@ -110,11 +119,11 @@ def _unparsable(location: Location, name: str, exc: Exception) -> CheckpointErro
                            "load a checkpoint written by mpt.Runtime.save")
 
 
-def _hash_file(path: str, chunk: int = 16 << 20) -> str:
-    sha = hashlib.sha256()
-    buffer = bytearray(chunk)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            sha.update(view[:n])
-    return sha.hexdigest()
+def _hash_file(path: str) -> str:
+    """sha256 of a file through a memory map: no copy into a read buffer (hashlib releases the
+    GIL while it hashes, so this runs beside safetensors' own read of the same pages)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return hashlib.sha256().hexdigest()
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            return hashlib.sha256(mapped).hexdigest()
