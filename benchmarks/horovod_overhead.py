@@ -154,7 +154,8 @@ def main() -> None:
                    for p, q in zip(base.parameters(), raw_module.parameters(), strict=True))
     rt.print(f"horovod overhead: {rt.world_size} processes, horovod {horovod.__version__} gloo, "
              f"torch {torch.__version__}, MLP 512-{args.hidden}-{args.hidden}-10, batch "
-             f"{args.batch_size}/process, {args.rounds}x{args.steps} timed steps per side, malloc {malloc}")
+             f"{args.batch_size}/process, {args.rounds}x{args.steps} timed steps per side, "
+             f"malloc {malloc}")
     rt.print(f"check: max |w_mpt - w_raw| = {diff:.3g}")
     rt.print(f"horovod fp32: mpt {mpt_ms:.2f} ms, raw {raw_ms:.2f} ms, ratio "
              f"{mpt_ms / raw_ms:.3f} (goal <= {GOAL})")
