@@ -50,7 +50,8 @@ def launcher_pid(env: Mapping[str, str]) -> int | None:
 def read_settings(env: Mapping[str, str]) -> dict[str, Any]:
     """The settings present in ``env``, keyed by Runtime argument name.
 
-    Values are strings still to be parsed, except ``backend_options``: a dict, carried as JSON.
+    Values are strings still to be parsed, except the ``*_options`` dicts (carried as JSON).
+    A launcher that implies a backend (``LAUNCHER_BACKENDS``) sets it when MPT_BACKEND is unset.
     """
     values: dict[str, Any] = {arg: env[var] for arg, var in SETTINGS.items() if env.get(var)}
     for options in ("backend_options", "precision_options"):
