@@ -307,7 +307,9 @@ class Runtime:
         Works at any world size and under any backend. Returns ``{"step": ..., "epoch": ...
         (when known), **extra}``. Call ``setup_dataloader`` before, so loaders resume mid-epoch.
         """
-        return checkpoint.load_checkpoint(path, self._training_state(scheduler))
+        info = checkpoint.load_checkpoint(path, self._training_state(scheduler))
+        self.monitor.resume_at(info["step"])  # metrics and progress go on from the saved step
+        return info
 
     def _training_state(self, scheduler: checkpoint.Stateful | None) -> checkpoint.TrainingState:
         model, optimizer = self._require_setup()

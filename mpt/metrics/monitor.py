@@ -94,7 +94,8 @@ class Monitor:
         """False when there is nothing to show or write: every hook then returns at once."""
         self.display: Display | None = None
         self.step = 0
-        """Optimizer steps taken (skipped ones included)."""
+        """Optimizer steps taken (skipped ones included), from the loaded checkpoint's on."""
+        self._start = 0
         self.total: int | None = None
         self.samples_per_step: int | None = None
         """Samples per optimizer step over all ranks, for samples/s (set by setup_dataloader)."""
@@ -119,11 +120,11 @@ class Monitor:
         if not self.active:
             return
         self.step += 1
-        if self.step == 1:
+        if self.step == self._start + 1:
             if self.show_progress:
                 self.display = make_display(self.total)
             if self.config.log_every > 1:  # rates from here on, not counting set-up time
-                self._window = (1, time.perf_counter())
+                self._window = (self.step, time.perf_counter())
         if self._pending is not None and self._pending.done():
             self._emit(self._pending)
             self._pending = None
@@ -131,6 +132,12 @@ class Monitor:
             self._record(optimizer)
         elif self.display is not None:
             self.display.advance(self.step)
+
+    def resume_at(self, step: int) -> None:
+        """Count on from a loaded checkpoint's step, so a resumed run's records continue its
+        curves instead of starting again at 0."""
+        self.step = self._start = step
+        self._window = (step, time.perf_counter())
 
     def set_total(self, total: int | None) -> None:
         self.total = total

@@ -123,3 +123,24 @@ def test_watch_redraws_a_growing_run_until_interrupted(tmp_path, monkeypatch):
     page = (tmp_path / "plots" / "index.html").read_text()
     assert '<meta http-equiv="refresh" content="2">' in page
     assert "<td>rank 0</td><td>2</td>" in page
+
+
+def test_a_resumed_run_records_on_from_the_checkpoints_step(tmp_path):
+    def run(run_dir, load):
+        torch.manual_seed(0)
+        rt = mpt.Runtime(env={}, run_dir=run_dir, quiet=True, log_every=2)
+        model = nn.Linear(4, 1)
+        model, _ = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        if load:
+            assert rt.load(tmp_path / "ckpt")["step"] == 4
+        for _ in range(4):
+            rt.backward(nn.functional.mse_loss(model(torch.randn(8, 4)), torch.zeros(8, 1)))
+            rt.step()
+        if not load:
+            rt.save(tmp_path / "ckpt", step=4)
+        rt.close()
+        return [json.loads(line)["step"] for line in
+                (run_dir / "metrics.jsonl").read_text().splitlines()[1:]]
+
+    assert run(tmp_path / "first", load=False) == [2, 4]
+    assert run(tmp_path / "resumed", load=True) == [6, 8]
