@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -58,3 +59,18 @@ def pid_alive(pid: int) -> bool:
             return f.read().split(") ")[1][0] != "Z"
     except (FileNotFoundError, IndexError):
         return False
+
+
+@pytest.fixture
+def run_cli(capsys, monkeypatch):
+    """Run `mpt ARGS...` in this process, as the console script would: its exit code and output."""
+    from mpt.cli import main
+
+    def run(*args: str) -> SimpleNamespace:
+        monkeypatch.setattr(sys, "argv", ["mpt", *args])
+        with pytest.raises(SystemExit) as exit_:
+            main()
+        captured = capsys.readouterr()
+        return SimpleNamespace(returncode=exit_.value.code, stdout=captured.out,
+                               stderr=captured.err)
+    return run

@@ -7,27 +7,11 @@ In-process (``mpt.cli.main`` with its exit code and output) rather than as subpr
 from __future__ import annotations
 
 import pickle
-import sys
-from types import SimpleNamespace
 
-import pytest
 import torch
 from torch import nn
 
 import mpt
-from mpt.cli import main
-
-
-@pytest.fixture
-def run_cli(capsys, monkeypatch):
-    def run(*args: str) -> SimpleNamespace:
-        monkeypatch.setattr(sys, "argv", ["mpt", *args])
-        with pytest.raises(SystemExit) as exit_:
-            main()
-        captured = capsys.readouterr()
-        return SimpleNamespace(returncode=exit_.value.code, stdout=captured.out,
-                               stderr=captured.err)
-    return run
 
 
 class Planted:

@@ -6,12 +6,10 @@ as a DeepSpeed user writes it; ~15 s), then the conversion and `rt.load` in this
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,10 +19,6 @@ from common import make_model
 from conftest import find_free_port, run_mpt, worker
 
 import mpt
-from mpt.cli import main
-
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                reason="needs deepspeed (`make` installs it into .venv)")
 
 
 @pytest.fixture(scope="module")
@@ -41,16 +35,6 @@ def zero_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.fixture
-def run_cli(capsys, monkeypatch):
-    def run(*args: str) -> SimpleNamespace:
-        monkeypatch.setattr(sys, "argv", ["mpt", *args])
-        with pytest.raises(SystemExit) as exit_:
-            main()
-        captured = capsys.readouterr()
-        return SimpleNamespace(returncode=exit_.value.code, stdout=captured.out,
-                               stderr=captured.err)
-    return run
 
 
 def test_a_zero2_checkpoint_converts_and_loads_with_rt_load(zero_dir, tmp_path, run_cli):

@@ -216,3 +216,11 @@ def test_values_a_checkpoint_cannot_hold_without_pickling_are_refused(tmp_path):
     assert not (tmp_path / "ckpt").exists()  # refused before anything was written
     with pytest.raises(CheckpointError, match="does not exist"):
         rt.load(tmp_path / "nothing-here")
+
+
+def test_loading_a_missing_checkpoint_is_one_error_naming_it(tmp_path):
+    rt = mpt.Runtime(env={}, quiet=True)
+    model = nn.Linear(2, 2)
+    rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(CheckpointError, match=r"nope.*does not exist"):
+        rt.load(tmp_path / "nope")

@@ -6,6 +6,7 @@ DeepSpeed user's script would; rank 0 also writes OUT/expected.pt (plain tensors
 fp32 weights gathered from the shards, which `mpt checkpoint convert` must reproduce.
 """
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -36,3 +37,7 @@ full = {name: deepspeed.utils.safe_get_full_fp32_param(p).clone()
         for name, p in engine.module.named_parameters()}  # collective: every rank calls
 if engine.global_rank == 0:
     torch.save(full, out / "expected.pt")
+# As any raw gloo job must: leave the group and free gloo's work objects while Python is whole;
+# left to interpreter teardown they abort the process now and then (see mpt/backends/ddp.py).
+torch.distributed.destroy_process_group()
+gc.collect()
