@@ -6,6 +6,7 @@ argument, the value and the fix, not a traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -65,8 +66,9 @@ def launch(
                                       "CPU processes on gloo without CUDA).")] = "1",
     nr: Annotated[str, typer.Option(metavar="R", help="Rank of this node, 0..nodes-1.")] = "0",
     master_addr: Annotated[str, typer.Option(help="Address of node 0.")] = "127.0.0.1",
-    master_port: Annotated[str, typer.Option(metavar="PORT",
-                                             help="Rendezvous port on node 0.")] = "29500",
+    master_port: Annotated[str, typer.Option(
+        metavar="PORT", help="Rendezvous port on node 0; auto picks a free one (one node "
+        "only).")] = "29500",
     backend: Annotated[str, typer.Option(help="Distributed backend (see `mpt backends`).")] = "ddp",
     precision: Annotated[str, typer.Option(
         help="fp32, fp16-mixed, bf16-mixed, or Apex's opt levels O0, O1, O2, O3 (O2-bf16, "
@@ -81,9 +83,30 @@ def launch(
         metavar="DTYPE", help="Opt levels O1-O3: cast the model to float16, bfloat16 or "
         "float32.")] = None,
     log_dir: Annotated[Path | None, typer.Option(
-        help="Also write each rank's output to a file here.")] = None,
+        metavar="DIR", help="Write each rank's stdout and stderr to DIR/rank<R>.log (an earlier "
+        "job's logs move to DIR/previous-<time>/); only --tee ranks reach the console.")] = None,
+    tee: Annotated[str | None, typer.Option(
+        metavar="RANKS", help="With --log-dir: the global ranks also shown on the console, each "
+        "line prefixed with its rank; comma-separated, or 'all' (default 0).")] = None,
     max_restarts: Annotated[str, typer.Option(
         metavar="K", help="Restart the whole gang this often after a failure.")] = "0",
+    checkpoint_dir: Annotated[str | None, typer.Option(
+        metavar="DIR", help="Where rt.save() writes and rt.resume() looks (a path or fsspec "
+        "URL).")] = None,
+    resume: Annotated[str | None, typer.Option(
+        metavar="FROM", help="rt.resume(): auto (the latest checkpoint of --checkpoint-dir, if "
+        "any; the default), never, or a checkpoint's path.")] = None,
+    timeout: Annotated[str | None, typer.Option(
+        metavar="SECONDS", help="A collective that waits longer for its peers fails instead of "
+        "hanging (default 1800).")] = None,
+    heartbeat_timeout: Annotated[str, typer.Option(
+        metavar="SECONDS", help="Report a rank that made no progress for this long; 0 = "
+        "never.")] = "300",
+    grace_period: Annotated[str, typer.Option(
+        metavar="SECONDS", help="Time a rank gets to exit (or to save, when preempted) before "
+        "SIGKILL.")] = "30",
+    rdzv_timeout: Annotated[str, typer.Option(
+        metavar="SECONDS", help="How long node 0 waits for the other nodes to arrive.")] = "900",
     global_batch_size: Annotated[str | None, typer.Option(
         metavar="B", help="Samples per optimizer step over all processes; per-rank batch and "
         "accumulation follow (rt.batch_size, rt.accumulate).")] = None,
@@ -160,15 +183,22 @@ def launch(
     spec = launchers.LaunchSpec(
         script=script, script_args=tuple(script_args or ()), nodes=_int("--nodes", nodes),
         gpus=_int("--gpus", gpus), nr=_int("--nr", nr), master_addr=master_addr,
-        master_port=launchers.parse_port(master_port), backend=backend, precision=precision,
+        master_port=launchers.parse_port(master_port, _int("--nodes", nodes)), backend=backend,
+        precision=precision,
         loss_scale=loss_scale, backend_options=backend_options, log_dir=log_dir,
         precision_options={k: v for k, v in {
             "keep_batchnorm_fp32": keep_batchnorm_fp32, "master_weights": master_weights,
             "cast_model_type": cast_model_type}.items() if v is not None},
-        max_restarts=_int("--max-restarts", max_restarts),
+        max_restarts=_int("--max-restarts", max_restarts), checkpoint_dir=checkpoint_dir,
+        resume=resume, timeout=_maybe(_number, "--timeout", timeout),
+        heartbeat_timeout=_number("--heartbeat-timeout", heartbeat_timeout),
+        grace_period=_int("--grace-period", grace_period),
+        rdzv_timeout=_int("--rdzv-timeout", rdzv_timeout),
         global_batch_size=_maybe(_int, "--global-batch-size", global_batch_size),
         lr_scaling=lr_scaling, run_dir=run_dir, quiet=quiet,
         log_every=parse_log_every(log_every), metrics_all_ranks=metrics_all_ranks)
+    if tee is not None:  # checked against the world, so after the spec has checked the world
+        spec = dataclasses.replace(spec, tee=_tee(tee, spec))
     if hosts or hostfile or _horovodrun_starts(spec.backend):
         _launch_horovodrun(spec, hosts, hostfile, horovod_controller, dry_run)
         return
@@ -179,13 +209,21 @@ def launch(
     spec.check_machine(cuda_devices)
     if not cuda_devices:
         err.print(f"mpt: no CUDA device here: running {spec.gpus} CPU process(es) per node on gloo")
-    failure = launchers.run(spec)
-    if failure is not None:
-        how = (f"was killed by {failure.signal}" if failure.signal
-               else f"exited with code {failure.exit_code}")
-        err.print(f"mpt: rank {failure.rank} (node {spec.nr}, local rank "
-                  f"{failure.local_rank}) {how}; the job was stopped")
-        raise typer.Exit(failure.exit_code)
+    outcome = launchers.run(spec, report=err.print)
+    for line in outcome.lines:
+        err.print(line)
+    if outcome.exit_code:
+        raise typer.Exit(outcome.exit_code)
+
+
+def _tee(value: str, spec: LaunchSpec) -> frozenset[int]:
+    """``--tee``'s ranks; it selects among the log files, so it needs ``--log-dir``."""
+    from mpt.launchers.logs import parse_tee
+
+    if spec.log_dir is None:
+        raise UsageError("--tee", value, "it needs --log-dir (without it every rank prints to "
+                         "the console)", "add --log-dir DIR, or leave --tee out")
+    return parse_tee(value, spec.world.world_size)
 
 
 def _maybe(parse: Callable[[str, str], T], flag: str, value: str | None) -> T | None:
@@ -212,6 +250,7 @@ def _launch_horovodrun(spec: LaunchSpec, hosts: str | None, hostfile: Path | Non
     """Run the whole job (every node) through one horovodrun; its exit code becomes ours."""
     import shlex
 
+    from mpt.fault import REQUEUE_EXIT_CODE
     from mpt.launchers import horovodrun
 
     if not _horovodrun_starts(spec.backend):
@@ -226,9 +265,12 @@ def _launch_horovodrun(spec: LaunchSpec, hosts: str | None, hostfile: Path | Non
         out.print(f"{settings} {shlex.join(command)}")
         return
     code, rank = horovodrun.run(spec, job_hosts, controller)
-    if code:
+    if code == REQUEUE_EXIT_CODE:
+        err.print(f"mpt: preempted: the ranks saved and exited {code} (requeue me)")
+    elif code:
         err.print(f"mpt: horovodrun {'rank ' + rank + ' ' if rank else ''}exited with code "
                   f"{code}; the job was stopped")
+    if code:
         raise typer.Exit(code)
 
 

@@ -21,8 +21,9 @@ from mpt._native import bind_to_parent
 from mpt.backends import Backend, get_backend
 from mpt.data import DistributedLoader
 from mpt.environments import World, detect_world, device_name
-from mpt.environments.settings import launcher_pid, read_settings
+from mpt.environments.settings import launch_dir, launcher_pid, read_settings
 from mpt.errors import UsageError
+from mpt.fault import REQUEUE_EXIT_CODE, Heartbeat, Preemption
 from mpt.metrics import MetricsConfig, Monitor
 from mpt.precision import LossScaleConfig, Precision, check_precision, make_precision
 from mpt.scaling import BatchPlan, check_lr_scaling, lr_factor, plan_batch
@@ -37,6 +38,21 @@ def _parse_accumulate(argument: str, value: object) -> int:
         raise UsageError(argument, value, "it must be a whole number of at least 1",
                          f"pass {argument}=1 for no accumulation, or more")
     return number
+
+
+def _parse_timeout(flags: Mapping[str, Any]) -> timedelta:
+    """``--timeout`` seconds as a timedelta; 30 minutes (torch's default) when not given."""
+    value = flags.get("timeout")
+    if value is None:
+        return timedelta(minutes=30)
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0
+    if seconds <= 0:
+        raise UsageError("--timeout", value, "it must be a positive number of seconds",
+                         "pass --timeout 600, for example")
+    return timedelta(seconds=seconds)
 
 
 def _die_with_launcher(pid: int | None) -> None:
@@ -75,7 +91,8 @@ class Runtime:
         precision: ``fp32``, ``fp16-mixed``, ``bf16-mixed`` (or another registered name).
         accumulate: micro-batches per optimizer step; gradients are reduced on the last only.
         loss_scale: ``"dynamic"``, a static scale, or a ``LossScaleConfig``, for fp16.
-        timeout: how long a collective may wait before failing instead of hanging.
+        timeout: how long a collective may wait before failing instead of hanging
+            (`mpt launch --timeout`; default 30 minutes).
         seed: seed of the per-epoch shuffle of ``setup_dataloader``.
         backend_options: the backend's own options (e.g. DeepSpeed's ``zero_stage``); they
             update those `mpt launch` passed.
@@ -93,24 +110,31 @@ class Runtime:
         log_every: optimizer steps between two metric records (`mpt launch --log-every`).
         metrics_all_ranks: every rank writes its metrics, not only rank 0
             (`mpt launch --metrics-all-ranks`).
+        checkpoint_dir: where ``save`` writes and ``resume`` looks by default, and where a
+            preempted run saves (`mpt launch --checkpoint-dir`); a path or fsspec URL.
+        resume: what ``resume`` loads: ``"auto"`` (the latest checkpoint of ``checkpoint_dir``,
+            if any; the default), ``"never"``, or one checkpoint's path (`mpt launch --resume`).
         env: the environment to read (``os.environ`` by default).
     """
 
     def __init__(self, backend: str | None = None, precision: str | None = None, *,
                  accumulate: int | None = None,
                  loss_scale: str | float | LossScaleConfig | None = None,
-                 timeout: timedelta = timedelta(minutes=30), seed: int = 0,
+                 timeout: timedelta | None = None, seed: int = 0,
                  backend_options: Mapping[str, Any] | None = None,
                  precision_options: Mapping[str, Any] | None = None,
                  global_batch_size: int | None = None, batch_size: int | None = None,
                  lr_scaling: str | None = None,
                  run_dir: str | os.PathLike[str] | None = None, quiet: bool | None = None,
                  log_every: int | None = None, metrics_all_ranks: bool | None = None,
+                 checkpoint_dir: str | os.PathLike[str] | None = None, resume: str | None = None,
                  env: Mapping[str, str] | None = None) -> None:
         env = os.environ if env is None else env
         _die_with_launcher(launcher_pid(env))
         flags = read_settings(env)
         self.world: World = detect_world(env)
+        scratch = launch_dir(env)  # under `mpt launch`: its stall watch reads our heartbeat
+        self._heartbeat = Heartbeat(scratch, self.world.rank) if scratch else None
         self.device = torch.device(device_name(self.world.local_rank, torch.cuda.is_available()))
         if accumulate is None and "accumulate" in flags:
             accumulate = _parse_accumulate("accumulate", flags["accumulate"])
@@ -132,9 +156,17 @@ class Runtime:
             {**flags.get("precision_options", {}), **(precision_options or {})})
         self.backend: Backend = get_backend(backend or flags.get("backend", "ddp"))(
             world=self.world, device=self.device, precision=self.precision,
-            accumulate=self.accumulate, timeout=timeout,
+            accumulate=self.accumulate, timeout=timeout or _parse_timeout(flags),
             options={**flags.get("backend_options", {}), **(backend_options or {})})
         self.seed = seed
+        self.checkpoint_dir = checkpoint_dir or flags.get("checkpoint_dir")
+        """Default root of ``save`` and ``resume`` (None: pass a path to them)."""
+        self.resume_from = checkpoint.check_resume("resume", resume or flags.get("resume"))
+        """``auto``, ``never`` or a checkpoint path: what ``resume`` loads."""
+        self.global_step = 0
+        """Optimizer steps taken, counted on from a loaded checkpoint's step."""
+        self._scheduler: checkpoint.Stateful | None = None  # saved with a preempted run
+        self._preemption = Preemption()
         metrics = MetricsConfig.resolve(flags, run_dir=run_dir, quiet=quiet, log_every=log_every,
                                         all_ranks=metrics_all_ranks)
         self.backend.init_process_group()
@@ -223,7 +255,9 @@ class Runtime:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch, scaled for precision and divided for accumulation."""
         model, _ = self._require_setup()
+        self._mark("backward")
         self.backend.backward(loss)
+        self._mark("script")
         self.monitor.on_backward(loss)  # kept on the device; read every log_every steps
         self._micro_step += 1
         if self.accumulate > 1:
@@ -236,6 +270,7 @@ class Runtime:
         model, optimizer = self._require_setup()
         if self.is_accumulating:
             return None
+        self._mark("step")  # the norm is reduced across ranks under sharding backends
         norm = self.backend.clip_grad_norm_(model, optimizer, max_norm, norm_type)
         self.monitor.on_grad_norm(norm)
         return norm
@@ -245,14 +280,33 @@ class Runtime:
 
         Returns True when the parameters changed; False while accumulating or when fp16
         gradients overflowed (that step is skipped on every rank and the loss scale backs off).
+        When the job is preempted (`mpt launch` got SIGTERM or SIGUSR1), every rank ends at the
+        same step: it saves to ``checkpoint_dir`` and exits with ``REQUEUE_EXIT_CODE``.
         """
         model, optimizer = self._require_setup()
         if self.is_accumulating or self._micro_step == 0:
             return False
+        self._mark("step")
         stepped = self.backend.optimizer_step(model, optimizer)
         self.backend.zero_grad(optimizer)
+        self.global_step += 1
         self.monitor.on_step(optimizer)
+        if self._preemption.should_stop(self.backend.sum_async):
+            self._stop_preempted()
+        self._mark("script", self.global_step)
         return stepped
+
+    def _stop_preempted(self) -> None:
+        """Save where every rank agreed to stop, then exit with the code that asks for a requeue."""
+        if self.checkpoint_dir is not None:
+            where = self.save(step=self.global_step)
+            self.print(f"mpt: preempted: saved step {self.global_step} to {where}; exiting with "
+                       f"{REQUEUE_EXIT_CODE} (requeue)")
+        else:
+            self.print(f"mpt: preempted at step {self.global_step} with no --checkpoint-dir: "
+                       f"nothing saved; exiting with {REQUEUE_EXIT_CODE}")
+        self.close()
+        raise SystemExit(REQUEUE_EXIT_CODE)
 
     def progress(self, total: int | None = None, *, samples_per_step: int | None = None) -> None:
         """Tell the progress bar the run's optimizer steps (for its ETA) and, where the loader
@@ -276,17 +330,25 @@ class Runtime:
 
     # -- collectives --------------------------------------------------------------------------
     def barrier(self) -> None:
+        self._mark("collective")
         self.backend.barrier()
+        self._mark("script")
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         """Reduce a tensor across ranks in place (``sum``, ``mean``, ``max``, ``min``)."""
-        return self.backend.all_reduce(tensor, op)
+        self._mark("collective")
+        result = self.backend.all_reduce(tensor, op)
+        self._mark("script")
+        return result
 
     # -- checkpoints --------------------------------------------------------------------------
-    def save(self, path: str | os.PathLike[str], *, step: int = 0, epoch: int | None = None,
-             scheduler: checkpoint.Stateful | None = None, keep: int | None = None,
-             sharded: bool | None = None, **extra: Any) -> str:
+    def save(self, path: str | os.PathLike[str] | None = None, *, step: int | None = None,
+             epoch: int | None = None, scheduler: checkpoint.Stateful | None = None,
+             keep: int | None = None, sharded: bool | None = None, **extra: Any) -> str:
         """Checkpoint the run into ``path/step-<step>/`` and point ``path/latest`` at it.
+
+        ``path`` defaults to ``checkpoint_dir``, ``step`` to ``global_step``, ``scheduler`` to
+        the last one given to ``save``, ``load`` or ``resume``.
 
         Saved: full weights, optimizer state and precision state (loss scale, masters), the
         ``scheduler``'s state, the sampler position of every ``setup_dataloader`` loader, every
@@ -296,8 +358,13 @@ class Runtime:
         through torch.distributed.checkpoint (default: when they pass 2 GiB). ``path`` may be
         an fsspec URL (``s3://...``). Returns the checkpoint directory's URL.
         """
-        return checkpoint.save_checkpoint(path, self._training_state(scheduler), step=step,
-                                          epoch=epoch, extra=extra, keep=keep, sharded=sharded)
+        self._mark("checkpoint")
+        where = checkpoint.save_checkpoint(
+            self._root(path, "save"), self._training_state(scheduler),
+            step=self.global_step if step is None else step, epoch=epoch, extra=extra, keep=keep,
+            sharded=sharded)
+        self._mark("script")
+        return where
 
     def load(self, path: str | os.PathLike[str], *,
              scheduler: checkpoint.Stateful | None = None) -> dict[str, Any]:
@@ -307,20 +374,67 @@ class Runtime:
         Works at any world size and under any backend. Returns ``{"step": ..., "epoch": ...
         (when known), **extra}``. Call ``setup_dataloader`` before, so loaders resume mid-epoch.
         """
+        self._mark("checkpoint")
         info = checkpoint.load_checkpoint(path, self._training_state(scheduler))
+        self.global_step = info["step"]
         self.monitor.resume_at(info["step"])  # metrics and progress go on from the saved step
+        self._mark("script", self.global_step)
         return info
+
+    def resume(self, *, scheduler: checkpoint.Stateful | None = None) -> dict[str, Any]:
+        """Load what the run's ``resume`` setting names, if anything: call it once, after
+        ``setup`` and ``setup_dataloader``, and train on from the returned ``"step"``.
+
+        ``auto`` loads the latest complete checkpoint of ``checkpoint_dir`` and starts afresh
+        when there is none, so the same command starts a job, resumes it after a crash or a
+        preemption, and a restart by ``--max-restarts`` loses no step. ``never`` starts afresh
+        and refuses a ``checkpoint_dir`` that holds checkpoints already (they would be
+        overwritten). Returns ``load``'s result, or ``{"step": 0}`` for a fresh start.
+        """
+        self._scheduler = scheduler or self._scheduler
+        found = (None if self.checkpoint_dir is None
+                 else checkpoint.find_latest(self.checkpoint_dir))
+        if self.resume_from == "never":
+            if found is not None:
+                raise UsageError("--resume", "never", f"{self.checkpoint_dir} already holds "
+                                 f"{found}; a fresh run would overwrite its steps", "pass "
+                                 "--resume auto to continue it, or another --checkpoint-dir")
+            return {"step": 0}
+        if self.resume_from != "auto":
+            found = self.resume_from
+        if found is None:
+            return {"step": 0}
+        info = self.load(found)
+        self.print(f"mpt: resumed from {found} at step {info['step']}")
+        return info
+
+    def _root(self, path: str | os.PathLike[str] | None, method: str) -> str | os.PathLike[str]:
+        root = path if path is not None else self.checkpoint_dir
+        if root is None:
+            raise UsageError("path", None, f"rt.{method} needs a directory and the run has no "
+                             "checkpoint_dir", "pass one, or `mpt launch --checkpoint-dir DIR`")
+        return root
 
     def _training_state(self, scheduler: checkpoint.Stateful | None) -> checkpoint.TrainingState:
         model, optimizer = self._require_setup()
+        self._scheduler = scheduler or self._scheduler
         return checkpoint.TrainingState(backend=self.backend, model=model, optimizer=optimizer,
-                                        scheduler=scheduler, loaders=self._loaders)
+                                        scheduler=self._scheduler, loaders=self._loaders)
+
+    def _mark(self, phase: str, step: int | None = None) -> None:
+        """Tell the heartbeat where this rank is (a no-op outside `mpt launch`)."""
+        if self._heartbeat is not None:
+            self._heartbeat.mark(phase, step)
 
     # -- teardown -----------------------------------------------------------------------------
     def close(self) -> None:
         """Finish the metrics files and the progress bar, and leave the process group."""
+        self._mark("closing")
+        self._preemption.close()
         self.monitor.close()
         self.backend.shutdown()
+        if self._heartbeat is not None:
+            self._heartbeat.close()
 
     def __enter__(self) -> Runtime:
         return self

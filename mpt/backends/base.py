@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, ClassVar
@@ -156,3 +156,9 @@ class Backend(ABC):
     @abstractmethod
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Return rank ``src``'s ``obj`` on every rank."""
+
+    @abstractmethod
+    def sum_async(self, tensor: torch.Tensor) -> Callable[[], None]:
+        """Start summing the small CPU ``tensor`` over all ranks in place, off the training
+        stream; return the function that waits for the sum. The runtime's per-step decisions
+        (preemption) go through it, so no rank ever waits for the device to learn them."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,6 +18,10 @@ from mpt.errors import UsageError
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
+def _done() -> None:
+    """The wait of a sum over a world of one: there is nothing to wait for."""
+
+
 class DDPBackend(Backend):
     """One model replica per process; DDP averages gradients in buckets during backward.
 
@@ -25,6 +30,8 @@ class DDPBackend(Backend):
     """
 
     name = "ddp"
+    _control: dist.ProcessGroup | None = None
+    """The CPU group of ``sum_async`` (set on first use)."""
 
     @classmethod
     def availability(cls) -> Availability:
@@ -48,12 +55,21 @@ class DDPBackend(Backend):
         # tcp:// with the world's explicit address rather than env://: the address may come from
         # SLURM or MPI variables that torch's env:// would not understand. Under torchrun-style
         # launchers torch reuses the agent's store on that port instead of binding it twice.
+        where: dict[str, Any] = {
+            "init_method": f"tcp://{self.world.master_addr}:{self.world.master_port}"}
+        if self.world.attempt:
+            # A restarted gang: torch's static rendezvous keeps the agent's store across
+            # restarts, so without a prefix of its own the new gang would read the dead one's
+            # addresses (gloo: "connectFullMesh failed ... Connection refused").
+            store = dist.TCPStore(self.world.master_addr, self.world.master_port,
+                                  self.world.world_size, is_master=False, timeout=self.timeout)
+            where = {"store": dist.PrefixStore(f"mpt/attempt-{self.world.attempt}", store)}
         dist.init_process_group(
             backend="nccl" if self.device.type == "cuda" else "gloo",
-            init_method=f"tcp://{self.world.master_addr}:{self.world.master_port}",
             rank=self.world.rank,
             world_size=self.world.world_size,
             timeout=self.timeout,
+            **where,
         )
         atexit.register(self.shutdown)  # for scripts that never call rt.close()
 
@@ -101,3 +117,13 @@ class DDPBackend(Backend):
         box = [obj]
         dist.broadcast_object_list(box, src=src)
         return box[0]
+
+    def sum_async(self, tensor: torch.Tensor) -> Callable[[], None]:
+        if not dist.is_initialized():
+            return _done
+        if self._control is None:
+            # A gloo group of its own, on the CPU: under NCCL the default group would tie the
+            # decision to the GPU stream. Created on first use, which every rank reaches at the
+            # same step.
+            self._control = dist.new_group(backend="gloo", timeout=self.timeout)
+        return dist.all_reduce(tensor, group=self._control, async_op=True).wait

@@ -9,6 +9,7 @@ once per step, for every precision. ``horovod`` is imported here only, when the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any, ClassVar
 
@@ -200,6 +201,12 @@ class HorovodBackend(Backend):
             raise UsageError("op", op, "unknown reduction", f"use one of "
                              f"{', '.join(_COLLECTIVE_OPS)}")
         return hvd.allreduce_(tensor, op=getattr(hvd, _COLLECTIVE_OPS[op]))
+
+    def sum_async(self, tensor: torch.Tensor) -> Callable[[], None]:
+        hvd = self._require()
+        # One at a time (the runtime waits before it starts the next), so one name serves.
+        handle = hvd.allreduce_async_(tensor, op=hvd.Sum, name="mpt.sum_async")
+        return lambda: hvd.synchronize(handle)
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         # Horovod matches collectives across ranks by name, and names this one after the type

@@ -31,6 +31,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from mpt.checkpoint.format import MANIFEST, CheckpointError, Manifest
+from mpt.errors import UsageError
 
 LATEST = "latest"
 _TMP, _TRASH = ".tmp-", ".trash-"
@@ -219,6 +220,24 @@ def prune(root: Location, keep: int, protect: str) -> list[str]:
         root.remove(name)
     root.remove_leftovers()
     return doomed
+
+
+def find_latest(url: str | os.PathLike[str]) -> str | None:
+    """The URL of the checkpoint ``resolve(url)`` would load, or None where there is none."""
+    try:
+        return resolve(url).url
+    except CheckpointError:
+        return None
+
+
+def check_resume(argument: str, value: str | None) -> str:
+    """A ``resume`` setting, checked: ``auto`` (the default), ``never``, or a checkpoint path."""
+    if value in (None, "auto", "never"):
+        return value or "auto"
+    if find_latest(value) is None:
+        raise UsageError(argument, value, "no checkpoint there", "pass auto, never, or a "
+                         "directory rt.save wrote (a root or one step-N inside it)")
+    return value
 
 
 def resolve(url: str | os.PathLike[str]) -> Location:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import ClassVar, NamedTuple, Protocol
 
 from mpt.environments.world import World
@@ -144,8 +145,11 @@ class TorchElastic:
         names = _Names(rank="RANK", size="WORLD_SIZE", local_rank="LOCAL_RANK",
                        local_size=_first_set(env, "LOCAL_WORLD_SIZE", "LOCAL_SIZE"),
                        node_rank=_first_set(env, "GROUP_RANK", "CROSS_RANK"))
-        return _read_world(env, TorchElastic.name, names, hint="start every node with the same "
-                           "--nproc-per-node and leave the variables torchrun sets unchanged")
+        world = _read_world(env, TorchElastic.name, names, hint="start every node with the same "
+                            "--nproc-per-node and leave the variables torchrun sets unchanged")
+        if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            return world  # a store of its own per attempt (torchrun's c10d rendezvous)
+        return replace(world, attempt=int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
 
 
 class _RankVariables:

@@ -24,6 +24,9 @@ SETTINGS = {
     "metrics_all_ranks": "MPT_METRICS_ALL_RANKS",
     "global_batch_size": "MPT_GLOBAL_BATCH_SIZE",
     "lr_scaling": "MPT_LR_SCALING",
+    "timeout": "MPT_TIMEOUT",
+    "checkpoint_dir": "MPT_CHECKPOINT_DIR",
+    "resume": "MPT_RESUME",
 }
 """Runtime argument -> environment variable carrying it from `mpt launch` to the workers."""
 
@@ -38,13 +41,24 @@ LAUNCHER_PID = "MPT_LAUNCHER_PID"
 
 
 FAILURE_DIR = "MPT_FAILURE_DIR"
-"""Folder where each worker of `mpt launch` notes when it failed (see mpt.launchers.worker)."""
+"""The launcher's scratch folder: each worker of `mpt launch` notes there how it ended (see
+mpt.launchers.worker) and keeps its heartbeat there (see mpt.fault.heartbeat)."""
+
+
+LOG_FILE = "MPT_LOG_FILE"
+"""This worker's log file under `mpt launch --log-dir`. Its stdout already goes there; the worker
+then sends its stderr to the same file (see mpt.launchers.logs), so tracebacks stay in order."""
 
 
 def launcher_pid(env: Mapping[str, str]) -> int | None:
     """The pid of the `mpt launch` that started this process, if one did."""
     value = env.get(LAUNCHER_PID, "")
     return int(value) if value.isdigit() else None
+
+
+def launch_dir(env: Mapping[str, str]) -> str | None:
+    """The scratch folder of the `mpt launch` that started this process, if one did."""
+    return env.get(FAILURE_DIR) or None
 
 
 def read_settings(env: Mapping[str, str]) -> dict[str, Any]:

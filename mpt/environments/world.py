@@ -41,6 +41,9 @@ class World:
     """TCP port of the rendezvous on node 0."""
     source: str = "local"
     """Which launcher or cluster environment this world was read from."""
+    attempt: int = 0
+    """How often the launcher restarted the gang before this start, where every start meets in
+    the launcher's one store (`mpt launch`): the process group keeps each attempt's keys apart."""
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus"):

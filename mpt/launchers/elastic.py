@@ -13,13 +13,21 @@ import os
 import signal
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import FrameType
 
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed import DistError
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from mpt.environments.settings import FAILURE_DIR, LAUNCHER_PID
+from mpt.fault import REQUEUE_EXIT_CODE, Beat, StallWatch, read_beats, suspects
+from mpt.fault.heartbeat import WAITING_PHASES
+from mpt.fault.preemption import PREEMPT_SIGNAL
+from mpt.launchers.logs import LOG_LINE_PREFIX, rank_logs
 from mpt.launchers.notes import Note
 from mpt.launchers.spec import LaunchSpec
 
@@ -40,8 +48,7 @@ class Failure:
 
 def torch_launch_config(spec: LaunchSpec) -> LaunchConfig:
     """The torchrun ``LaunchConfig`` equivalent of ``spec``."""
-    logs = (DefaultLogsSpecs(log_dir=str(spec.log_dir), redirects=Std.ALL, tee=Std.ALL)
-            if spec.log_dir else DefaultLogsSpecs())
+    logs = rank_logs(spec.log_dir, spec.tee)
     return LaunchConfig(
         min_nodes=spec.nodes,
         max_nodes=spec.nodes,
@@ -49,11 +56,15 @@ def torch_launch_config(spec: LaunchSpec) -> LaunchConfig:
         run_id=f"mpt-{spec.master_port}",
         rdzv_backend="static",
         rdzv_endpoint=f"{spec.master_addr}:{spec.master_port}",
-        rdzv_configs={"rank": spec.nr},
+        rdzv_configs={"rank": spec.nr, "timeout": spec.rdzv_timeout},
         max_restarts=spec.max_restarts,
+        shutdown_timeout=spec.grace_period,
+        # SIGTERM and SIGUSR1 are mpt's own (see Preemption): they preempt rather than kill.
+        signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
         monitor_interval=0.1,
         start_method="spawn",
         logs_specs=logs,
+        log_line_prefix_template=LOG_LINE_PREFIX,
     )
 
 
@@ -83,6 +94,7 @@ def root_cause(failures: dict[int, ProcessFailure], notes: dict[int, Note]) -> F
             return 2, failure.timestamp
         return 0, failure.timestamp
 
+    notes = {pid: note for pid, note in notes.items() if note.exit_code}  # not clean exits
     rank, failure = min(failures.items(), key=order)
     if failure.pid in notes:
         # The script's own code: the agent's SIGTERM may still catch the rank on its way out
@@ -95,15 +107,95 @@ def root_cause(failures: dict[int, ProcessFailure], notes: dict[int, Note]) -> F
                    signal=failure.signal_name() if code < 0 else "")
 
 
-def run(spec: LaunchSpec) -> Failure | None:
-    """Run this node's share of the job to the end; the first failure, or None on success."""
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
-    with tempfile.TemporaryDirectory(prefix="mpt-failures-") as failure_dir:
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How this node's share of the job ended: the code `mpt launch` exits with, and why."""
+
+    exit_code: int
+    """0, the failed rank's code, REQUEUE_EXIT_CODE after a clean preemption, or 128+signal."""
+    lines: tuple[str, ...] = ()
+    """What `mpt launch` prints about it, one finding per line."""
+
+
+class Preemption:
+    """SIGTERM or SIGUSR1 to `mpt launch` (a scheduler's notice) becomes SIGUSR1 to the workers.
+
+    The handler raises torch's ``SignalException`` with SIGUSR1 as its signal: the elastic agent
+    then does what it does for its own signals, without restarting anything: it sends that
+    signal to every worker, gives them the grace period to finish the step and save, and
+    SIGKILLs the rest. Further signals while they save are ignored.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.received: str = ""
+        """The name of the signal that preempted the job ("" while none did)."""
+        self._previous = {sig: signal.signal(sig, self._on_signal) for sig in self.SIGNALS}
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if not self.received:
+            self.received = signal.Signals(signum).name
+            raise SignalException(f"preempted by {self.received}", sigval=PREEMPT_SIGNAL)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def outcome(self, spec: LaunchSpec, notes: dict[int, Note]) -> Outcome:
+        """Requeue when every rank of this node saved and exited; else the signal's code."""
+        codes = {note.rank: note.exit_code for note in notes.values()}
+        ranks = [rank for _, _, rank in spec.world.all_processes() if _ == spec.nr]
+        missing = [r for r in ranks if codes.get(r) not in (0, REQUEUE_EXIT_CODE)]
+        if not missing:
+            code = REQUEUE_EXIT_CODE if REQUEUE_EXIT_CODE in codes.values() else 0
+            return Outcome(code, (f"mpt: preempted by {self.received}: every rank of node "
+                                  f"{spec.nr} stopped at the same step"
+                                  + (f" and exited {code} (requeue me)" if code else ""),))
+        return Outcome(128 + signal.Signals[self.received].value, (
+            f"mpt: preempted by {self.received}: rank(s) {', '.join(map(str, missing))} did "
+            f"not save and exit within --grace-period {spec.grace_period} s (do they call "
+            "rt.step() with a --checkpoint-dir?)",))
+
+
+def describe(failure: Failure, spec: LaunchSpec, beats: dict[int, Beat]) -> tuple[str, ...]:
+    """The lines that report ``failure``, and the rank that likely caused it when the failed
+    rank died waiting in a collective (a timeout) while a peer was elsewhere."""
+    how = (f"was killed by {failure.signal}" if failure.signal
+           else f"exited with code {failure.exit_code}")
+    lines = [f"mpt: rank {failure.rank} (node {spec.nr}, local rank {failure.local_rank}) {how};"
+             " the job was stopped"]
+    failed = beats.get(failure.rank)
+    if failed is not None and failed.phase in WAITING_PHASES:
+        now = time.time()
+        lines += [f"mpt: {beat.describe(now)} while rank {failure.rank} waited for it: the likely "
+                  "cause" for beat in suspects(beats, now) if beat.rank != failure.rank]
+    return tuple(lines)
+
+
+def run(spec: LaunchSpec, report: Callable[[str], None]) -> Outcome:
+    """Run this node's share of the job to the end. ``report`` gets the stall warnings of the
+    heartbeat watch while it runs."""
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)  # mpt reports
+    with tempfile.TemporaryDirectory(prefix="mpt-launch-") as scratch:
         # The elastic agent passes its own environment on to the workers.
-        os.environ.update(worker_env(spec, failure_dir))
+        os.environ.update(worker_env(spec, scratch))
+        watch = StallWatch(scratch, spec.heartbeat_timeout, report)
+        preemption = Preemption()
         try:
             elastic_launch(torch_launch_config(spec), sys.executable)(
                 "-u", "-m", "mpt.launchers.worker", str(spec.script), *spec.script_args)
         except ChildFailedError as err:
-            return root_cause(err.failures, Note.read_all(failure_dir))
-    return None
+            failure = root_cause(err.failures, Note.read_all(scratch))
+            return Outcome(failure.exit_code, describe(failure, spec, read_beats(scratch)))
+        except SignalException:
+            return preemption.outcome(spec, Note.read_all(scratch))
+        except DistError as err:  # raised by the agent itself: its store, the rendezvous
+            return Outcome(1, (f"mpt: node {spec.nr} could not meet the other nodes at "
+                               f"{spec.master_addr}:{spec.master_port} ({err}); start `mpt "
+                               "launch` with the same --nodes/--master-addr/--master-port on "
+                               f"every node within --rdzv-timeout ({spec.rdzv_timeout} s)",))
+        finally:
+            preemption.restore()
+            watch.stop()
+    return Outcome(0)

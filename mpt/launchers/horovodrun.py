@@ -11,6 +11,7 @@ only place they take effect is the environment ``hvd.init()`` reads.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -18,13 +19,19 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from types import FrameType
+
+import psutil
 
 from mpt._native import bind_to_parent
 from mpt.environments.settings import FAILURE_DIR
 from mpt.errors import MissingDependencyError, UsageError
+from mpt.fault import REQUEUE_EXIT_CODE
+from mpt.fault.preemption import PREEMPT_SIGNAL
 from mpt.launchers.notes import Note
 from mpt.launchers.spec import LaunchSpec
 
@@ -140,14 +147,44 @@ def horovodrun_executable() -> str:
     return found
 
 
-def run_horovodrun(args: Sequence[str], env: dict[str, str]) -> tuple[int, str]:
+class _Preemption:
+    """SIGTERM or SIGUSR1 to `mpt launch`: SIGUSR1 to this host's workers, which agree on a step
+    with every rank (also those on other hosts), save, and exit with REQUEUE_EXIT_CODE;
+    horovodrun is stopped if they have not finished within the grace period."""
+
+    def __init__(self, process: subprocess.Popen[str], grace_period: float) -> None:
+        self.received = ""
+        self._process, self._grace_period = process, grace_period
+        self._previous = {sig: signal.signal(sig, self._on_signal)
+                          for sig in (signal.SIGTERM, signal.SIGUSR1)}
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.received:
+            return
+        self.received = signal.Signals(signum).name
+        for child in psutil.Process(self._process.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):  # it may have exited meanwhile
+                if "mpt.launchers.worker" in child.cmdline():
+                    child.send_signal(PREEMPT_SIGNAL)
+        timer = threading.Timer(self._grace_period, self._process.terminate)
+        timer.daemon = True
+        timer.start()
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def run_horovodrun(args: Sequence[str], env: dict[str, str],
+                   grace_period: float = 30) -> tuple[int, str]:
     """Run horovodrun with ``args``, ``env`` added; its exit code, or the failed rank's.
 
     horovodrun itself exits 1 whatever a rank's code was. The rank that failed first is taken
     from the failure notes of ``mpt.launchers.worker`` (``worker.Note``) where they were
     written on this host, else from horovodrun's last words on stderr ("Process name: 1 Exit
     code: 3"), which it passes through line by line. Returns
-    ``(code, rank)``; ``rank`` is "" when no rank failed or horovodrun did not say.
+    ``(code, rank)``; ``rank`` is "" when no rank failed or horovodrun did not say. Preempted
+    (SIGTERM or SIGUSR1) with every rank of this host saved, the code is REQUEUE_EXIT_CODE.
     """
     launcher = os.getpid()
 
@@ -162,6 +199,7 @@ def run_horovodrun(args: Sequence[str], env: dict[str, str]) -> tuple[int, str]:
                                    stderr=subprocess.PIPE, text=True, bufsize=1,
                                    preexec_fn=die_with_us)  # before our reader thread: fork-safe
         tail: list[str] = []
+        preemption = _Preemption(process, grace_period)
         try:
             assert process.stderr is not None
             for line in process.stderr:
@@ -169,10 +207,13 @@ def run_horovodrun(args: Sequence[str], env: dict[str, str]) -> tuple[int, str]:
                 tail = [*tail[-20:], line]
             code = process.wait()
         finally:
+            preemption.restore()
             if process.poll() is None:  # interrupted: horovodrun stops its workers itself
                 process.terminate()
                 process.wait()
-        notes = sorted(Note.read_all(failure_dir).values())
+        notes = sorted(n for n in Note.read_all(failure_dir).values() if n.exit_code)
+    if preemption.received and notes and all(n.exit_code == REQUEUE_EXIT_CODE for n in notes):
+        return REQUEUE_EXIT_CODE, ""
     if code and notes and notes[0].rank >= 0:
         # horovodrun names the first process it saw exit, often a peer that failed because
         # the real culprit was already shutting Horovod down; the workers' notes (on this
@@ -191,4 +232,4 @@ def run(spec: LaunchSpec, hosts: list[tuple[str, int]],
     """Run the whole job through horovodrun; ``(exit code, failed rank)`` as run_horovodrun."""
     args = horovodrun_command(spec, hosts, controller)[1:]
     args[args.index("python")] = sys.executable  # the printed "python" is this interpreter
-    return run_horovodrun(args, horovodrun_env(spec))
+    return run_horovodrun(args, horovodrun_env(spec), spec.grace_period)

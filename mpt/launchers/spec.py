@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from mpt.backends import get_backend
+from mpt.checkpoint import check_resume
 from mpt.environments import World
 from mpt.environments.settings import settings_env
 from mpt.errors import UsageError
@@ -16,15 +17,21 @@ from mpt.precision import LossScaleConfig, check_precision, make_precision
 from mpt.scaling import check_lr_scaling, plan_batch
 
 
-def parse_port(value: str) -> int:
-    """A ``--master-port`` value as an int, or a UsageError that says what a port is."""
+def parse_port(value: str, nodes: int) -> int:
+    """A ``--master-port`` value as an int, or a UsageError that says what a port is. ``auto``
+    is a port free now, on a job of one node (the others could not know it)."""
+    if value == "auto":
+        if nodes != 1:
+            raise UsageError("--master-port", value, "the other nodes cannot know the port node 0 "
+                             "would pick", "pass a fixed port, the same on every node")
+        return free_port()
     try:
         port = int(value)
     except ValueError:
         port = 0
     if not 0 < port < 65536:
         raise UsageError("--master-port", value, "a TCP port is a number in 1..65535",
-                         "pass a free port such as 29500")
+                         "pass a free port such as 29500, or auto")
     return port
 
 
@@ -58,8 +65,25 @@ class LaunchSpec:
     """The precision's own options, e.g. Apex's opt-level overrides (MPT_PRECISION_OPTIONS)."""
     log_dir: Path | None = None
     """Where each rank's stdout/stderr is also written, one file per rank."""
+    tee: frozenset[int] = frozenset({0})
+    """Global ranks whose output, with --log-dir, also reaches the console (rank-prefixed)."""
     max_restarts: int = 0
     """How often the whole gang is restarted after a failure before the job fails."""
+    grace_period: int = 30
+    """Seconds a rank gets to exit after SIGTERM (a peer failed) or SIGUSR1 (preemption: finish
+    the step, save) before it is sent SIGKILL."""
+    rdzv_timeout: int = 900
+    """Seconds node 0 waits for the other nodes' launchers to arrive before giving up."""
+    timeout: float | None = None
+    """Seconds a collective may wait for its peers before it fails (MPT_TIMEOUT); None: the
+    runtime's default."""
+    heartbeat_timeout: float = 300.0
+    """Seconds without progress after which the launcher reports a rank as stalled; 0: never."""
+    checkpoint_dir: str | None = None
+    """Where ``rt.save()`` writes and ``rt.resume()`` looks (MPT_CHECKPOINT_DIR); a path or URL."""
+    resume: str | None = None
+    """``auto`` (the latest checkpoint of ``checkpoint_dir``, if any: the default there),
+    ``never``, or one checkpoint's path (MPT_RESUME)."""
     global_batch_size: int | None = None
     """Samples per optimizer step over the whole job (exported as MPT_GLOBAL_BATCH_SIZE)."""
     lr_scaling: str | None = None
@@ -94,6 +118,16 @@ class LaunchSpec:
         if self.max_restarts < 0:
             raise UsageError("--max-restarts", self.max_restarts, "it cannot be negative",
                              "pass 0 to fail on the first error")
+        for flag, value in (("--grace-period", self.grace_period), ("--rdzv-timeout",
+                            self.rdzv_timeout), ("--timeout", self.timeout or 1),
+                            ("--heartbeat-timeout", self.heartbeat_timeout + 1)):
+            if value <= 0:
+                raise UsageError(flag, value, "it must be positive", f"pass {flag} 30, for "
+                                 "example")
+        if self.resume == "auto" and self.checkpoint_dir is None:
+            raise UsageError("--resume", "auto", "there is no --checkpoint-dir to look in",
+                             "pass --checkpoint-dir DIR as well")
+        check_resume("--resume", self.resume)
 
     def worker_env(self) -> dict[str, str]:
         """What every worker inherits, whichever launcher starts it: the run settings as
@@ -103,7 +137,8 @@ class LaunchSpec:
             backend_options=self.backend_options, precision_options=self.precision_options,
             global_batch_size=self.global_batch_size, lr_scaling=self.lr_scaling,
             run_dir=self.run_dir and self.run_dir.absolute(), quiet=self.quiet,
-            log_every=self.log_every, metrics_all_ranks=self.metrics_all_ranks)
+            log_every=self.log_every, metrics_all_ranks=self.metrics_all_ranks,
+            timeout=self.timeout, checkpoint_dir=self.checkpoint_dir, resume=self.resume)
         if self.gpus > 1 and "OMP_NUM_THREADS" not in os.environ:
             # N processes each using every core oversubscribe the CPU (torchrun does the same).
             env["OMP_NUM_THREADS"] = "1"
@@ -118,6 +153,13 @@ class LaunchSpec:
         if self.nr == 0 and not port_is_free(self.master_port):
             raise UsageError("--master-port", self.master_port, "the port is already in use on "
                              "this node", "pick another port, or stop the job that holds it")
+
+
+def free_port() -> int:
+    """A port nothing listens on now, picked by the kernel (``--master-port auto``)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
 
 
 def port_is_free(port: int) -> bool:

@@ -12,10 +12,11 @@ import os
 import runpy
 import sys
 import time
+from collections.abc import Callable
 from types import TracebackType
 
 from mpt.environments import detect_world
-from mpt.environments.settings import FAILURE_DIR
+from mpt.environments.settings import FAILURE_DIR, LOG_FILE
 from mpt.errors import MptError
 from mpt.launchers.notes import Note
 
@@ -43,7 +44,22 @@ def _rank() -> int:
         return -1
 
 
+def _excepthook(logged: bool) -> Callable[[type[BaseException], BaseException,
+                                           TracebackType | None], object]:
+    """``sys.excepthook``; Python's own instead of torch's when the output goes to this rank's log
+    file: torch's puts "[rankN]: " before every line, and the launcher prefixes tee'd lines too."""
+    if logged and getattr(sys.excepthook, "__module__", "") == "torch.distributed.distributed_c10d":
+        return sys.__excepthook__
+    return sys.excepthook
+
+
 def main() -> None:
+    logged = bool(os.environ.get(LOG_FILE))
+    if logged:
+        # stdout already goes to this rank's log file (mpt.launchers.logs); stderr joins it on the
+        # same file description, so a traceback lands after the lines printed before it.
+        sys.stderr.flush()
+        os.dup2(1, 2)
     script, *args = sys.argv[1:]
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python script.py` would
@@ -58,10 +74,10 @@ def main() -> None:
     except Exception as exc:
         # Report it as `python script.py` would: without this shim's and runpy's frames.
         exc.with_traceback(_from_script(exc.__traceback__, script))
-        sys.excepthook(type(exc), exc, exc.__traceback__)
+        _excepthook(logged)(type(exc), exc, exc.__traceback__)
         sys.exit(1)
     finally:
-        if code and failure_dir:
+        if failure_dir:  # clean exits too: a preempted launcher counts the ranks that saved
             Note(time.time_ns(), code, _rank()).write(failure_dir, os.getpid())
 
 if __name__ == "__main__":

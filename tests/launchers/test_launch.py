@@ -96,18 +96,6 @@ def test_dry_run_prints_every_process_and_starts_none(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_log_dir_keeps_one_file_per_rank(tmp_path, free_port):
-    logs = tmp_path / "logs"
-    result = run_mpt("launch", "--gpus", "2", "--master-port", str(free_port), "--log-dir",
-                     str(logs), worker("report_world.py"), str(tmp_path))
-    assert result.returncode == 0, result.stderr
-    for rank in range(2):
-        [stdout] = logs.glob(f"**/attempt_0/{rank}/stdout.log")
-        assert f"report from rank {rank}" in stdout.read_text()
-        assert (stdout.parent / "stderr.log").exists()
-    assert "report from rank 0" in result.stdout  # tee'd to the console as well
-
-
 def test_scripts_that_never_close_the_runtime_exit_cleanly():
     # Left to interpreter teardown, gloo's work objects abort ~1 exit in 6 (SIGABRT, "terminate
     # called without an active exception"); the backend frees them at exit. Several runs, since

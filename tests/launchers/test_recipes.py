@@ -21,22 +21,38 @@ def fake(bin_dir: Path, name: str, body: str) -> None:
 def test_slurm_recipe_launches_each_node_with_its_rank(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    fake(bin_dir, "scontrol", 'printf "gpu-a01\\ngpu-a02\\n"')
+    fake(bin_dir, "scontrol", f'echo "$@" >> {tmp_path}/scontrol; printf "gpu-a01\\ngpu-a02\\n"')
     # srun on the second node: drop srun's own options, set that task's SLURM_NODEID, run.
     fake(bin_dir, "srun", 'shift; SLURM_NODEID=1 exec "$@"')
     fake(bin_dir, "mpt", f'printf "%s\\n" "$@" > {tmp_path}/args')
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
-           "SLURM_JOB_NODELIST": "gpu-a[01-02]", "SLURM_NNODES": "2"}
+           "SLURM_JOB_NODELIST": "gpu-a[01-02]", "SLURM_NNODES": "2", "SLURM_JOB_NAME": "mpt"}
     subprocess.run(["bash", str(ROOT / "launchers/slurm.sbatch"), "examples/digits.py",
                     "--epochs", "3"], env=env, check=True, cwd=ROOT)
     args = (tmp_path / "args").read_text().splitlines()
     assert args == ["launch", "--nodes", "2", "--gpus", "2", "--nr", "1",
                     "--master-addr", "gpu-a01", "--master-port", "14242", "--backend", "ddp",
-                    "--precision", "bf16-mixed", "examples/digits.py", "--epochs", "3"]
+                    "--precision", "bf16-mixed", "--checkpoint-dir", "checkpoints/mpt",
+                    "examples/digits.py", "--epochs", "3"]
+    assert "requeue" not in (tmp_path / "scontrol").read_text()
     # and the real `mpt launch` accepts exactly that command line
     result = run_mpt(*args[:-3], "--dry-run", str(ROOT / "examples/digits.py"))
     assert result.returncode == 0, result.stderr
     assert "gpu-a01:14242" in result.stdout
+
+
+@pytest.mark.parametrize(("code", "requeued"), [(75, True), (3, False)])
+def test_slurm_recipe_requeues_a_preempted_job_and_keeps_other_codes(tmp_path, code, requeued):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake(bin_dir, "scontrol", f'echo "$@" >> {tmp_path}/scontrol; printf "gpu-a01\\n"')
+    fake(bin_dir, "srun", f"exit {code}")  # what `mpt launch` exits with on the node
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
+           "SLURM_JOB_NODELIST": "gpu-a01", "SLURM_NNODES": "1", "SLURM_JOB_NAME": "mpt"}
+    result = subprocess.run(["bash", str(ROOT / "launchers/slurm.sbatch"), "train.py"], env=env,
+                            cwd=ROOT)
+    assert result.returncode == code
+    assert ("requeue 4242" in (tmp_path / "scontrol").read_text()) == requeued
 
 
 def fake_mpt(bin_dir: Path, out_dir: Path) -> None:
