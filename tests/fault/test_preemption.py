@@ -1,0 +1,129 @@
+"""Preemption in one process (the agreement, resume choices) and through real launches."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import mpt_command, pid_alive, worker
+from torch import nn
+
+import mpt
+from mpt.errors import UsageError
+from mpt.fault import REQUEUE_EXIT_CODE, Preemption
+
+
+class Peers:
+    """Sums over ranks the way a backend's ``sum_async`` does: each call starts one sum, and the
+    values of the other 'ranks' (one per call) are added when it is waited for."""
+
+    def __init__(self, others: list[int]) -> None:
+        self.others, self.started = others, 0
+
+    def sum_async(self, tensor: torch.Tensor):
+        other = self.others[self.started]
+        self.started += 1
+        return lambda: tensor.add_(other)
+
+
+def test_every_rank_stops_one_step_after_any_rank_was_asked():
+    preemption = Preemption()
+    # This rank is never signalled; a peer is, during step 3 (it contributes 1 from then on).
+    peers = Peers([0, 0, 1, 1, 1])
+    stops = [preemption.should_stop(peers.sum_async) for _ in range(5)]
+    assert stops == [False, False, False, True, True]  # decided at step 4 from step 3's sum
+    asked = Preemption()
+    asked.requested = True
+    assert [asked.should_stop(Peers([0, 0]).sum_async) for _ in range(2)] == [False, True]
+
+
+def test_the_signal_sets_the_request_and_a_scripts_own_handler_wins():
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+        preemption = Preemption()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert preemption.requested
+        mine = []
+        signal.signal(signal.SIGUSR1, lambda *_: mine.append(1))
+        kept = Preemption()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert mine == [1] and not kept.requested
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def small_run(tmp_path: Path, **kwargs) -> mpt.Runtime:
+    rt = mpt.Runtime(checkpoint_dir=str(tmp_path / "ck"), env={}, **kwargs)
+    model = nn.Linear(3, 1)
+    rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    return rt
+
+
+def train(rt: mpt.Runtime, steps: int) -> None:
+    for _ in range(steps):
+        rt.backward(rt._model(torch.ones(2, 3)).sum())
+        rt.step()
+
+
+def test_resume_auto_starts_afresh_then_resumes_the_latest(tmp_path):
+    rt = small_run(tmp_path)
+    assert rt.resume() == {"step": 0}
+    train(rt, 3)
+    assert rt.global_step == 3
+    rt.save()  # into checkpoint_dir, at global_step
+    assert (tmp_path / "ck/step-000000003").is_dir()
+    again = small_run(tmp_path)
+    assert again.resume()["step"] == 3 and again.global_step == 3
+    assert torch.equal(again._model.weight, rt._model.weight)
+
+
+def test_resume_never_refuses_to_overwrite_and_a_path_must_hold_a_checkpoint(tmp_path):
+    rt = small_run(tmp_path)
+    train(rt, 1)
+    rt.save()
+    with pytest.raises(UsageError, match=r"--resume=never.*already holds"):
+        small_run(tmp_path, resume="never").resume()
+    assert small_run(tmp_path, resume=str(tmp_path / "ck")).resume()["step"] == 1
+    with pytest.raises(UsageError, match=r"resume=.*no checkpoint there"):
+        small_run(tmp_path, resume=str(tmp_path / "nothing"))
+    nowhere = mpt.Runtime(env={})
+    model = nn.Linear(3, 1)
+    nowhere.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(UsageError, match=r"rt\.save needs a directory"):
+        nowhere.save()
+
+
+def test_a_bad_timeout_is_refused():
+    with pytest.raises(UsageError, match="--timeout=0"):
+        mpt.Runtime(env={"MPT_TIMEOUT": "0"})
+    assert mpt.Runtime(env={"MPT_TIMEOUT": "2.5"}).backend.timeout.total_seconds() == 2.5
+
+
+def test_a_preempted_horovod_job_saves_and_exits_75(tmp_path):
+    """ddp and deepspeed are in tests/launchers/test_faults.py; horovodrun relays it too."""
+    ck = tmp_path / "ck"
+    proc = subprocess.Popen(mpt_command("launch", "--gpus", "2", "--backend", "horovod",
+                                        "--checkpoint-dir", str(ck), "--quiet",
+                                        worker("preempt_train.py"), str(tmp_path)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not (tmp_path / "step5").exists():  # a few steps in
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == REQUEUE_EXIT_CODE, stderr
+    assert "preempted" in stderr
+    saved = mpt.checkpoint.find_latest(ck)
+    assert saved is not None and int(saved.rsplit("-", 1)[1]) >= 5
+    assert not any(pid_alive(p) for p in pids)
