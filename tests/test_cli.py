@@ -22,6 +22,12 @@ SCRIPT = worker("report_world.py")
     (["--nodes", "two", SCRIPT], ["--nodes=two", "whole number"]),
     (["--loss-scale", "big", SCRIPT], ["--loss-scale=big", "dynamic"]),
     (["--no-such-flag", SCRIPT], ["--no-such-flag", "mpt launch --help"]),
+    (["--nodes", "2", "--master-port", "auto", SCRIPT], ["--master-port=auto", "fixed port"]),
+    (["--resume", "auto", SCRIPT], ["--resume=auto", "--checkpoint-dir"]),
+    (["--resume", "no/such/ckpt", SCRIPT], ["--resume=no/such/ckpt", "no checkpoint"]),
+    (["--grace-period", "0", SCRIPT], ["--grace-period=0", "positive"]),
+    (["--timeout", "soon", SCRIPT], ["--timeout=soon", "not a number"]),
+    (["--rdzv-timeout", "-5", SCRIPT], ["--rdzv-timeout=-5", "positive"]),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, names):
     result = run_mpt("launch", *args)

@@ -149,6 +149,10 @@ class DeepSpeedBackend(DDPBackend):
     def init_process_group(self) -> None:
         if self.world.is_distributed or dist.is_initialized():
             super().init_process_group()
+            # ZeRO reduces over DeepSpeed's clone of the world group, which it makes without a
+            # timeout (torch's 30 min): made here first, with --timeout, a hung peer fails.
+            groups = importlib.import_module("deepspeed.utils.groups")
+            groups._WORLD_GROUP = groups._WORLD_GROUP or dist.new_group(timeout=self.timeout)
             return
         # DeepSpeed needs a process group even for one process; an in-process store needs no
         # port and no launcher variables.
