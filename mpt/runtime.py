@@ -291,7 +291,7 @@ class Runtime:
         self.backend.zero_grad(optimizer)
         self.global_step += 1
         self.monitor.on_step(optimizer)
-        if self._preemption.should_stop(self.backend.sum_async):
+        if self._preemption.should_stop(self.backend.sum_async, self.world_size):
             self._stop_preempted()
         self._mark("script", self.global_step)
         return stepped

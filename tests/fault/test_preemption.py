@@ -18,28 +18,35 @@ from mpt.errors import UsageError
 from mpt.fault import REQUEUE_EXIT_CODE, Preemption
 
 
-class Peers:
-    """Sums over ranks the way a backend's ``sum_async`` does: each call starts one sum, and the
-    values of the other 'ranks' (one per call) are added when it is waited for."""
+class Exchange:
+    """Sums between two in-process 'ranks' the way a backend's ``sum_async`` does: the i-th sum
+    a rank starts adds up what both ranks gave to their i-th sums."""
 
-    def __init__(self, others: list[int]) -> None:
-        self.others, self.started = others, 0
+    def __init__(self) -> None:
+        self.given: list[list[torch.Tensor]] = [[], []]
 
-    def sum_async(self, tensor: torch.Tensor):
-        other = self.others[self.started]
-        self.started += 1
-        return lambda: tensor.add_(other)
+    def sum_async(self, rank: int):
+        def start(tensor: torch.Tensor):
+            self.given[rank].append(tensor.clone())
+            i = len(self.given[rank]) - 1
+            return lambda: tensor.copy_(self.given[0][i] + self.given[1][i])
+        return start
 
 
-def test_every_rank_stops_one_step_after_any_rank_was_asked():
-    preemption = Preemption()
-    # This rank is never signalled; a peer is, during step 3 (it contributes 1 from then on).
-    peers = Peers([0, 0, 1, 1, 1])
-    stops = [preemption.should_stop(peers.sum_async) for _ in range(5)]
-    assert stops == [False, False, False, True, True]  # decided at step 4 from step 3's sum
-    asked = Preemption()
-    asked.requested = True
-    assert [asked.should_stop(Peers([0, 0]).sum_async) for _ in range(2)] == [False, True]
+def test_both_ranks_stop_after_the_same_step_soon_after_one_was_asked():
+    ranks, exchange = [Preemption(), Preemption()], Exchange()
+    stopped: list[list[int]] = [[], []]
+    for step in range(1, 400):
+        if step == 150:
+            ranks[1].requested = True  # the signal reached rank 1 only
+        time.sleep(0.001)  # a 1 ms step: the checks fall every ~50 steps
+        for rank, preemption in enumerate(ranks):
+            if preemption.should_stop(exchange.sum_async(rank), world_size=2):
+                stopped[rank].append(step)
+    assert stopped[0] and stopped[0] == stopped[1]
+    every = ranks[0].every
+    assert every == ranks[1].every and 10 <= every <= 50  # about CHECK_INTERVAL / 1 ms
+    assert 150 < stopped[0][0] <= 150 + 2 * every + 1
 
 
 def test_the_signal_sets_the_request_and_a_scripts_own_handler_wins():
