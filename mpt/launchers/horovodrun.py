@@ -30,7 +30,7 @@ import psutil
 from mpt._native import bind_to_parent
 from mpt.environments.settings import FAILURE_DIR
 from mpt.errors import MissingDependencyError, UsageError
-from mpt.fault import REQUEUE_EXIT_CODE
+from mpt.fault import REQUEUE_EXIT_CODE, StallWatch
 from mpt.fault.preemption import PREEMPT_SIGNAL
 from mpt.launchers.notes import Note
 from mpt.launchers.spec import LaunchSpec
@@ -147,6 +147,10 @@ def horovodrun_executable() -> str:
     return found
 
 
+def print_err(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 class _Preemption:
     """SIGTERM or SIGUSR1 to `mpt launch`: SIGUSR1 to this host's workers, which agree on a step
     with every rank (also those on other hosts), save, and exit with REQUEUE_EXIT_CODE;
@@ -175,8 +179,8 @@ class _Preemption:
             signal.signal(sig, handler)
 
 
-def run_horovodrun(args: Sequence[str], env: dict[str, str],
-                   grace_period: float = 30) -> tuple[int, str]:
+def run_horovodrun(args: Sequence[str], env: dict[str, str], grace_period: float = 30,
+                   heartbeat_timeout: float = 0) -> tuple[int, str]:
     """Run horovodrun with ``args``, ``env`` added; its exit code, or the failed rank's.
 
     horovodrun itself exits 1 whatever a rank's code was. The rank that failed first is taken
@@ -200,6 +204,7 @@ def run_horovodrun(args: Sequence[str], env: dict[str, str],
                                    preexec_fn=die_with_us)  # before our reader thread: fork-safe
         tail: list[str] = []
         preemption = _Preemption(process, grace_period)
+        watch = StallWatch(failure_dir, heartbeat_timeout, report=print_err)
         try:
             assert process.stderr is not None
             for line in process.stderr:
@@ -208,6 +213,7 @@ def run_horovodrun(args: Sequence[str], env: dict[str, str],
             code = process.wait()
         finally:
             preemption.restore()
+            watch.stop()
             if process.poll() is None:  # interrupted: horovodrun stops its workers itself
                 process.terminate()
                 process.wait()
@@ -232,4 +238,4 @@ def run(spec: LaunchSpec, hosts: list[tuple[str, int]],
     """Run the whole job through horovodrun; ``(exit code, failed rank)`` as run_horovodrun."""
     args = horovodrun_command(spec, hosts, controller)[1:]
     args[args.index("python")] = sys.executable  # the printed "python" is this interpreter
-    return run_horovodrun(args, horovodrun_env(spec), spec.grace_period)
+    return run_horovodrun(args, horovodrun_env(spec), spec.grace_period, spec.heartbeat_timeout)
