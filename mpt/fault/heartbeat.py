@@ -9,6 +9,7 @@ job fails on a collective timeout the rank that was *not* waiting in a collectiv
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import threading
@@ -57,6 +58,7 @@ class Heartbeat:
         self._rank, self._interval = rank, interval
         self._state = (0, "starting", time.time())
         self._stop = threading.Event()
+        self._write()
         self._thread = threading.Thread(target=self._run, name="mpt-heartbeat", daemon=True)
         self._thread.start()
 
@@ -64,15 +66,19 @@ class Heartbeat:
         """Enter ``phase`` (at ``step``, when it changes): two attribute writes, no I/O."""
         self._state = (self._state[0] if step is None else step, phase, time.time())
 
+    def _write(self) -> None:
+        step, phase, since = self._state
+        beat = Beat(self._rank, step, phase, since, time.time())
+        tmp = self._path.with_suffix(f".tmp{threading.get_ident()}")
+        tmp.write_text(json.dumps(asdict(beat)))
+        os.replace(tmp, self._path)  # the launcher never reads half a beat
+
     def _run(self) -> None:
-        while True:
-            step, phase, since = self._state
-            beat = Beat(self._rank, step, phase, since, time.time())
-            tmp = self._path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(asdict(beat)))
-            os.replace(tmp, self._path)  # the launcher never reads half a beat
-            if self._stop.wait(self._interval):
-                return
+        # The last beat also on the way out: a rank that fails within a second of entering its
+        # phase (a peer's death seen in a collective) must still say where it failed.
+        atexit.register(self._write)
+        while not self._stop.wait(self._interval):
+            self._write()
 
     def close(self) -> None:
         self._stop.set()
@@ -83,7 +89,7 @@ def read_beats(folder: str) -> dict[int, Beat]:
     """Every rank's last heartbeat in ``folder``, by rank."""
     beats = {}
     for path in Path(folder).glob("heartbeat-*"):
-        if path.suffix == ".tmp":
+        if path.suffix.startswith(".tmp"):
             continue
         try:
             beat = Beat(**json.loads(path.read_text()))

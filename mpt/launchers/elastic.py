@@ -168,8 +168,13 @@ def describe(failure: Failure, spec: LaunchSpec, beats: dict[int, Beat]) -> tupl
     failed = beats.get(failure.rank)
     if failed is not None and failed.phase in WAITING_PHASES:
         now = time.time()
+        culprits = [beat for beat in suspects(beats, now) if beat.rank != failure.rank]
         lines += [f"mpt: {beat.describe(now)} while rank {failure.rank} waited for it: the likely "
-                  "cause" for beat in suspects(beats, now) if beat.rank != failure.rank]
+                  "cause" for beat in culprits]
+        if not culprits and spec.nodes > 1:
+            lines.append(f"mpt: rank {failure.rank} failed inside a collective with no local rank "
+                         "to blame: a rank on another node probably failed first (see the other "
+                         "nodes' `mpt launch`)")
     return tuple(lines)
 
 

@@ -346,6 +346,7 @@ def test_a_rank_killed_on_one_node_ends_both_launchers(tmp_path, figures):
     assert node1.code == 128 + signal.SIGKILL, node1
     assert "mpt: rank 1 (node 1, local rank 0) was killed by SIGKILL" in node1.stderr, node1
     assert node0.code not in (0, None), node0
+    assert "a rank on another node probably failed first" in node0.stderr, node0
     for job in (node0, node1):
         assert job.ended - fault < EXIT_BOUND, job
     node0.assert_no_process_left()  # both nodes' pids: the same OUT
