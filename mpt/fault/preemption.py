@@ -7,11 +7,12 @@ reads the sum it started at its previous check, so the decision never waits on t
 stream, and every rank stops after the same step even when the signal reached them at different
 points of one.
 
-Starting a sum costs about 0.1 ms of CPU on gloo (measured: benchmarks/preemption_overhead.py),
-too much for every 5 ms step. So the ranks check every ``every`` steps, about every
-``CHECK_INTERVAL`` seconds of training: each check also sums the ranks' step times, and every
-rank derives the next ``every`` from that same sum, so all ranks keep checking at the same steps.
-A request is honoured within about two intervals plus a step.
+A check costs 0.4-1 ms on a 2-core machine whose cores are busy training (gloo's thread must
+wait for a core; measured: benchmarks/preemption_overhead.py), too much for every 5 ms step. So
+the ranks check every ``every`` steps, about every ``CHECK_INTERVAL`` seconds of training: each
+check also sums the ranks' step times, and every rank derives the next ``every`` from that same
+sum, so all ranks keep checking at the same steps. A request is honoured within about two
+intervals plus a step: about a second, against the minutes of notice schedulers give.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ again later". A batch script requeues the job when `mpt launch` exits with it.""
 PREEMPT_SIGNAL = signal.SIGUSR1
 """What `mpt launch` sends its workers when it is told to stop (SIGTERM or SIGUSR1)."""
 
-CHECK_INTERVAL = 0.05
+CHECK_INTERVAL = 0.5
 """Seconds of training between two checks, aimed at (they fall on step boundaries)."""
 
 MAX_EVERY = 1000
