@@ -59,7 +59,7 @@ def torch_launch_config(spec: LaunchSpec) -> LaunchConfig:
         rdzv_configs={"rank": spec.nr, "timeout": spec.rdzv_timeout},
         max_restarts=spec.max_restarts,
         shutdown_timeout=spec.grace_period,
-        # SIGTERM and SIGUSR1 are mpt's own (see Preemption): they preempt rather than kill.
+        # SIGTERM and SIGUSR1 are mpt's own (PreemptionRelay): they preempt rather than kill.
         signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
         monitor_interval=0.1,
         start_method="spawn",
@@ -117,7 +117,7 @@ class Outcome:
     """What `mpt launch` prints about it, one finding per line."""
 
 
-class Preemption:
+class PreemptionRelay:
     """SIGTERM or SIGUSR1 to `mpt launch` (a scheduler's notice) becomes SIGUSR1 to the workers.
 
     The handler raises torch's ``SignalException`` with SIGUSR1 as its signal: the elastic agent
@@ -145,7 +145,7 @@ class Preemption:
     def outcome(self, spec: LaunchSpec, notes: dict[int, Note]) -> Outcome:
         """Requeue when every rank of this node saved and exited; else the signal's code."""
         codes = {note.rank: note.exit_code for note in notes.values()}
-        ranks = [rank for _, _, rank in spec.world.all_processes() if _ == spec.nr]
+        ranks = [rank for node, _, rank in spec.world.all_processes() if node == spec.nr]
         missing = [r for r in ranks if codes.get(r) not in (0, REQUEUE_EXIT_CODE)]
         if not missing:
             code = REQUEUE_EXIT_CODE if REQUEUE_EXIT_CODE in codes.values() else 0
@@ -186,7 +186,7 @@ def run(spec: LaunchSpec, report: Callable[[str], None]) -> Outcome:
         # The elastic agent passes its own environment on to the workers.
         os.environ.update(worker_env(spec, scratch))
         watch = StallWatch(scratch, spec.heartbeat_timeout, report)
-        preemption = Preemption()
+        preemption = PreemptionRelay()
         try:
             elastic_launch(torch_launch_config(spec), sys.executable)(
                 "-u", "-m", "mpt.launchers.worker", str(spec.script), *spec.script_args)

@@ -151,7 +151,7 @@ def print_err(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-class _Preemption:
+class _PreemptionRelay:
     """SIGTERM or SIGUSR1 to `mpt launch`: SIGUSR1 to this host's workers, which agree on a step
     with every rank (also those on other hosts), save, and exit with REQUEUE_EXIT_CODE;
     horovodrun is stopped if they have not finished within the grace period."""
@@ -203,7 +203,7 @@ def run_horovodrun(args: Sequence[str], env: dict[str, str], grace_period: float
                                    stderr=subprocess.PIPE, text=True, bufsize=1,
                                    preexec_fn=die_with_us)  # before our reader thread: fork-safe
         tail: list[str] = []
-        preemption = _Preemption(process, grace_period)
+        preemption = _PreemptionRelay(process, grace_period)
         watch = StallWatch(failure_dir, heartbeat_timeout, report=print_err)
         try:
             assert process.stderr is not None

@@ -118,12 +118,15 @@ class LaunchSpec:
         if self.max_restarts < 0:
             raise UsageError("--max-restarts", self.max_restarts, "it cannot be negative",
                              "pass 0 to fail on the first error")
-        for flag, value in (("--grace-period", self.grace_period), ("--rdzv-timeout",
-                            self.rdzv_timeout), ("--timeout", self.timeout or 1),
-                            ("--heartbeat-timeout", self.heartbeat_timeout + 1)):
+        seconds = {"--grace-period": self.grace_period, "--rdzv-timeout": self.rdzv_timeout,
+                   "--timeout": 1 if self.timeout is None else self.timeout}
+        for flag, value in seconds.items():
             if value <= 0:
                 raise UsageError(flag, value, "it must be positive", f"pass {flag} 30, for "
                                  "example")
+        if self.heartbeat_timeout < 0:
+            raise UsageError("--heartbeat-timeout", self.heartbeat_timeout, "it cannot be "
+                             "negative", "pass 0 to turn the report off, or 300")
         if self.resume == "auto" and self.checkpoint_dir is None:
             raise UsageError("--resume", "auto", "there is no --checkpoint-dir to look in",
                              "pass --checkpoint-dir DIR as well")
