@@ -6,6 +6,8 @@ import os
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -50,6 +52,16 @@ def run_mpt(*args: str, timeout: float = 120, env: dict[str, str] | None = None
 
 def worker(name: str) -> str:
     return str(WORKERS / name)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout`` seconds pass; its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
 
 
 def pid_alive(pid: int) -> bool:

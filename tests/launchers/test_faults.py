@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import find_free_port, mpt_command, pid_alive, worker
+from conftest import find_free_port, mpt_command, pid_alive, wait_for, worker
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 from common import make_model
@@ -134,15 +134,6 @@ def assert_same_weights(final: Path, reference: dict[str, torch.Tensor]) -> None
     assert got.keys() == reference.keys()
     unequal = [k for k in got if not torch.equal(got[k], reference[k])]
     assert not unequal, f"weights differ bitwise from the uninterrupted run's: {unequal}"
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 # -- figures ---------------------------------------------------------------------------------

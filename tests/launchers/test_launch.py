@@ -10,16 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import find_free_port, mpt_command, pid_alive, run_mpt, worker
-
-
-def wait_for(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
+from conftest import find_free_port, mpt_command, pid_alive, run_mpt, wait_for, worker
 
 
 def read_reports(out: Path, n: int) -> list[dict]:
