@@ -344,3 +344,41 @@ def test_a_rank_killed_on_one_node_ends_both_launchers(tmp_path, figures):
     assert load_checkpoint(ck) == 10
     for node, job in (("node 0", node0), ("node 1", node1)):
         figures.add(f"2 nodes, kill9 rank 1: {node}", "ddp", job, job.ended - fault)
+
+
+def test_two_nodes_restart_together_and_resume_bitwise(tmp_path, figures, reference):
+    port, out, ck = str(find_free_port()), tmp_path / "out", tmp_path / "ck"
+    jobs = [start(out, "ddp", "--nodes", "2", "--gpus", "1", "--nr", str(nr),
+                  "--master-addr", "127.0.0.1", "--master-port", port, "--max-restarts", "1",
+                  ck=ck, script_args=("--fault", "kill9", "--at", str(FAULT_AT)))
+            for nr in (1, 0)]
+    node1, node0 = (job.wait() for job in jobs)
+    assert (node0.code, node1.code) == (0, 0), (node0, node1)
+    assert node0.attempts() == 2  # both nodes' files: the same OUT
+    for rank in range(2):
+        assert node0.resumed(rank, 1) == 10
+        assert node0.steps(rank, 1) == list(range(11, STEPS + 1))
+    node0.assert_no_process_left()
+    assert_same_weights(out / "final.pt", reference("ddp"))  # the one-node 2-rank run's
+    recovered = (out / "resumed-rank0-attempt1").stat().st_mtime - node0.fault_at()
+    figures.add("2 nodes, kill9 rank 1, --max-restarts 1 (to resumed)", "ddp", node0, recovered,
+                restarts=1, lost="0", recomputed=str(max(node0.steps(0)) - 10))
+
+
+def test_preempting_a_hung_job_kills_it_after_the_grace_period(tmp_path, figures):
+    job = start(tmp_path / "out", "ddp", "--grace-period", "3",
+                script_args=("--fault", "hang", "--at", str(FAULT_AT)))
+    assert wait_for(lambda: (job.out / "fault-at").exists() or job.proc.poll() is not None,
+                    120), job
+    time.sleep(0.5)  # rank 0 is now waiting in the all-reduce rank 1 never joins
+    sent = time.time()
+    job.proc.send_signal(signal.SIGTERM)
+    job.wait(60)
+    elapsed = job.ended - sent
+    assert job.code == 128 + signal.SIGTERM, job
+    assert "rank(s) 0, 1 did not save and exit within --grace-period 3 s" in job.stderr, job
+    assert 3 <= elapsed < 3 + 15
+    job.assert_no_process_left()
+    assert latest(job.ck) == step_dir_name(10)  # no half checkpoint of the hung step
+    assert load_checkpoint(job.ck) == 10
+    figures.add("rank 1 hung, SIGTERM to mpt launch, --grace-period 3", "ddp", job, elapsed)
