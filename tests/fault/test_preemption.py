@@ -134,3 +134,30 @@ def test_a_preempted_horovod_job_saves_and_exits_75(tmp_path):
     saved = mpt.checkpoint.find_latest(ck)
     assert saved is not None and int(saved.rsplit("-", 1)[1]) >= 5
     assert not any(pid_alive(p) for p in pids)
+
+
+def test_an_epoch_loop_resumes_from_the_loaders_epoch_mid_epoch(tmp_path):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    def run(stop_at: int | None) -> list[tuple[int, float]]:
+        rt = small_run(tmp_path)
+        data = TensorDataset(torch.arange(12.0).view(-1, 1).repeat(1, 3))
+        loader = rt.setup_dataloader(DataLoader(data, batch_size=2, shuffle=True))
+        rt.resume()
+        seen = []
+        for epoch in range(loader.epoch, 3):
+            for (x,) in loader:
+                rt.backward(rt._model(x).sum())
+                rt.step()
+                seen.append((epoch, *x[:, 0].tolist()))
+                if rt.global_step == stop_at:
+                    rt.save()
+                    return seen
+        return seen
+
+    first = run(stop_at=8)  # 6 batches per epoch: 2 batches into epoch 1
+    rest = run(stop_at=None)
+    assert [e for e, *_ in first] == [0] * 6 + [1] * 2
+    assert [e for e, *_ in rest] == [1] * 4 + [2] * 6
+    epoch1 = sorted(v for e, *xs in first + rest if e == 1 for v in xs)
+    assert epoch1 == [float(i) for i in range(12)]  # the rest of epoch 1, none seen twice
