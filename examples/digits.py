@@ -5,6 +5,8 @@ The data ships inside scikit-learn, so nothing is downloaded. Run it on two CPU 
     mpt launch --gpus 2 --precision bf16-mixed examples/digits.py
     mpt launch --gpus 2 --precision bf16-mixed --run-dir runs/digits examples/digits.py
     mpt visualize runs/digits        # runs/digits/plots/index.html; or tensorboard --logdir ...
+    mpt launch --gpus 2 --checkpoint-dir ckpt/digits --max-restarts 2 examples/digits.py
+                                     # a checkpoint per epoch; a restart or a rerun goes on from it
 
 or alone (`python examples/digits.py`). The backend and precision come from the launch flags;
 the script never names them.
@@ -39,11 +41,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="per process")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--save", default="", help="checkpoint directory written at the end")
+    parser.add_argument("--save", default="", help="checkpoint directory (as `mpt launch "
+                        "--checkpoint-dir`): a checkpoint per epoch, resumed from by a rerun")
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)  # same initial weights on every rank
-    rt = mpt.Runtime(seed=args.seed)
+    rt = mpt.Runtime(seed=args.seed, checkpoint_dir=args.save or None)
     train, test = datasets(args.seed)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -54,7 +57,8 @@ def main() -> None:
     rt.progress(total=args.epochs * len(loader))  # the progress bar's ETA
 
     loss_fn = nn.CrossEntropyLoss()
-    for epoch in range(args.epochs):
+    rt.resume()  # with a checkpoint directory: the latest checkpoint in it, if any
+    for epoch in range(loader.epoch, args.epochs):  # a resumed loader finishes its epoch first
         total = torch.zeros(2, device=rt.device)
         for x, y in loader:
             with rt.autocast():
@@ -68,6 +72,8 @@ def main() -> None:
         rt.log(epoch=epoch + 1, train_loss=total[0] / total[1])  # with `mpt launch --run-dir`
         if epoch % 5 == 4 or epoch == args.epochs - 1:
             rt.print(f"epoch {epoch + 1:3d}  train loss {total[0] / total[1]:.4f}")
+        if rt.checkpoint_dir is not None:
+            rt.save(keep=2)
 
     # Every rank scores its shard of the held-out set; the counts are summed across ranks.
     model.eval()
@@ -81,8 +87,6 @@ def main() -> None:
     rt.all_reduce(counts, op="sum")
     rt.log(held_out_accuracy=counts[0] / counts[1])
     rt.print(f"held-out accuracy: {counts[0] / counts[1]:.2%} on {int(counts[1])} digits")
-    if args.save:
-        rt.save(args.save, step=args.epochs * len(loader))
     rt.close()
 
 
