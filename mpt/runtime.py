@@ -290,7 +290,7 @@ class Runtime:
         stepped = self.backend.optimizer_step(model, optimizer)
         self.backend.zero_grad(optimizer)
         self.global_step += 1
-        self.monitor.on_step(optimizer)
+        self.monitor.on_step(optimizer, self.global_step)
         if self._preemption.should_stop(self.backend.sum_async, self.world_size):
             self._stop_preempted()
         self._mark("script", self.global_step)

@@ -147,7 +147,7 @@ def horovodrun_executable() -> str:
     return found
 
 
-def print_err(line: str) -> None:
+def _print_err(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
@@ -204,7 +204,7 @@ def run_horovodrun(args: Sequence[str], env: dict[str, str], grace_period: float
                                    preexec_fn=die_with_us)  # before our reader thread: fork-safe
         tail: list[str] = []
         preemption = _PreemptionRelay(process, grace_period)
-        watch = StallWatch(failure_dir, heartbeat_timeout, report=print_err)
+        watch = StallWatch(failure_dir, heartbeat_timeout, report=_print_err)
         try:
             assert process.stderr is not None
             for line in process.stderr:

@@ -13,6 +13,7 @@ from mpt.checkpoint import check_resume
 from mpt.environments import World
 from mpt.environments.settings import settings_env
 from mpt.errors import UsageError
+from mpt.launchers.logs import DEFAULT_TEE
 from mpt.precision import LossScaleConfig, check_precision, make_precision
 from mpt.scaling import check_lr_scaling, plan_batch
 
@@ -65,7 +66,7 @@ class LaunchSpec:
     """The precision's own options, e.g. Apex's opt-level overrides (MPT_PRECISION_OPTIONS)."""
     log_dir: Path | None = None
     """Where each rank's stdout/stderr is also written, one file per rank."""
-    tee: frozenset[int] = frozenset({0})
+    tee: frozenset[int] = DEFAULT_TEE
     """Global ranks whose output, with --log-dir, also reaches the console (rank-prefixed)."""
     max_restarts: int = 0
     """How often the whole gang is restarted after a failure before the job fails."""

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from types import TracebackType
 
 from mpt.environments import detect_world
-from mpt.environments.settings import FAILURE_DIR, LOG_FILE
+from mpt.environments.settings import LOG_FILE, launch_dir
 from mpt.errors import MptError
 from mpt.launchers.notes import Note
 
@@ -63,7 +63,7 @@ def main() -> None:
     script, *args = sys.argv[1:]
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python script.py` would
-    failure_dir = os.environ.get(FAILURE_DIR)
+    failure_dir = launch_dir(os.environ)
     code = 1
     try:
         runpy.run_path(script, run_name="__main__")

@@ -94,7 +94,7 @@ class Monitor:
         """False when there is nothing to show or write: every hook then returns at once."""
         self.display: Display | None = None
         self.step = 0
-        """Optimizer steps taken (skipped ones included), from the loaded checkpoint's on."""
+        """The runtime's optimizer step count (skipped ones included) at the last ``on_step``."""
         self._start = 0
         self.total: int | None = None
         self.samples_per_step: int | None = None
@@ -116,10 +116,11 @@ class Monitor:
         if self.active:
             self._norms.append(norm.detach())
 
-    def on_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def on_step(self, optimizer: torch.optim.Optimizer, step: int) -> None:
+        """``step``: the runtime's count of optimizer steps, this one included."""
         if not self.active:
             return
-        self.step += 1
+        self.step = step
         if self.step == self._start + 1:
             if self.show_progress:
                 self.display = make_display(self.total)
