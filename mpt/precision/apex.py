@@ -142,7 +142,7 @@ class ApexPrecision(MixedPrecision):
         finally:
             self._grads_moved.discard(id(optimizer))
         if stepped:
-            self._masters_to_model(optimizer)
+            self.masters_to_model(optimizer)
         return stepped
 
     def zero_model_grads(self) -> None:
@@ -159,7 +159,8 @@ class ApexPrecision(MixedPrecision):
             param.grad = None  # the masters own this step's gradient now
 
     @torch.no_grad()
-    def _masters_to_model(self, optimizer: torch.optim.Optimizer) -> None:
+    def masters_to_model(self, optimizer: torch.optim.Optimizer) -> None:
+        """Copy the stepped fp32 masters into the model's low-precision weights."""
         for master in self.master_params(optimizer):
             param = self._model_of.get(id(master))
             if param is not None:

@@ -41,6 +41,7 @@ def train_step(precision, model, optimizer, inf: bool = False) -> bool:
         loss = model(x).float().pow(2).mean()
     precision.scale_loss(loss).backward()
     stepped = precision.optimizer_step(optimizer)
+    precision.update()
     optimizer.zero_grad(set_to_none=True)
     return stepped
 
@@ -233,6 +234,7 @@ def test_o2_on_cuda_keeps_the_same_invariants():
             x[0, 0] = float("inf")
         precision.scale_loss(model(x).pow(2).mean()).backward()
         assert precision.optimizer_step(optimizer) is (step != 1)
+        precision.update()
         optimizer.zero_grad(set_to_none=True)
         assert_o2_invariants(precision, model, optimizer)
     assert precision.loss_scale == 512.0
