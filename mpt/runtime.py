@@ -29,7 +29,6 @@ from mpt.pairs import Pair, Pairs
 from mpt.precision import LossScaleConfig, Precision, check_precision, make_precision
 from mpt.scaling import BatchPlan, check_lr_scaling, lr_factor, plan_batch
 
-
 Schedulers = checkpoint.Stateful | Mapping[str, checkpoint.Stateful] | None
 """An LR scheduler, or several by name (``{"G": sched_g, "D": sched_d}``)."""
 
@@ -169,7 +168,8 @@ class Runtime:
         self.resume_from = checkpoint.check_resume("resume", resume or flags.get("resume"))
         """``auto``, ``never`` or a checkpoint path: what ``resume`` loads."""
         self.global_step = 0
-        """Optimizer steps taken, counted on from a loaded checkpoint's step."""
+        """Training iterations done (every optimizer stepped once), counted on from a loaded
+        checkpoint's step."""
         self._schedulers: dict[str, checkpoint.Stateful] = {}  # saved with a preempted run
         self._preemption = Preemption()
         metrics = MetricsConfig.resolve(flags, run_dir=run_dir, quiet=quiet, log_every=log_every,
@@ -356,7 +356,9 @@ class Runtime:
             self.backend.update_loss_scale()
         if ended:
             self.global_step += 1
-            self.monitor.on_step(self.pairs.stepping[0].optimizer, self.global_step)  # type: ignore[arg-type]
+            first = self.pairs.stepping[0].optimizer  # its learning rate goes in the metrics
+            assert first is not None
+            self.monitor.on_step(first, self.global_step)
             if self._preemption.should_stop(self.backend.sum_async, self.world_size):
                 self._stop_preempted()
         self._mark("script", self.global_step)
@@ -413,12 +415,13 @@ class Runtime:
         dict by name (``scheduler={"G": sched_g, "D": sched_d}``).
 
         Saved: the full weights and optimizer state of every model ``setup`` was given, under
-        its name, the precision state (loss scale, masters), the schedulers' states, the sampler position of every ``setup_dataloader`` loader, every
-        rank's RNG, ``step``, ``epoch`` and the JSON-able ``extra`` values. Every rank calls it;
-        it returns once the checkpoint is committed. ``keep``: delete all but the newest ``keep``
-        checkpoints of ``path``. ``sharded``: write model and optimizer as per-rank shards
-        through torch.distributed.checkpoint (default: when they pass 2 GiB). ``path`` may be
-        an fsspec URL (``s3://...``). Returns the checkpoint directory's URL.
+        its name, the precision state (loss scale, masters), the schedulers' states, the sampler
+        position of every ``setup_dataloader`` loader, every rank's RNG, ``step``, ``epoch`` and
+        the JSON-able ``extra`` values. Every rank calls it; it returns once the checkpoint is
+        committed. ``keep``: delete all but the newest ``keep`` checkpoints of ``path``.
+        ``sharded``: write models and optimizers as per-rank shards through
+        torch.distributed.checkpoint (default: when they pass 2 GiB). ``path`` may be an fsspec
+        URL (``s3://...``). Returns the checkpoint directory's URL.
 
         ``model=``/``optimizer=`` (Fabric's habit) may name objects ``setup`` returned: they are
         saved anyway, by name.

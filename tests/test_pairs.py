@@ -83,7 +83,7 @@ def test_a_model_without_optimizer_is_placed_and_returned_alone():
     rt = mpt.Runtime(env={})
     teacher = rt.setup(nn.Linear(4, 1), name="teacher")
     assert isinstance(teacher, nn.Linear)
-    student, opt = rt.setup(*pair(0))
+    student, _ = rt.setup(*pair(0))
     rt.backward(loss_of(student))
     assert rt.step() is True  # the only optimizer
 
@@ -91,7 +91,7 @@ def test_a_model_without_optimizer_is_placed_and_returned_alone():
 def test_ambiguous_or_unknown_arguments_are_one_line_errors():
     rt = mpt.Runtime(env={})
     model, opt = pair(0)
-    g, opt_g = rt.setup(model, opt, name="G")
+    g, _ = rt.setup(model, opt, name="G")
     with pytest.raises(UsageError, match=r"^name=G is invalid: a model was already set up"):
         rt.setup(*pair(1), name="G")
     with pytest.raises(UsageError, match=r"^model=Linear is invalid: this model was already"):
@@ -137,3 +137,25 @@ def test_checkpoints_hold_every_model_by_name_and_refuse_other_names(tmp_path):
         other.load(tmp_path)
     with pytest.raises(UsageError, match="this model was not set up"):
         rt.save(tmp_path, model=nn.Linear(4, 1))
+
+
+def test_a_format_1_checkpoint_loads_as_the_model_named_model(tmp_path, monkeypatch):
+    import json
+
+    from mpt.checkpoint import io, state
+    from mpt.checkpoint.format import MODEL_FILE, STATE_JSON, STATE_TENSORS
+
+    monkeypatch.setattr(state, "FORMAT_VERSION", 1)
+    weights = {"weight": torch.full((1, 4), 0.25), "bias": torch.full((1,), -1.0)}
+    old = {"optimizer": None, "precision": {"skipped_steps": 0}, "scheduler": None,
+           "loaders": [], "rng": [], "extra": {"note": "format 1"}}
+    root = io.Location.parse(tmp_path)
+    state.write_directory(root, "step-7.tmp", io.step_dir_name(7), {
+        MODEL_FILE: weights, STATE_TENSORS: {}, STATE_JSON: json.dumps(old).encode()},
+        manifest=dict(backend="ddp", world_size=1, precision="fp32", step=7, epoch=None,
+                      sharded=False, loss_scale=1.0, parameters=5))
+    rt = mpt.Runtime(env={})
+    model, _ = rt.setup(*pair(0))
+    assert rt.load(tmp_path) == {"step": 7, "note": "format 1"}
+    assert torch.equal(model.weight, weights["weight"]) and torch.equal(model.bias,
+                                                                        weights["bias"])

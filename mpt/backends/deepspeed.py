@@ -203,7 +203,8 @@ class DeepSpeedBackend(DDPBackend):
         engine, _, _, _ = self._ds.initialize(model=model, optimizer=optimizer,
                                               config=self.config, dist_init_required=False)
         self._engines[id(engine)] = _Engine(
-            engine=engine, state=FlatState(engine, groups), default_clip=float(getattr(engine.optimizer, "clip_grad", 0.0) or 0.0))
+            engine=engine, state=FlatState(engine, groups),
+            default_clip=float(getattr(engine.optimizer, "clip_grad", 0.0) or 0.0))
         # The user's optimizer, not DeepSpeed's wrapper: the wrapper steps it and shares its
         # param-group dicts, so an LR scheduler built on what setup returns works (torch's
         # schedulers refuse DeepSpeed's ZeRO optimizers, which are no torch Optimizer). Its

@@ -2,9 +2,10 @@
 
 A checkpoint is a directory of plain files: ``model.safetensors`` (full weights of every model
 set up, keyed ``<model name>/<parameter name>``), ``state.safetensors`` + ``state.json``
-(optimizer states by model name, keyed by parameter name, precision, LR schedulers by name, sampler position, every rank's RNG, user extras: tensors in the first,
-everything else in the second) and ``manifest.json``, written last, which lists every other file
-with its size and sha256. Nothing in it is pickled, so reading it never runs code.
+(optimizer states by model name, keyed by parameter name, precision, LR schedulers by name,
+sampler positions, every rank's RNG, user extras: tensors in the first, everything else in the
+second) and ``manifest.json``, written last, which lists every other file with its size and
+sha256. Nothing in it is pickled, so reading it never runs code.
 """
 
 from __future__ import annotations

@@ -37,7 +37,6 @@ from mpt.checkpoint.format import (
 from mpt.errors import UsageError
 
 if TYPE_CHECKING:
-    from torch import nn
 
     from mpt.backends.base import Backend
     from mpt.data import DistributedLoader

@@ -110,10 +110,10 @@ def test_a_loss_id_beyond_num_losses_and_a_foreign_optimizer_are_refused():
     opt_d = torch.optim.SGD(d.parameters(), lr=0.1)
     d, opt_d = amp.initialize(d, opt_d, opt_level="O1", num_losses=2, verbosity=0)
     loss = d(torch.randn(2, 6)).mean()
-    with pytest.raises(UsageError, match="loss_id=2 is invalid.*num_losses=2"), \
+    with pytest.raises(UsageError, match=r"loss_id=2 is invalid.*num_losses=2"), \
             amp.scale_loss(loss, opt_d, loss_id=2):
         pass
-    with pytest.raises(UsageError, match="was not given to amp.initialize"), \
+    with pytest.raises(UsageError, match=r"was not given to amp\.initialize"), \
             amp.scale_loss(loss, torch.optim.SGD(g.parameters(), lr=0.1)):
         pass
     with pytest.raises(UsageError, match="num_losses"):

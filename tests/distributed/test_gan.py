@@ -37,3 +37,13 @@ def test_a_dcgan_loop_trains_like_plain_torch(tmp_path, free_port, backend, opti
                 torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
             for after, before in zip(got["restored"][name], got["trained"][name], strict=True):
                 assert torch.equal(after, before)  # save, spoil, load: bit for bit
+
+
+def test_deepspeed_refuses_several_models_at_the_stages_that_would_mix_their_gradients(
+        tmp_path, free_port):
+    result = run_mpt("launch", "--gpus", "1", "--master-port", str(free_port), "--backend",
+                     "deepspeed", "--zero-stage", "2", worker("gan.py"), str(tmp_path), "1", "4",
+                     timeout=240)
+    assert result.returncode != 0
+    assert ("--zero-stage=2 is invalid: DeepSpeed keeps a model's gradients apart only at stage "
+            "1 when a script trains several models. Fix: use --zero-stage 1") in result.stderr

@@ -24,8 +24,8 @@ def make_pair() -> tuple[nn.Module, nn.Module, torch.optim.Optimizer, torch.opti
 def batches(steps: int, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(real samples, noise) per iteration; ranks take slices of each global batch."""
     g = torch.Generator().manual_seed(3)
-    return [(torch.randn(size, DATA, generator=g) * 0.5 + 1.0, torch.randn(size, NOISE, generator=g))
-            for _ in range(steps)]
+    return [(torch.randn(size, DATA, generator=g) * 0.5 + 1.0,
+             torch.randn(size, NOISE, generator=g)) for _ in range(steps)]
 
 
 def iteration(generator: nn.Module, discriminator: nn.Module, opt_g: torch.optim.Optimizer,

@@ -163,11 +163,16 @@ def _patch(optimizer: torch.optim.Optimizer, state: _AmpState) -> None:
         if closure is not None:
             raise UsageError("optimizer.step", "closure", "amp does not support closures "
                              "(neither did Apex)", "compute the loss before calling step()")
-        if stash.skip:  # an overflow since the last step: Apex skips it, the scale backed off
-            stash.skip = False
-            return
-        original_step()
-        precision.masters_to_model(optimizer)
+        skipped, stash.skip = stash.skip, False
+        if not skipped:  # else an overflow since the last step: skipped, the scale backed off
+            original_step()
+            precision.masters_to_model(optimizer)
+        # As Apex: masters' gradients are dropped after every step, since `model.zero_grad()`
+        # (DCGAN's netD.zero_grad()) does not reach them; after a skip, the inf ones too.
+        for param in _stepped(optimizer):
+            if precision.model_parameter(param) is not param or (
+                    skipped and precision.config.master_weights):
+                param.grad = None
 
     def zero_grad(set_to_none: bool = True) -> None:
         precision.zero_model_grads()
