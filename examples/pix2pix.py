@@ -147,7 +147,9 @@ def main() -> None:
             rt.backward(loss_g)
             rt.step(opt_g)
             step = rt.global_step  # iterations: one per generator and discriminator step
-            rt.log(loss_d=loss_d.detach(), loss_g_adv=loss_adv.detach(), loss_g_l1=loss_l1.detach())
+            if step % 10 == 0:  # rt.log reads the tensors: a wait for the device
+                rt.log(loss_d=loss_d.detach(), loss_g_adv=loss_adv.detach(),
+                       loss_g_l1=loss_l1.detach())
             if step % 50 == 0 or step == args.steps:
                 rt.print(f"step {step:4d}  D {loss_d.item():.3f}  G adv {loss_adv.item():.3f}  "
                          f"L1 {loss_l1.item():.3f}")
