@@ -67,7 +67,7 @@ class TrainingState:
     scheduler: Stateful | None = None
     """The LR scheduler, when the script has one."""
     loaders: Sequence[DistributedLoader] = field(default_factory=list)
-    """Loaders made by ``setup_dataloader``, whose sampler positions are saved, in order."""
+    """Loaders made by ``setup_dataloader``, whose sampler positions are saved by name."""
 
 
 def save_checkpoint(path: str | os.PathLike[str], parts: TrainingState, *, step: int,
@@ -91,7 +91,7 @@ def save_checkpoint(path: str | os.PathLike[str], parts: TrainingState, *, step:
         "precision": encode(backend.precision.state_dict(), "precision", tensors),
         "scheduler": (None if parts.scheduler is None
                       else encode(parts.scheduler.state_dict(), "scheduler", tensors)),
-        "loaders": [loader.state_dict() for loader in parts.loaders],
+        "loaders": {loader.name: loader.state_dict() for loader in parts.loaders},
         "rng": encode(rngs, "rng", tensors),
         "extra": encode(dict(extra or {}), "extra", tensors),
     }
@@ -127,7 +127,8 @@ def save_checkpoint(path: str | os.PathLike[str], parts: TrainingState, *, step:
         write_directory(root, staging, final, blobs, keep=keep, manifest=dict(
             backend=backend.name, world_size=world.world_size,
             precision=backend.precision.name, step=step,
-            epoch=epoch if epoch is not None or not parts.loaders else parts.loaders[0].epoch,
+            epoch=epoch if epoch is not None or not parts.loaders else next(
+                (lo.epoch for lo in parts.loaders if lo.name == "train"), parts.loaders[0].epoch),
             sharded=sharded, loss_scale=backend.precision.loss_scale,
             parameters=sum(p.numel() for p in backend.unwrap(parts.model).parameters())))
     backend.barrier()  # nobody goes on (or loads) before the checkpoint is committed
@@ -227,8 +228,12 @@ def load_checkpoint(path: str | os.PathLike[str], parts: TrainingState) -> dict[
             raise CheckpointError(location.url, "it holds no LR-scheduler state",
                                   "load it without scheduler=, or save with scheduler=")
         parts.scheduler.load_state_dict(decode(state["scheduler"], tensors))
-    for loader, position in zip(parts.loaders, state["loaders"], strict=False):
-        loader.load_state_dict(position)
+    positions = state["loaders"]
+    if isinstance(positions, list):  # written before loaders had names: in set-up order
+        positions = {lo.name: p for lo, p in zip(parts.loaders, positions, strict=False)}
+    for loader in parts.loaders:
+        if loader.name in positions:
+            loader.load_state_dict(positions[loader.name])
     rngs = decode(state["rng"], tensors)
     if world.rank < len(rngs):  # ranks a smaller run did not have keep the state they seeded
         set_rng_state(rngs[world.rank])
