@@ -87,6 +87,8 @@ def test_plain_horovodrun_is_detected_and_runs_the_horovod_backend(tmp_path):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert (report["rank"], report["world_size"], report["source"]) == (rank, 2, "horovod")
         assert report["backend"] == "horovod" and report["sum"] == 3.0
+        # torch.distributed works beside Horovod: dist.* and a default DistributedSampler
+        assert report["torch_sum"] == 3.0 and report["sampler"] == [rank, rank + 2, rank + 4]
 
 
 def test_mpt_horovodrun_passes_through_with_settings(tmp_path):

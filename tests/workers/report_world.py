@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler
 
 import mpt
 
@@ -17,10 +19,18 @@ out = Path(sys.argv[1])
 rt = mpt.Runtime()
 total = rt.all_reduce(torch.tensor([float(rt.rank + 1)]), op="sum")
 w = rt.world
+torch_sum = None
+if dist.is_initialized():  # every backend starts a torch group (Horovod beside its own)
+    torch_sum = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(torch_sum)
+    torch_sum = torch_sum.item()
 (out / f"rank{rt.rank}.json").write_text(json.dumps({
     "rank": w.rank, "local_rank": w.local_rank, "nr": w.nr, "nodes": w.nodes, "gpus": w.gpus,
     "world_size": w.world_size, "source": w.source, "backend": rt.backend.name,
     "precision": rt.precision.name, "sum": total.item(), "pid": os.getpid(),
+    "torch_sum": torch_sum, "threads": torch.get_num_threads(),
+    "omp": os.environ.get("OMP_NUM_THREADS"),
+    "sampler": list(DistributedSampler(range(6), shuffle=False)) if torch_sum else None,
 }))
 print(f"report from rank {rt.rank}", flush=True)
 if len(sys.argv) > 2:
