@@ -162,6 +162,7 @@ def launch(
     import torch
 
     from mpt import launchers
+    from mpt.launchers.horovod_join import check_port
     from mpt.metrics.config import parse_log_every
 
     if str(script).startswith("-"):
@@ -207,6 +208,7 @@ def launch(
         _print_plan(spec, cuda_devices)
         return
     spec.check_machine(cuda_devices)
+    check_port(spec)
     if not cuda_devices:
         err.print(f"mpt: no CUDA device here: running {spec.gpus} CPU process(es) per node on gloo")
     outcome = launchers.run(spec, report=err.print)

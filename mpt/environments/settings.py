@@ -50,6 +50,19 @@ LOG_FILE = "MPT_LOG_FILE"
 then sends its stderr to the same file (see mpt.launchers.logs), so tracebacks stay in order."""
 
 
+HOROVOD_RENDEZVOUS = "MPT_HOROVOD_RENDEZVOUS"
+"""``host:port`` of the Horovod rendezvous `mpt launch` hosts, so that a script's ``hvd.init()``
+joins the job (see mpt.launchers.horovod_join)."""
+
+
+def horovod_rendezvous(env: Mapping[str, str]) -> str | None:
+    """Where `mpt launch` hosts Horovod's rendezvous; None where it does not (or horovodrun
+    started this process and set Horovod's variables itself)."""
+    if "HOROVOD_RANK" in env:
+        return None
+    return env.get(HOROVOD_RENDEZVOUS) or None
+
+
 def launcher_pid(env: Mapping[str, str]) -> int | None:
     """The pid of the `mpt launch` that started this process, if one did."""
     value = env.get(LAUNCHER_PID, "")

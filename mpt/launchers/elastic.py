@@ -27,6 +27,7 @@ from mpt.environments.settings import FAILURE_DIR, LAUNCHER_PID
 from mpt.fault import REQUEUE_EXIT_CODE, Beat, StallWatch, read_beats, suspects
 from mpt.fault.heartbeat import WAITING_PHASES
 from mpt.fault.preemption import PREEMPT_SIGNAL
+from mpt.launchers.horovod_join import HorovodRendezvous
 from mpt.launchers.logs import LOG_LINE_PREFIX, rank_logs
 from mpt.launchers.notes import Note
 from mpt.launchers.spec import LaunchSpec
@@ -183,8 +184,9 @@ def run(spec: LaunchSpec, report: Callable[[str], None]) -> Outcome:
     heartbeat watch while it runs."""
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)  # mpt reports
     with tempfile.TemporaryDirectory(prefix="mpt-launch-") as scratch:
+        rendezvous = HorovodRendezvous.start(spec)  # a Horovod script's hvd.init() joins us
         # The elastic agent passes its own environment on to the workers.
-        os.environ.update(worker_env(spec, scratch))
+        os.environ.update({**worker_env(spec, scratch), **rendezvous.env()})
         watch = StallWatch(scratch, spec.heartbeat_timeout, report)
         preemption = PreemptionRelay()
         try:
@@ -203,4 +205,5 @@ def run(spec: LaunchSpec, report: Callable[[str], None]) -> Outcome:
         finally:
             preemption.restore()
             watch.stop()
+            rendezvous.stop()
     return Outcome(0)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from types import TracebackType
 
 from mpt.environments import detect_world
-from mpt.environments.settings import LOG_FILE, launch_dir
+from mpt.environments.settings import LOG_FILE, horovod_rendezvous, launch_dir
 from mpt.errors import MptError
 from mpt.launchers.notes import Note
 
@@ -60,6 +60,11 @@ def main() -> None:
         # same file description, so a traceback lands after the lines printed before it.
         sys.stderr.flush()
         os.dup2(1, 2)
+    rendezvous = horovod_rendezvous(os.environ)
+    if rendezvous:  # before the script imports horovod: its hvd.init() joins this job
+        from mpt.launchers.horovod_join import join_env
+
+        os.environ.update(join_env(detect_world(os.environ), rendezvous))
     script, *args = sys.argv[1:]
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python script.py` would
