@@ -108,16 +108,16 @@ class HorovodBackend(Backend):
 
     # -- life cycle ---------------------------------------------------------------------------
     def init_process_group(self) -> None:
-        if self.world.is_distributed and self.world.source not in ("horovod", "openmpi"):
-            raise UsageError("--backend", "horovod", f"Horovod's processes must be started by "
-                             f"horovodrun, but these were started by {self.world.source}",
-                             "use `mpt launch --backend horovod` or `mpt horovodrun`")
+        # horovodrun, mpirun and `mpt launch` (which hosts Horovod's rendezvous) make hvd.init()
+        # join the job; under any other launcher each process would be a job of its own.
         hvd = self.hvd = _import_horovod()
         hvd.init()
         if (hvd.rank(), hvd.size()) != (self.world.rank, self.world.world_size):
-            raise UsageError("HOROVOD_RANK", hvd.rank(), f"Horovod sees rank {hvd.rank()} of "
-                             f"{hvd.size()}, mpt rank {self.world.rank} of "
-                             f"{self.world.world_size}", "start the job with horovodrun unchanged")
+            raise UsageError("--backend", "horovod", f"Horovod sees rank {hvd.rank()} of "
+                             f"{hvd.size()}, but {self.world.source} started rank "
+                             f"{self.world.rank} of {self.world.world_size}: Horovod cannot "
+                             "join this launcher's job", "start it with `mpt launch` (any "
+                             "backend), `mpt horovodrun` or horovodrun")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self._init_torch_group()

@@ -46,8 +46,9 @@ mpt.launchers.worker) and keeps its heartbeat there (see mpt.fault.heartbeat).""
 
 
 LOG_FILE = "MPT_LOG_FILE"
-"""This worker's log file under `mpt launch --log-dir`. Its stdout already goes there; the worker
-then sends its stderr to the same file (see mpt.launchers.logs), so tracebacks stay in order."""
+"""This worker's log file under `mpt launch --log-dir` (under horovodrun, the folder its launcher
+writes ``rank<R>.log`` into). Its stdout already goes there; the worker then sends its stderr to
+the same stream (see mpt.launchers.logs), so tracebacks stay in order."""
 
 
 HOROVOD_RENDEZVOUS = "MPT_HOROVOD_RENDEZVOUS"

@@ -30,6 +30,7 @@ from mpt.fault.preemption import PREEMPT_SIGNAL
 from mpt.launchers.horovod_join import HorovodRendezvous
 from mpt.launchers.logs import LOG_LINE_PREFIX, rank_logs
 from mpt.launchers.notes import Note
+from mpt.launchers.local_rank import LOCAL_RANK_HINT
 from mpt.launchers.spec import LaunchSpec
 
 
@@ -176,7 +177,12 @@ def describe(failure: Failure, spec: LaunchSpec, beats: dict[int, Beat]) -> tupl
             lines.append(f"mpt: rank {failure.rank} failed inside a collective with no local rank "
                          "to blame: a rank on another node probably failed first (see the other "
                          "nodes' `mpt launch`)")
-    return tuple(lines)
+    return (*lines, *local_rank_hint(spec, failure.exit_code))
+
+
+def local_rank_hint(spec: LaunchSpec, exit_code: int) -> tuple[str, ...]:
+    """The line that explains exit code 2 when mpt added ``--local_rank=N``."""
+    return (LOCAL_RANK_HINT,) if spec.local_rank_arg and exit_code == 2 else ()
 
 
 def run(spec: LaunchSpec, report: Callable[[str], None]) -> Outcome:
@@ -190,8 +196,7 @@ def run(spec: LaunchSpec, report: Callable[[str], None]) -> Outcome:
         watch = StallWatch(scratch, spec.heartbeat_timeout, report)
         preemption = PreemptionRelay()
         try:
-            elastic_launch(torch_launch_config(spec), sys.executable)(
-                "-u", "-m", "mpt.launchers.worker", str(spec.script), *spec.script_args)
+            elastic_launch(torch_launch_config(spec), sys.executable)(*spec.worker_args())
         except ChildFailedError as err:
             failure = root_cause(err.failures, Note.read_all(scratch))
             return Outcome(failure.exit_code, describe(failure, spec, read_beats(scratch)))
