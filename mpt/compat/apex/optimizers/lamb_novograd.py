@@ -25,6 +25,22 @@ def _bias_corrections(group: dict[str, Any], power: float) -> tuple[float, float
     return 1 - beta1 ** step, (1 - beta2 ** step) ** power
 
 
+def _evaluate(closure: Callable[[], Any] | None) -> Any:
+    """The loss of a ``step(closure)`` call (None without a closure)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def _next_step(group: dict[str, Any]) -> tuple[float, float, float]:
+    """Count the group's step; its ``beta1``, ``beta2`` and the gradient's weight in the first
+    moment (``1 - beta1`` with Apex's ``grad_averaging``, else 1)."""
+    group["step"] = group.get("step", 0) + 1
+    beta1, beta2 = group["betas"]
+    return beta1, beta2, 1 - beta1 if group["grad_averaging"] else 1.0
+
+
 class FusedLAMB(_ApexZeroGrad):
     """LAMB (You et al., 2019) as ``apex.optimizers.FusedLAMB`` computes it.
 
@@ -53,10 +69,7 @@ class FusedLAMB(_ApexZeroGrad):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _evaluate(closure)
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         if not grads:
             return loss
@@ -65,9 +78,7 @@ class FusedLAMB(_ApexZeroGrad):
         max_norm = self.defaults["max_grad_norm"]
         clip = torch.where(global_norm > max_norm, global_norm / max_norm, 1.0)
         for group in self.param_groups:
-            group["step"] = group.get("step", 0) + 1
-            beta1, beta2 = group["betas"]
-            beta3 = 1 - beta1 if group["grad_averaging"] else 1.0
+            beta1, beta2, beta3 = _next_step(group)
             correction1, correction2 = _bias_corrections(group, 1.0)
             decay = group["weight_decay"]
             for p in group["params"]:
@@ -126,14 +137,9 @@ class FusedNovoGrad(_ApexZeroGrad):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _evaluate(closure)
         for group in self.param_groups:
-            group["step"] = group.get("step", 0) + 1
-            beta1, beta2 = group["betas"]
-            beta3 = 1 - beta1 if group["grad_averaging"] else 1.0
+            beta1, beta2, beta3 = _next_step(group)
             correction1, correction2 = _bias_corrections(group, 0.5)
             decay, l2 = group["weight_decay"], group["norm_type"] == 2
             for p in group["params"]:
