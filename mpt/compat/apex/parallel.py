@@ -1,10 +1,10 @@
 """``apex.parallel`` on torch: DDP with Apex's constructor arguments, and SyncBatchNorm.
 
-torch's ``SyncBatchNorm`` synchronises only CUDA (and a few other accelerators') tensors; Apex's
-examples run it under gloo on CPUs too here. ``SyncBatchNorm`` below is torch's, with Apex's
-arguments, and on the CPU it reduces the batch statistics itself: per-channel sums, sums of
-squares and counts go through the autograd-aware ``torch.distributed.nn`` all-reduce, so the
-backward pass is synchronised as well.
+torch's ``SyncBatchNorm`` synchronises only accelerator tensors, and torch's DDP refuses a CPU
+module holding one; Apex's examples run here under gloo on CPUs too. ``SyncBatchNorm`` below is a
+batch norm with Apex's arguments that reduces the batch statistics itself, on any device: the
+per-channel sums, sums of squares and counts go through the autograd-aware
+``torch.distributed.nn`` all-reduce, so the backward pass is synchronised as well.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from mpt.backends.apex import ApexDistributedDataParallel as DistributedDataParallel
+from mpt.errors import UsageError
 
 
-class SyncBatchNorm(nn.SyncBatchNorm):
+class SyncBatchNorm(_BatchNorm):
     """``apex.parallel.SyncBatchNorm``: batch statistics over every rank of ``process_group``.
 
     ``channel_last``: inputs are ``(N, ..., C)``; ``fuse_relu``: a ReLU follows the norm.
@@ -31,30 +32,34 @@ class SyncBatchNorm(nn.SyncBatchNorm):
                  affine: bool = True, track_running_stats: bool = True,
                  process_group: dist.ProcessGroup | None = None, channel_last: bool = False,
                  fuse_relu: bool = False) -> None:
-        super().__init__(num_features, eps, momentum, affine, track_running_stats,
-                         process_group)
+        super().__init__(num_features, eps, momentum, affine, track_running_stats)
+        self.process_group = process_group
         self.channel_last = channel_last
         self.fuse_relu = fuse_relu
 
+    def _check_input_dim(self, input: torch.Tensor) -> None:  # noqa: A002 - torch's name
+        if input.dim() < 2:
+            raise UsageError("SyncBatchNorm input", f"{input.dim()}-d", "it needs a batch and a "
+                             "channel dimension", "pass (N, C, ...) tensors")
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - torch's name
         x = input.movedim(-1, 1) if self.channel_last else input
-        out = self._cpu_sync(x) if self._needs_cpu_sync(x) else super().forward(x)
+        out = self._synced(x) if self._needs_sync() else super().forward(x)
         if self.fuse_relu:
             out = torch.relu(out)
         return out.movedim(1, -1) if self.channel_last else out
 
-    def _needs_cpu_sync(self, x: torch.Tensor) -> bool:
-        if x.is_cuda or not self.training or not dist.is_available() or (
-                not dist.is_initialized()):
+    def _needs_sync(self) -> bool:
+        if not self.training or not dist.is_available() or not dist.is_initialized():
             return False
         return dist.get_world_size(self.process_group) > 1
 
-    def _cpu_sync(self, x: torch.Tensor) -> torch.Tensor:
+    def _synced(self, x: torch.Tensor) -> torch.Tensor:
         """Batch norm with mean and variance over the whole job's batch."""
         dims = [d for d in range(x.dim()) if d != 1]
         xf = x.float()
         local = torch.cat([xf.sum(dims), (xf * xf).sum(dims),
-                           torch.tensor([x.numel() / x.size(1)], dtype=torch.float32)])
+                           torch.tensor([x.numel() / x.size(1)], device=x.device)])
         total = dist_autograd.all_reduce(local, group=self.process_group or dist.group.WORLD)
         channels = x.size(1)
         count = total[-1]
