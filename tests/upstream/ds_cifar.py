@@ -48,11 +48,12 @@ class Net(nn.Module):
 torch.manual_seed(0)
 net = Net()
 parameters = filter(lambda p: p.requires_grad, net.parameters())
-lr = 0.001
+lr, weight_decay = 0.001, 3e-7
 ds_config = {
     "train_batch_size": 16,
     "steps_per_print": 1000,
-    "optimizer": {"type": "Adam", "params": {"lr": lr, "torch_adam": True}},
+    "optimizer": {"type": "Adam", "params": {"lr": lr, "weight_decay": weight_decay,
+                                             "torch_adam": True}},
     "zero_optimization": {"stage": 1},
 }
 model_engine, optimizer, trainloader, __ = deepspeed.initialize(args=args, model=net, model_parameters=parameters, training_data=trainset, config=ds_config)

@@ -72,9 +72,12 @@ def test_horovod_mnist_unchanged_and_migrated_trains_as_under_horovodrun(tmp_pat
     # migrated, under the backends the guide names
     launch("--backend", "horovod", str(migrated), str(tmp_path / "hvd.json"))
     launch(*port(), str(migrated), str(tmp_path / "ddp.json"))
+    reference = json.loads((tmp_path / "horovodrun.json").read_text())
+    assert reference["accuracy"] > 0.7
     for name in ("hvd", "ddp"):
         same_curve(tmp_path / f"{name}.json", tmp_path / "horovodrun.json", rtol=1e-4)
-        assert json.loads((tmp_path / f"{name}.json").read_text())["accuracy"] > 0.8
+        record = json.loads((tmp_path / f"{name}.json").read_text())
+        assert record["accuracy"] == pytest.approx(reference["accuracy"], abs=0.01)
 
 
 def test_horovod_synthetic_benchmark_under_mpt_horovodrun_gets_one_thread_per_rank(tmp_path):
@@ -96,14 +99,14 @@ def test_ddp_tutorial_unchanged_and_migrated_trains_as_under_torchrun(tmp_path):
                                str(tmp_path / "snap0.pt")))
     launch(*port(), str(script), str(tmp_path / "mpt.json"), str(tmp_path / "snap1.pt"))
     same_curve(tmp_path / "mpt.json", tmp_path / "torchrun.json", rtol=1e-6)
-    # the DistributedSampler with default arguments needs torch.distributed under Horovod too
-    backends = ["ddp", "horovod"] if shutil.which(
-        "horovodrun", path=os.path.dirname(sys.executable)) else ["ddp"]
-    for backend in backends:
-        launch("--backend", backend, *(port() if backend == "ddp" else ()), str(migrated),
-               str(tmp_path / f"{backend}.json"), str(tmp_path / f"{backend}.pt"))
-        same_curve(tmp_path / f"{backend}.json", tmp_path / "torchrun.json", rtol=1e-4)
-        assert "MODEL_STATE" in torch.load(tmp_path / f"{backend}.pt")
+    # migrated, under Horovod: its DistributedSampler with default arguments needs
+    # torch.distributed there too (the migrated Horovod MNIST runs under ddp)
+    backend = "horovod" if shutil.which("horovodrun", path=os.path.dirname(sys.executable)) \
+        else "ddp"
+    launch("--backend", backend, *port(), str(migrated), str(tmp_path / "runtime.json"),
+           str(tmp_path / "runtime.pt"))
+    same_curve(tmp_path / "runtime.json", tmp_path / "torchrun.json", rtol=1e-4)
+    assert "MODEL_STATE" in torch.load(tmp_path / "runtime.pt")
 
 
 def test_apex_examples_run_with_their_imports_changed_and_local_rank_in_argv(tmp_path):
