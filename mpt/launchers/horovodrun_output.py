@@ -43,11 +43,14 @@ class RankOutput:
         self._lock = threading.Lock()
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
-            # An earlier job's files move aside (all of them when the world size is unknown).
-            move_earlier_logs(log_dir, set(range(world_size or 0)), beyond=world_size or 0)
+            # An earlier job's files move aside (all of them when the world size is unknown),
+            # horovodrun's own log with them.
+            moved = move_earlier_logs(log_dir, set(range(world_size or 0)),
+                                      beyond=world_size or 0)
             previous = log_dir / HOROVODRUN_LOG
             if previous.exists():
-                previous.rename(log_dir / f"{HOROVODRUN_LOG}.previous")
+                previous.rename((moved or log_dir) / (HOROVODRUN_LOG if moved
+                                                      else f"{HOROVODRUN_LOG}.previous"))
 
     def write(self, line: str, console: TextIO) -> None:
         """One line (with its newline) that horovodrun wrote on ``console``'s stream."""

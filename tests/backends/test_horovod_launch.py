@@ -142,3 +142,23 @@ def test_one_report_line_names_the_first_failure_and_what_horovodrun_said():
         "which stopped after it)"]
     assert HorovodrunResult(2, "0").lines(local_rank_arg=True)[1] == LOCAL_RANK_HINT
     assert "requeue me" in HorovodrunResult(75).lines()[0]
+
+
+def test_horovodruns_lines_are_sorted_into_rank_logs_and_the_tee_ranks_reach_the_console(
+        tmp_path, capsys):
+    from mpt.launchers.horovodrun_output import RankOutput
+
+    (tmp_path / "rank0.log").write_text("an earlier job's")
+    (tmp_path / "horovodrun.log").write_text("an earlier job's")
+    output = RankOutput(tmp_path, frozenset({1}), world_size=2)
+    for line in ("[0]<stdout>:zero says\n", "[1]<stderr>:one warns\n",
+                 "Mon Nov 23 10:00:00 2026[1]<stdout>:one says\n", "Process 1 exit with 3.\n"):
+        output.write(line, sys.stderr)
+    output.close()
+    assert (tmp_path / "rank0.log").read_text() == "zero says\n"
+    assert (tmp_path / "rank1.log").read_text() == "one warns\none says\n"
+    assert (tmp_path / "horovodrun.log").read_text() == "Process 1 exit with 3.\n"
+    console = capsys.readouterr()
+    assert console.out == "[rank1]: one warns\n[rank1]: one says\n" and console.err == ""
+    (earlier,) = tmp_path.glob("previous-*")
+    assert sorted(p.name for p in earlier.iterdir()) == ["horovodrun.log", "rank0.log"]
