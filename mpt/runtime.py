@@ -251,18 +251,36 @@ class Runtime:
         """``lr`` scaled by the run's rule in the world size (unchanged without a rule)."""
         return lr * lr_factor(self.lr_scaling, self.world_size)
 
-    def setup_dataloader(self, loader: DataLoader[Any]) -> DistributedLoader:
-        """This rank's shard of ``loader``'s dataset, batches on this rank's device."""
-        if self.batch_plan is not None and loader.batch_size != self.batch_plan.batch_size:
+    def setup_dataloader(self, loader: DataLoader[Any], name: str | None = None
+                         ) -> DistributedLoader:
+        """This rank's shard of ``loader``'s dataset, batches on this rank's device.
+
+        A plain sampler (``shuffle=True``/``False``) becomes mpt's sharded, reshuffled one; a
+        ``DistributedSampler`` keeps its shuffle, seed and drop_last; any other sampler is kept
+        as it is (see ``mpt.data``). ``name`` keys the loader's position in checkpoints (set up
+        again under a name, a loader replaces the one before). The loader named ``"train"`` (the
+        first one set up, unless named otherwise) is the training loader: only its batch size
+        is bound to the global batch, and it counts the samples per step; evaluation loaders
+        (any other name) may have any batch size.
+        """
+        taken = {known.name for known in self._loaders}
+        if name is None:  # the first is the training loader, the others are numbered
+            name, number = "train", len(self._loaders)
+            while name in taken:
+                name, number = f"loader{number}", number + 1
+        if name == "train" and self.batch_plan is not None and (
+                loader.batch_size != self.batch_plan.batch_size):
             # The seeds' confusion: a per-rank batch that silently changes the global one.
             raise UsageError("DataLoader batch_size", loader.batch_size, "the "
                              f"{self.batch_plan.describe()} needs {self.batch_plan.batch_size} "
-                             "per rank", "build the DataLoader with batch_size=rt.batch_size")
-        if loader.batch_size:  # for samples/s; rt.progress(samples_per_step=...) overrides it
+                             "per rank for the training loader", "build the DataLoader with "
+                             "batch_size=rt.batch_size, or set up an evaluation loader with "
+                             "another name (name=\"eval\")")
+        if name == "train" and loader.batch_size:  # rt.progress(samples_per_step=...) overrides
             self.monitor.samples_per_step = loader.batch_size * self.accumulate * self.world_size
         distributed = DistributedLoader(loader, rank=self.rank, world_size=self.world_size,
-                                        device=self.device, seed=self.seed)
-        self._loaders.append(distributed)
+                                        device=self.device, seed=self.seed, name=name)
+        self._loaders = [*(known for known in self._loaders if known.name != name), distributed]
         return distributed
 
     # -- the step -----------------------------------------------------------------------------

@@ -13,11 +13,15 @@ The price is the overlap of communication with backward, which the hooks gave.
 
 from __future__ import annotations
 
+import atexit
+import gc
+import socket
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from mpt.backends.base import Availability, Backend
@@ -88,6 +92,8 @@ class HorovodBackend(Backend):
         """Per optimizer (by id), each parameter's name in Horovod's allreduce queue."""
         self._reduced: set[int] = set()
         """Optimizers (ids) whose gradients this step already reduced (clipping does it)."""
+        self._torch_group = False
+        """Whether init_process_group started the torch.distributed group beside Horovod's."""
 
     @classmethod
     def availability(cls) -> Availability:
@@ -109,18 +115,46 @@ class HorovodBackend(Backend):
 
     # -- life cycle ---------------------------------------------------------------------------
     def init_process_group(self) -> None:
-        if self.world.is_distributed and self.world.source not in ("horovod", "openmpi"):
-            raise UsageError("--backend", "horovod", f"Horovod's processes must be started by "
-                             f"horovodrun, but these were started by {self.world.source}",
-                             "use `mpt launch --backend horovod` or `mpt horovodrun`")
+        # horovodrun, mpirun and `mpt launch` (which hosts Horovod's rendezvous) make hvd.init()
+        # join the job; under any other launcher each process would be a job of its own.
         hvd = self.hvd = _import_horovod()
         hvd.init()
         if (hvd.rank(), hvd.size()) != (self.world.rank, self.world.world_size):
-            raise UsageError("HOROVOD_RANK", hvd.rank(), f"Horovod sees rank {hvd.rank()} of "
-                             f"{hvd.size()}, mpt rank {self.world.rank} of "
-                             f"{self.world.world_size}", "start the job with horovodrun unchanged")
+            raise UsageError("--backend", "horovod", f"Horovod sees rank {hvd.rank()} of "
+                             f"{hvd.size()}, but {self.world.source} started rank "
+                             f"{self.world.rank} of {self.world.world_size}: Horovod cannot "
+                             "join this launcher's job", "start it with `mpt launch` (any "
+                             "backend), `mpt horovodrun` or horovodrun")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        self._init_torch_group()
+
+    def _init_torch_group(self) -> None:
+        """Start a torch.distributed group beside Horovod's (gloo, NCCL on GPUs).
+
+        Scripts call ``dist.*`` and build ``DistributedSampler(dataset)`` with default arguments
+        whatever the backend; without a torch group both fail under Horovod only. horovodrun
+        exports no MASTER_ADDR/MASTER_PORT, so rank 0 opens a store on a free port and Horovod
+        broadcasts where it listens. A group the script started itself is left alone.
+        """
+        if not self.world.is_distributed or dist.is_initialized():
+            return
+        hvd = self._require()
+        world = self.world
+        if world.rank == 0:
+            host = world.master_addr or ("127.0.0.1" if world.nodes == 1 else socket.getfqdn())
+            store = dist.TCPStore(host, 0, world.world_size, is_master=True,
+                                  timeout=self.timeout, wait_for_workers=False)
+            hvd.broadcast_object((host, store.port), root_rank=0, name="mpt.torch_group")
+        else:
+            host, port = hvd.broadcast_object(None, root_rank=0, name="mpt.torch_group")
+            store = dist.TCPStore(host, port, world.world_size, is_master=False,
+                                  timeout=self.timeout)
+        dist.init_process_group(backend="nccl" if self.device.type == "cuda" else "gloo",
+                                store=store, rank=world.rank, world_size=world.world_size,
+                                timeout=self.timeout)
+        self._torch_group = True
+        atexit.register(self.shutdown)  # for scripts that never call rt.close()
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
               ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
@@ -156,6 +190,10 @@ class HorovodBackend(Backend):
             group.update(values)
 
     def shutdown(self) -> None:
+        if self._torch_group and dist.is_initialized():
+            self._torch_group = False
+            dist.destroy_process_group()
+            gc.collect()  # gloo's finished work objects, before teardown (see DDPBackend)
         if self.hvd is not None and self.hvd.is_initialized():
             self.hvd.shutdown()
 

@@ -65,7 +65,7 @@ class TrainingState:
     schedulers: dict[str, Stateful] = field(default_factory=dict)
     """The LR schedulers by name (``scheduler`` for a single one)."""
     loaders: Sequence[DistributedLoader] = field(default_factory=list)
-    """Loaders made by ``setup_dataloader``, whose sampler positions are saved, in order."""
+    """Loaders made by ``setup_dataloader``, whose sampler positions are saved by name."""
 
 
 def save_checkpoint(path: str | os.PathLike[str], parts: TrainingState, *, step: int,
@@ -92,7 +92,7 @@ def save_checkpoint(path: str | os.PathLike[str], parts: TrainingState, *, step:
         "precision": encode(backend.precision.state_dict(), "precision", tensors),
         "schedulers": {name: encode(scheduler.state_dict(), f"scheduler/{name}", tensors)
                        for name, scheduler in parts.schedulers.items()},
-        "loaders": [loader.state_dict() for loader in parts.loaders],
+        "loaders": {loader.name: loader.state_dict() for loader in parts.loaders},
         "rng": encode(rngs, "rng", tensors),
         "extra": encode(dict(extra or {}), "extra", tensors),
     }
@@ -127,7 +127,8 @@ def save_checkpoint(path: str | os.PathLike[str], parts: TrainingState, *, step:
         write_directory(root, staging, final, blobs, keep=keep, manifest=dict(
             backend=backend.name, world_size=world.world_size,
             precision=backend.precision.name, step=step,
-            epoch=epoch if epoch is not None or not parts.loaders else parts.loaders[0].epoch,
+            epoch=epoch if epoch is not None or not parts.loaders else next(
+                (lo.epoch for lo in parts.loaders if lo.name == "train"), parts.loaders[0].epoch),
             sharded=sharded, loss_scale=backend.precision.loss_scale,
             parameters=sum(p.numel() for pair in parts.pairs
                            for p in backend.unwrap(pair.model).parameters())))
@@ -239,8 +240,12 @@ def load_checkpoint(path: str | os.PathLike[str], parts: TrainingState) -> dict[
                      list(parts.schedulers))
         for name, scheduler in parts.schedulers.items():
             scheduler.load_state_dict(decode(state["schedulers"][name], tensors))
-    for loader, position in zip(parts.loaders, state["loaders"], strict=False):
-        loader.load_state_dict(position)
+    positions = state["loaders"]
+    if isinstance(positions, list):  # written before loaders had names: in set-up order
+        positions = {lo.name: p for lo, p in zip(parts.loaders, positions, strict=False)}
+    for loader in parts.loaders:
+        if loader.name in positions:
+            loader.load_state_dict(positions[loader.name])
     rngs = decode(state["rng"], tensors)
     if world.rank < len(rngs):  # ranks a smaller run did not have keep the state they seeded
         set_rng_state(rngs[world.rank])
