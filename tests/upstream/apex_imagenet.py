@@ -20,7 +20,7 @@ try:
     from apex import amp, optimizers
     from apex.multi_tensor_apply import multi_tensor_applier
 except ImportError:
-    raise ImportError("Please install apex from https://www.github.com/nvidia/apex to run this example.")
+    raise ImportError("Please install apex from https://www.github.com/nvidia/apex to run this example.")  # noqa: E501
 
 parser = argparse.ArgumentParser()
 parser.add_argument("record")
@@ -90,7 +90,8 @@ for epoch in range(args.epochs):
         losses.append(to_python_float(reduced_loss))
 if args.local_rank == 0:
     print(f"final loss {losses[-1]:.4f}, model weights {next(model.parameters()).dtype}")
-with open(os.path.join(args.record, f"rank{dist.get_rank() if args.distributed else 0}.json"), "w") as f:
+rank = dist.get_rank() if args.distributed else 0
+with open(os.path.join(args.record, f"rank{rank}.json"), "w") as f:
     json.dump({"local_rank": args.local_rank, "losses": losses,
                "sync_bn": type(model.module[1]).__name__ if args.distributed else ""}, f)
 if args.distributed:

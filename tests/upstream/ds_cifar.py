@@ -56,7 +56,7 @@ ds_config = {
                                              "torch_adam": True}},
     "zero_optimization": {"stage": 1},
 }
-model_engine, optimizer, trainloader, __ = deepspeed.initialize(args=args, model=net, model_parameters=parameters, training_data=trainset, config=ds_config)
+model_engine, optimizer, trainloader, __ = deepspeed.initialize(args=args, model=net, model_parameters=parameters, training_data=trainset, config=ds_config)  # noqa: E501
 local_device = get_accelerator().device_name(model_engine.local_rank)
 local_rank = model_engine.local_rank
 criterion = nn.CrossEntropyLoss()

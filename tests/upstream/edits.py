@@ -1,11 +1,12 @@
 """The migration guides' "Edit by edit" tables, applied to a script: what the tests run.
 
-Each guide (docs/migration/*.md) has a table of rows ``| `before` | `after` |``. A row whose
-``before`` holds ``…`` is a pattern for a whole line (each ``…`` matches anything; the ``…`` of
-``after`` take what they matched, in order); a row without one replaces the line that is exactly
-``before``, or else every occurrence of it inside lines. ``after`` may be ``(delete the line)``
-and may hold several lines separated by ``<br>``. The tests run the result: if a script needed
-one edit more than its guide names, it fails.
+Each guide (docs/migration/*.md) has a table of rows ``| `before` | `after` |``. A row
+whose ``before`` holds ``…`` is a pattern for a whole line (each ``…`` matches anything; the
+``…`` of ``after`` take what they matched, in order); a row without one replaces the line that
+is exactly ``before``, or else every occurrence of it inside lines (a replaced line's trailing
+comment goes with it). ``after`` may be ``(delete the line)`` and may hold several lines
+separated by ``<br>``. The tests run the result: if a script needed one edit more than its guide
+names, it fails.
 """
 
 from __future__ import annotations
@@ -27,8 +28,12 @@ def table(guide: str) -> list[tuple[str, str]]:
     return rows
 
 
+_END = r"\s*(?:#.*)?"
+"""What may follow a replaced line: spaces, a comment (dropped with the line)."""
+
+
 def _pattern(before: str) -> re.Pattern[str]:
-    return re.compile(r"(\s*)" + r"(.*)".join(re.escape(p) for p in before.split("…")) + r"\s*")
+    return re.compile(r"(\s*)" + r"(.*?)".join(re.escape(p) for p in before.split("…")) + _END)
 
 
 def apply(source: str, rows: list[tuple[str, str]]) -> tuple[str, set[str]]:
@@ -41,7 +46,7 @@ def apply(source: str, rows: list[tuple[str, str]]) -> tuple[str, set[str]]:
             if "…" in before:
                 found = _pattern(before).fullmatch(line)
             else:
-                found = re.fullmatch(r"(\s*)" + re.escape(before) + r"\s*", line)
+                found = re.fullmatch(r"(\s*)" + re.escape(before) + _END, line)
             if found is None:
                 if "…" not in before and after != DELETE and before in line:
                     used.add(before)

@@ -69,7 +69,7 @@ class FusedAdam(_ApexZeroGrad, torch.optim.Adam):
 
 
 class FusedSGD(_ApexZeroGrad, torch.optim.SGD):
-    """``apex.optimizers.FusedSGD``: torch's SGD (weight decay before momentum, as Apex's default)."""
+    """``apex.optimizers.FusedSGD``: torch's SGD (weight decay before momentum, Apex's default)."""
 
     def __init__(self, params: Params, lr: float, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
