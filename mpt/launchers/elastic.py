@@ -28,9 +28,9 @@ from mpt.fault import REQUEUE_EXIT_CODE, Beat, StallWatch, read_beats, suspects
 from mpt.fault.heartbeat import WAITING_PHASES
 from mpt.fault.preemption import PREEMPT_SIGNAL
 from mpt.launchers.horovod_join import HorovodRendezvous
+from mpt.launchers.local_rank import LOCAL_RANK_HINT
 from mpt.launchers.logs import LOG_LINE_PREFIX, rank_logs
 from mpt.launchers.notes import Note
-from mpt.launchers.local_rank import LOCAL_RANK_HINT
 from mpt.launchers.spec import LaunchSpec
 
 

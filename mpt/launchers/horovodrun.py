@@ -39,10 +39,10 @@ from mpt.launchers.horovodrun_output import (
     start_pump,
     through_worker,
 )
+from mpt.launchers.local_rank import LOCAL_RANK_HINT
 from mpt.launchers.logs import DEFAULT_TEE, parse_tee
 from mpt.launchers.notes import Note
 from mpt.launchers.spec import LaunchSpec, thread_env
-from mpt.launchers.local_rank import LOCAL_RANK_HINT
 
 CONTROLLERS = ("gloo", "mpi")
 """How horovodrun's processes talk: gloo (built here) or MPI (clusters with Open MPI)."""

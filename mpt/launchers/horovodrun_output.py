@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from mpt.launchers.logs import DEFAULT_TEE, move_earlier_logs
 from mpt.launchers.local_rank import LOCAL_RANK_ARG
+from mpt.launchers.logs import DEFAULT_TEE, move_earlier_logs
 
 RANK_LINE = re.compile(r"[^\[\n]*\[(\d+)\]<(?:stdout|stderr)>:(.*)", re.DOTALL)
 """A line horovodrun relays from a rank (after an optional timestamp)."""

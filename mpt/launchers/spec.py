@@ -13,8 +13,8 @@ from mpt.checkpoint import check_resume
 from mpt.environments import World
 from mpt.environments.settings import settings_env
 from mpt.errors import UsageError
-from mpt.launchers.logs import DEFAULT_TEE
 from mpt.launchers.local_rank import LOCAL_RANK_ARG
+from mpt.launchers.logs import DEFAULT_TEE
 from mpt.precision import LossScaleConfig, check_precision, make_precision
 from mpt.scaling import check_lr_scaling, plan_batch
 

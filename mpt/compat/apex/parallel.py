@@ -37,12 +37,12 @@ class SyncBatchNorm(_BatchNorm):
         self.channel_last = channel_last
         self.fuse_relu = fuse_relu
 
-    def _check_input_dim(self, input: torch.Tensor) -> None:  # noqa: A002 - torch's name
+    def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
             raise UsageError("SyncBatchNorm input", f"{input.dim()}-d", "it needs a batch and a "
                              "channel dimension", "pass (N, C, ...) tensors")
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - torch's name
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
         x = input.movedim(-1, 1) if self.channel_last else input
         out = self._synced(x) if self._needs_sync() else super().forward(x)
         if self.fuse_relu:

@@ -18,7 +18,7 @@ from mpt.compat.apex.fp16_utils.loss_scaler import DynamicLossScaler, LossScaler
 from mpt.errors import UsageError
 
 
-class FP16_Optimizer:  # noqa: N801 - Apex's name
+class FP16_Optimizer:
     """See the module docstring; ``dynamic_loss_args`` are DynamicLossScaler's arguments."""
 
     def __init__(self, init_optimizer: torch.optim.Optimizer, static_loss_scale: float = 1.0,
@@ -74,7 +74,7 @@ class FP16_Optimizer:  # noqa: N801 - Apex's name
     def _model_params(self) -> list[nn.Parameter]:
         return [p for group in self.fp16_groups + self.fp32_from_fp32_groups for p in group]
 
-    def zero_grad(self, set_grads_to_None: bool = False) -> None:  # noqa: N803 - Apex's name
+    def zero_grad(self, set_grads_to_None: bool = False) -> None:
         """Clear the model's gradients (the masters' are overwritten each step)."""
         for param in self._model_params():
             if set_grads_to_None:

@@ -17,14 +17,14 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from mpt.errors import UsageError
 
 
-class tofp16(nn.Module):  # noqa: N801 - Apex's name
+class tofp16(nn.Module):
     """A module that casts its input to fp16 (the first layer of ``network_to_half``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.half()
 
 
-def BN_convert_float(module: nn.Module) -> nn.Module:  # noqa: N802 - Apex's name
+def BN_convert_float(module: nn.Module) -> nn.Module:
     """Put every batch-norm layer of ``module`` back into fp32 (their statistics need it)."""
     for child in module.modules():
         if isinstance(child, _BatchNorm) and child.affine:

@@ -30,4 +30,4 @@ def _real_apex() -> dict[str, Any]:
 
 globals().update(_real_apex())
 
-__all__ = list(NAMES)
+__all__ = ["FusedAdagrad", "FusedAdam", "FusedLAMB", "FusedNovoGrad", "FusedSGD"]
