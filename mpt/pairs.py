@@ -43,6 +43,9 @@ class Pairs:
     """Every pair set up, in ``setup`` order, found by name, model or optimizer."""
 
     pairs: list[Pair] = field(default_factory=list)
+    stepping: list[Pair] = field(default_factory=list)
+    """The pairs that have an optimizer, in ``setup`` order."""
+    _stepping_ids: set[int] = field(default_factory=set)
     _by_object: dict[int, Pair] = field(default_factory=dict)
     """id of each model and optimizer, given and returned, to its pair."""
     _since_update: set[int] = field(default_factory=set)
@@ -70,6 +73,9 @@ class Pairs:
     def add(self, pair: Pair, *originals: object) -> Pair:
         """Register ``pair``; ``originals``: the objects given to ``setup``, found as well."""
         self.pairs.append(pair)
+        if pair.optimizer is not None:
+            self.stepping.append(pair)
+            self._stepping_ids.add(id(pair))
         for obj in (pair.model, pair.optimizer, *originals):
             if obj is not None:
                 self._by_object[id(obj)] = pair
@@ -77,11 +83,6 @@ class Pairs:
 
     def names(self) -> str:
         return ", ".join(pair.name for pair in self.pairs) or "none"
-
-    @property
-    def stepping(self) -> list[Pair]:
-        """The pairs that have an optimizer."""
-        return [pair for pair in self.pairs if pair.optimizer is not None]
 
     def of_model(self, model: nn.Module | None) -> Pair | None:
         """The pair of ``model`` (None for None); a UsageError for a model never set up."""
@@ -122,11 +123,10 @@ class Pairs:
     def stepped(self, pair: Pair) -> tuple[bool, bool]:
         """Record that ``pair``'s optimizer stepped. Returns (update the loss scale now, one
         training iteration ended): both when every optimizer has stepped since the last time."""
-        everyone = {id(p) for p in self.stepping}
         self._since_update.add(id(pair))
         self._since_count.add(id(pair))
-        update = self._since_update >= everyone
-        ended = self._since_count >= everyone
+        update = self._since_update >= self._stepping_ids
+        ended = self._since_count >= self._stepping_ids
         if update:
             self._since_update.clear()
         if ended:
