@@ -157,6 +157,18 @@ def test_keep_last_k_and_latest(tmp_path):
         rt.save(tmp_path / "ckpt", step=9, keep=0)
 
 
+def test_a_commit_whose_latest_update_was_cut_off_is_still_the_one_loaded(tmp_path):
+    rt = trained_runtime()[0]
+    root = tmp_path / "ckpt"
+    for step in (1, 2, 3):
+        rt.save(root, step=step)
+    (root / "latest").write_text("step-000000001")  # a kill between step 3's rename and pointer
+    assert rt.load(root)["step"] == 3
+    rt.save(root, step=2)  # a run resumed from step 2 saves again: newest by time, not by step
+    (root / "latest").write_text("step-000000001")
+    assert rt.load(root)["step"] == 2
+
+
 def test_half_written_directories_are_never_taken_for_checkpoints(tmp_path):
     rt = trained_runtime()[0]
     root = tmp_path / "ckpt"
