@@ -82,9 +82,10 @@ def launch(
         metavar="PORT", help="Rendezvous port on node 0; auto picks a free one (one node "
         "only).")] = "29500",
     backend: Annotated[str, typer.Option(help="Distributed backend (see `mpt backends`).")] = "ddp",
-    precision: Annotated[str, typer.Option(
+    precision: Annotated[str | None, typer.Option(
         help="fp32, fp16-mixed, bf16-mixed, or Apex's opt levels O0, O1, O2, O3 (O2-bf16, "
-        "O3-bf16).")] = "fp32",
+        "O3-bf16); default: a DeepSpeed config's fp16/bf16, else fp32 (see `mpt "
+        "backends`).")] = None,
     loss_scale: Annotated[str, typer.Option(
         help="fp16 loss scaling: 'dynamic' or a static number.")] = "dynamic",
     keep_batchnorm_fp32: Annotated[str | None, typer.Option(
@@ -295,7 +296,7 @@ def _print_plan(spec: LaunchSpec, cuda_devices: int) -> None:
     from mpt.environments import device_name
 
     table = Table(title=f"{spec.script} on {spec.world.world_size} process(es): backend "
-                  f"{spec.backend}, precision {spec.precision}, rendezvous "
+                  f"{spec.backend}, precision {spec.run_precision}, rendezvous "
                   f"{spec.master_addr}:{spec.master_port}")
     for column in ("node", "local rank", "global rank", "device"):
         table.add_column(column, justify="right" if column != "device" else "left")
@@ -328,12 +329,15 @@ def horovodrun(
 ) -> None:
     """Run horovodrun ARGS with mpt's settings (backend horovod, precision, one OpenMP thread
     per process), per-rank logs and failure report, as `mpt launch --backend horovod`."""
+    import torch
+
+    from mpt.backends import resolve_precision
     from mpt.environments.settings import settings_env
     from mpt.launchers import horovodrun as hvdrun
-    from mpt.precision import LossScaleConfig, check_precision
+    from mpt.precision import LossScaleConfig
 
-    check_precision(precision)
-    LossScaleConfig.parse(loss_scale)
+    resolve_precision("horovod", precision, loss_scale=LossScaleConfig.parse(loss_scale),
+                      device_type="cuda" if torch.cuda.is_available() else "cpu")
     env = settings_env(backend="horovod", precision=precision, loss_scale=loss_scale)
     result = hvdrun.run_passthrough(args, env, log_dir=log_dir, tee=tee,
                                     local_rank_arg=local_rank_arg)
@@ -345,18 +349,26 @@ def horovodrun(
 
 @app.command()
 def backends() -> None:
-    """List every backend, whether it can run here, and what to install if not."""
-    from mpt.backends import broken, registered
+    """List every backend, whether it can run here, the precisions it trains on this machine's
+    device, and what to install if it cannot run."""
+    import torch
 
-    table = Table(title="mpt backends")
-    for column in ("backend", "available", "version", "reason / install"):
+    from mpt.backends import broken, registered
+    from mpt.precision import PRECISIONS, describe
+
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    table = Table(title=f"mpt backends ({device_type})")
+    for column in ("backend", "available", "version", "precisions", "reason / install"):
         table.add_column(column)
     for name, cls in sorted(registered().items()):
         info = cls.availability()
         note = "" if info.available else f"{info.reason}; {info.install}"
-        table.add_row(name, "yes" if info.available else "no", info.version, note)
+        trains = [p for p in PRECISIONS if cls.precision_refusal(describe(p), device_type, {})
+                  is None]
+        table.add_row(name, "yes" if info.available else "no", info.version, " ".join(trains),
+                      note)
     for name, reason in sorted(broken().items()):
-        table.add_row(name, "no", "", reason)
+        table.add_row(name, "no", "", "", reason)
     out.print(table)
 
 

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from mpt import checkpoint
 from mpt._native import bind_to_parent
-from mpt.backends import Backend, get_backend
+from mpt.backends import Backend, get_backend, resolve_precision
 from mpt.data import DistributedLoader
 from mpt.environments import World, detect_world, device_name
 from mpt.environments.settings import launch_dir, launcher_pid, read_settings
@@ -26,7 +26,7 @@ from mpt.errors import UsageError
 from mpt.fault import REQUEUE_EXIT_CODE, Heartbeat, Preemption
 from mpt.metrics import MetricsConfig, Monitor
 from mpt.pairs import Pair, Pairs
-from mpt.precision import LossScaleConfig, Precision, check_precision, make_precision
+from mpt.precision import LossScaleConfig, Precision, make_precision
 from mpt.scaling import BatchPlan, check_lr_scaling, lr_factor, plan_batch
 
 Schedulers = checkpoint.Stateful | Mapping[str, checkpoint.Stateful] | None
@@ -152,18 +152,23 @@ class Runtime:
         self.batch_size: int | None = self.batch_plan.batch_size if self.batch_plan else batch_size
         """Per-rank micro-batch size to build the DataLoader with (None: the script decides)."""
         self.lr_scaling = check_lr_scaling(lr_scaling or flags.get("lr_scaling"))
-        precision_name = check_precision(precision or flags.get("precision", "fp32"))
         scale = (loss_scale if isinstance(loss_scale, LossScaleConfig) else LossScaleConfig.parse(
             loss_scale if loss_scale is not None else flags.get("loss_scale", "dynamic")))
-        self.precision: Precision = make_precision(
-            precision_name, self.device.type, scale,
-            {**flags.get("precision_options", {}), **(precision_options or {})})
-        self.backend: Backend = get_backend(backend or flags.get("backend", "ddp"))(
+        backend_name = backend or flags.get("backend", "ddp")
+        options = {**flags.get("backend_options", {}), **(backend_options or {})}
+        amp_options = {**flags.get("precision_options", {}), **(precision_options or {})}
+        # The check `mpt launch` made, again for scripts other launchers started.
+        precision_name = resolve_precision(
+            backend_name, precision or flags.get("precision"), device_type=self.device.type,
+            loss_scale=scale, precision_options=amp_options, backend_options=options)
+        self.precision: Precision = make_precision(precision_name, self.device.type, scale,
+                                                   amp_options)
+        self.backend: Backend = get_backend(backend_name)(
             world=self.world, device=self.device, precision=self.precision,
-            accumulate=self.accumulate, timeout=timeout or _parse_timeout(flags),
-            options={**flags.get("backend_options", {}), **(backend_options or {})})
+            accumulate=self.accumulate, timeout=timeout or _parse_timeout(flags), options=options)
         self.seed = seed
-        self.checkpoint_dir = checkpoint_dir or flags.get("checkpoint_dir")
+        self.checkpoint_dir = checkpoint.check_root("checkpoint_dir", checkpoint_dir
+                                                    or flags.get("checkpoint_dir"))
         """Default root of ``save`` and ``resume`` (None: pass a path to them)."""
         self.resume_from = checkpoint.check_resume("resume", resume or flags.get("resume"))
         """``auto``, ``never`` or a checkpoint path: what ``resume`` loads."""

@@ -25,6 +25,7 @@ SCRIPT = worker("report_world.py")
     (["--nodes", "2", "--master-port", "auto", SCRIPT], ["--master-port=auto", "fixed port"]),
     (["--resume", "auto", SCRIPT], ["--resume=auto", "--checkpoint-dir"]),
     (["--resume", "no/such/ckpt", SCRIPT], ["--resume=no/such/ckpt", "no checkpoint"]),
+    (["--checkpoint-dir", SCRIPT, SCRIPT], [f"--checkpoint-dir={SCRIPT}", "is a file"]),
     (["--grace-period", "0", SCRIPT], ["--grace-period=0", "positive"]),
     (["--timeout", "soon", SCRIPT], ["--timeout=soon", "not a number"]),
     (["--rdzv-timeout", "-5", SCRIPT], ["--rdzv-timeout=-5", "positive"]),
@@ -56,6 +57,7 @@ def test_backends_lists_ddp_as_available():
     assert result.returncode == 0
     row = next(line for line in result.stdout.splitlines() if " ddp " in line)
     assert "yes" in row and torch.__version__ in row
+    assert "fp32 fp16-mixed bf16-mixed O0 O1 O2 O3 O2-bf16 O3-bf16" in row  # what it trains
 
 
 def test_third_party_backends_register_through_entry_points(tmp_path):

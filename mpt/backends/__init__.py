@@ -7,7 +7,9 @@ first lookup, so `--backend NAME` works as soon as the package is installed.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from importlib.metadata import entry_points
+from typing import Any
 
 from mpt.backends.apex import ApexBackend
 from mpt.backends.base import Availability, Backend
@@ -15,6 +17,7 @@ from mpt.backends.ddp import DDPBackend
 from mpt.backends.deepspeed import DeepSpeedBackend
 from mpt.backends.horovod import HorovodBackend  # imports horovod only when used
 from mpt.errors import MissingDependencyError, UsageError
+from mpt.precision import LossScaleConfig, check_precision, describe
 
 BUILTIN: dict[str, type[Backend]] = {DDPBackend.name: DDPBackend,
                                      DeepSpeedBackend.name: DeepSpeedBackend}
@@ -74,5 +77,22 @@ def get_backend(name: str) -> type[Backend]:
     return backends[name]
 
 
+def resolve_precision(backend: str, precision: str | None, *, device_type: str,
+                      loss_scale: LossScaleConfig | None = None,
+                      precision_options: Mapping[str, Any] | None = None,
+                      backend_options: Mapping[str, Any] | None = None) -> str:
+    """The precision a run of ``backend`` uses: ``precision``, else the one the backend's own
+    config asks for, else fp32; refused (UsageError) where the backend would train it wrong.
+
+    The one check `mpt launch`, `mpt horovodrun` and the Runtime make, before any process or
+    any model exists.
+    """
+    cls = get_backend(backend)
+    options = backend_options or {}
+    name = check_precision(precision or cls.default_precision(options) or "fp32")
+    cls.check_precision(describe(name, loss_scale, precision_options), device_type, options)
+    return name
+
+
 __all__ = ["Availability", "Backend", "DDPBackend", "DeepSpeedBackend", "broken", "get_backend",
-           "register", "registered"]
+           "register", "registered", "resolve_precision"]

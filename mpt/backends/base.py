@@ -14,7 +14,7 @@ from torch import nn
 from mpt.checkpoint.named import from_named, to_named
 from mpt.environments import World
 from mpt.errors import UsageError
-from mpt.precision import Precision
+from mpt.precision import Precision, PrecisionSpec
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -68,6 +68,29 @@ class Backend(ABC):
             raise UsageError("backend option", unknown[0], f"backend {cls.name!r} has no such "
                              "option", f"use one of its options ({known}) or another --backend")
         return dict(options)
+
+    @classmethod
+    def precision_refusal(cls, spec: PrecisionSpec, device_type: str,
+                          options: Mapping[str, Any]) -> tuple[str, str] | None:
+        """Why this backend cannot train ``spec`` right on ``device_type`` with ``options``, and
+        what works instead; None where it can (the default: gradients reduced in any dtype)."""
+        return None
+
+    @classmethod
+    def check_precision(cls, spec: PrecisionSpec, device_type: str,
+                        options: Mapping[str, Any]) -> None:
+        """Refuse, in one line naming backend, precision and what works, a pair this backend
+        would train wrong: `mpt launch` before any process starts, the Runtime before setup."""
+        refusal = cls.precision_refusal(spec, device_type, options)
+        if refusal is not None:
+            reason, instead = refusal
+            raise UsageError("--precision", spec.name, f"--backend {cls.name} {reason}", instead)
+
+    @classmethod
+    def default_precision(cls, options: Mapping[str, Any]) -> str | None:
+        """The precision the backend's own configuration asks for when ``--precision`` is not
+        given (a DeepSpeed config that enables fp16); None: fp32."""
+        return None
 
     @classmethod
     def availability(cls) -> Availability:

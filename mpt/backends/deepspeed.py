@@ -37,14 +37,17 @@ from mpt.backends.ddp import DDPBackend
 from mpt.backends.deepspeed_config import (
     build_config,
     check_stage_and_offload,
+    config_mode,
     load_user_config,
+    mode_of,
     parse_offload,
     parse_stage,
+    precision_refusal,
 )
 from mpt.checkpoint.named import from_named
 from mpt.environments import World
 from mpt.errors import MissingDependencyError, UsageError
-from mpt.precision import LossScaleConfig, Precision
+from mpt.precision import LossScaleConfig, Precision, PrecisionSpec
 
 if TYPE_CHECKING:  # it imports deepspeed, which is imported only once a run asks for it
     from mpt.backends.deepspeed_state import FlatState
@@ -128,7 +131,7 @@ class DeepSpeedBackend(DDPBackend):
         scale = getattr(precision, "scaling", None) or LossScaleConfig()
         self.config: dict[str, Any] = build_config(
             load_user_config(values.get("config")), stage=stage,
-            offload=parse_offload(values.get("offload", "none")), precision=precision.name,
+            offload=parse_offload(values.get("offload", "none")), mode=mode_of(precision.spec),
             loss_scale=scale, accumulate=accumulate, world_size=world.world_size)
         """What ``deepspeed.initialize`` gets: the user's config, completed by mpt."""
         self._ds = _import_deepspeed(device.type, world.local_rank)  # before any process group
@@ -148,6 +151,19 @@ class DeepSpeedBackend(DDPBackend):
         user = load_user_config(values.get("config"))
         check_stage_and_offload(user, stage, parse_offload(values.get("offload", "none")))
         return values
+
+    @classmethod
+    def precision_refusal(cls, spec: PrecisionSpec, device_type: str,
+                          options: Mapping[str, Any]) -> tuple[str, str] | None:
+        """DeepSpeed trains fp32 and, through its own fp16/bf16 modes (model cast, fp32 masters
+        in the engine), the autocast precisions; see ``deepspeed_config.precision_refusal``."""
+        return precision_refusal(load_user_config(options.get("config")), spec, device_type)
+
+    @classmethod
+    def default_precision(cls, options: Mapping[str, Any]) -> str | None:
+        """A config that enables fp16 or bf16 asks for fp16-mixed or bf16-mixed."""
+        mode = config_mode(load_user_config(options.get("config")))
+        return None if mode is None else f"{mode}-mixed"
 
     @classmethod
     def availability(cls) -> Availability:

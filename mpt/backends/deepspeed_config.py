@@ -14,8 +14,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from mpt.errors import UsageError
-from mpt.precision import LossScaleConfig
+from mpt.precision import LossScaleConfig, PrecisionSpec
 
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD_TARGETS = ("optimizer", "parameters")
@@ -138,21 +140,58 @@ def _enabled(config: Mapping[str, Any], key: str) -> bool:
     return isinstance(section, Mapping) and bool(section.get("enabled", False))
 
 
-def _precision(config: dict[str, Any], precision: str, scale: LossScaleConfig) -> None:
-    """Map mpt's precision onto DeepSpeed's ``fp16`` / ``bf16`` sections."""
-    for key, wanted in (("fp16", "fp16-mixed"), ("bf16", "bf16-mixed")):
-        section = config.get(key)
+MODES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+"""DeepSpeed's precision modes (config sections) by the compute dtype they give. Each casts the
+model and steps fp32 master weights inside the engine."""
+
+_MIXED = {"fp16": "fp16-mixed", "bf16": "bf16-mixed"}
+
+
+def config_mode(config: Mapping[str, Any]) -> str | None:
+    """The precision mode a DeepSpeed config enables (``fp16``, ``bf16``), None if neither."""
+    for key in ("fp16", "bf16", "bfloat16"):  # bfloat16: DeepSpeed's older name of bf16
+        if _enabled(config, key):
+            return "bf16" if key == "bfloat16" else key
+    return None
+
+
+def mode_of(spec: PrecisionSpec) -> str | None:
+    """The DeepSpeed mode that trains ``spec``: the one of its compute dtype (None: fp32)."""
+    return next((mode for mode, dtype in MODES.items() if spec.compute == dtype), None)
+
+
+def precision_refusal(user: Mapping[str, Any], spec: PrecisionSpec,
+                      device_type: str) -> tuple[str, str] | None:
+    """Why DeepSpeed cannot train ``spec`` (with the user's config) right, and what works."""
+    mode = mode_of(spec)
+    no_fp16 = device_type == "cpu"  # DeepSpeed's CPU accelerator refuses fp16
+    if spec.params != torch.float32:
+        mixed = "bf16-mixed" if no_fp16 else _MIXED.get(mode or "", "fp32")
+        return (f"casts the model and keeps fp32 master weights itself, in its {mode} mode: "
+                f"mpt's {spec.name} cast would hide them from its optimizer",
+                f"use --precision {mixed} (DeepSpeed's {mixed[:4]} mode), or --backend apex "
+                f"for {spec.name}")
+    if mode == "fp16" and no_fp16:
+        return ("has no fp16 on CPU", "use --precision bf16-mixed, or run on GPUs")
+    for key in ("fp16", "bf16", "bfloat16"):
+        section = user.get(key)
         if not (isinstance(section, Mapping) and "enabled" in section):
             continue
-        on = bool(section["enabled"])
-        if on != (precision == wanted):
-            raise UsageError("--precision", precision, f"the DeepSpeed config "
-                             f"{'enables' if on else 'disables'} {key}",
-                             f"pass --precision {wanted if on else 'fp32'}, or drop the {key!r} "
-                             "section")
-    if precision == "bf16-mixed":
-        _section(config, "bf16").setdefault("enabled", True)
-    elif precision == "fp16-mixed":
+        on, which = bool(section["enabled"]), "bf16" if key == "bfloat16" else key
+        if on != (mode == which):
+            wanted = _MIXED[which] if on else "fp32"
+            return (f"is given a DeepSpeed config that {'enables' if on else 'disables'} {key}",
+                    f"pass --precision {wanted} (or leave --precision out), or drop the {key!r} "
+                    "section")
+    return None
+
+
+def _precision(config: dict[str, Any], mode: str | None, scale: LossScaleConfig) -> None:
+    """Turn on DeepSpeed's ``mode`` section, with mpt's loss-scale settings where fp16."""
+    if mode == "bf16":
+        _section(config, "bfloat16" if "bfloat16" in config else "bf16").setdefault("enabled",
+                                                                                      True)
+    elif mode == "fp16":
         fp16 = _section(config, "fp16")
         fp16.setdefault("enabled", True)
         if any(k in fp16 for k in ("loss_scale", "initial_scale_power")):
@@ -209,9 +248,11 @@ def _batch_sizes(config: dict[str, Any], accumulate: int, world_size: int) -> No
 
 
 def build_config(user: Mapping[str, Any], *, stage: int | None, offload: frozenset[str],
-                 precision: str, loss_scale: LossScaleConfig, accumulate: int,
+                 mode: str | None, loss_scale: LossScaleConfig, accumulate: int,
                  world_size: int) -> dict[str, Any]:
-    """The config handed to ``deepspeed.initialize``; raises UsageError on any conflict."""
+    """The config handed to ``deepspeed.initialize`` for precision mode ``mode`` (``fp16``,
+    ``bf16`` or None, see ``mode_of``; checked against the config by ``precision_refusal``);
+    raises UsageError on any other conflict."""
     config = json.loads(json.dumps(dict(user)))  # a deep copy; the user's dict stays untouched
     final_stage = check_stage_and_offload(config, stage, offload)
     zero = _section(config, "zero_optimization")
@@ -220,7 +261,7 @@ def build_config(user: Mapping[str, Any], *, stage: int | None, offload: frozens
         zero.setdefault("offload_optimizer", {"device": "cpu"})
     if "parameters" in offload:
         zero.setdefault("offload_param", {"device": "cpu"})
-    _precision(config, precision, loss_scale)
+    _precision(config, mode, loss_scale)
     _batch_sizes(config, accumulate, world_size)
     # mpt hands DeepSpeed the script's own torch optimizer: let ZeRO take any of them, and let
     # offload run it on CPU (DeepSpeedCPUAdam is faster, but it is not what the script built).

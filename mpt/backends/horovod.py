@@ -16,7 +16,7 @@ from __future__ import annotations
 import atexit
 import gc
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any, ClassVar
 
@@ -26,6 +26,7 @@ from torch import nn
 
 from mpt.backends.base import Availability, Backend
 from mpt.errors import MissingDependencyError, UsageError
+from mpt.precision import PrecisionSpec
 
 INSTALL = ("run `make horovod-wheel` (Horovod 0.28.1 patched for C++17, built with "
            "HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1) and pip install the wheel it leaves in "
@@ -94,6 +95,15 @@ class HorovodBackend(Backend):
         """Optimizers (ids) whose gradients this step already reduced (clipping does it)."""
         self._torch_group = False
         """Whether init_process_group started the torch.distributed group beside Horovod's."""
+
+    @classmethod
+    def precision_refusal(cls, spec: PrecisionSpec, device_type: str,
+                          options: Mapping[str, Any]) -> tuple[str, str] | None:
+        if spec.reduce == torch.bfloat16:
+            return ("would allreduce bf16 gradients, and Horovod has no bf16 tensors",
+                    "use --precision bf16-mixed (bf16 compute, fp32 gradients), or --backend "
+                    "ddp or apex for " + spec.name)
+        return None
 
     @classmethod
     def availability(cls) -> Availability:

@@ -7,8 +7,8 @@ directory format (see ``mpt.checkpoint.format`` and ``docs/checkpoints.md``).
 from __future__ import annotations
 
 from mpt.checkpoint.format import CheckpointError, Manifest
-from mpt.checkpoint.io import check_resume, find_latest
+from mpt.checkpoint.io import check_resume, check_root, find_latest
 from mpt.checkpoint.state import Stateful, TrainingState, load_checkpoint, save_checkpoint
 
-__all__ = ["CheckpointError", "Manifest", "Stateful", "TrainingState", "check_resume",
+__all__ = ["CheckpointError", "Manifest", "Stateful", "TrainingState", "check_resume", "check_root",
            "find_latest", "load_checkpoint", "save_checkpoint"]

@@ -245,6 +245,18 @@ def check_resume(argument: str, value: str | None) -> str:
     return value
 
 
+def check_root(argument: str, value: str | os.PathLike[str] | None) -> str | None:
+    """A checkpoint root (``--checkpoint-dir``), checked: a directory or a place for one, not
+    a file (a save would fail only at its first checkpoint, after training for it)."""
+    if value is None:
+        return None
+    location = Location.parse(value)
+    if location.fs.isfile(location.path):
+        raise UsageError(argument, os.fspath(value), "it is a file, not a directory",
+                         "pass a directory (it is created if missing) or an fsspec URL of one")
+    return os.fspath(value)
+
+
 def resolve(url: str | os.PathLike[str]) -> Location:
     """The checkpoint directory ``url`` means: itself, the one its ``latest`` names (or a committed
     one saved after it), or else its newest complete one."""

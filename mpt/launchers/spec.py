@@ -8,14 +8,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mpt.backends import get_backend
-from mpt.checkpoint import check_resume
+import torch
+
+from mpt.backends import get_backend, resolve_precision
+from mpt.checkpoint import check_resume, check_root
 from mpt.environments import World
 from mpt.environments.settings import settings_env
 from mpt.errors import UsageError
 from mpt.launchers.local_rank import LOCAL_RANK_ARG
 from mpt.launchers.logs import DEFAULT_TEE
-from mpt.precision import LossScaleConfig, check_precision, make_precision
+from mpt.precision import LossScaleConfig
 from mpt.scaling import check_lr_scaling, plan_batch
 
 
@@ -57,8 +59,9 @@ class LaunchSpec:
     """Port of the rendezvous on node 0."""
     backend: str = "ddp"
     """Backend the workers' runtime uses (exported as MPT_BACKEND)."""
-    precision: str = "fp32"
-    """Precision the workers' runtime uses (exported as MPT_PRECISION)."""
+    precision: str | None = None
+    """Precision the workers' runtime uses (exported as MPT_PRECISION); None: the one the
+    backend's config asks for (a DeepSpeed config's fp16 or bf16), else fp32."""
     loss_scale: str = "dynamic"
     """fp16 loss scaling: 'dynamic' or a static number (exported as MPT_LOSS_SCALE)."""
     backend_options: dict[str, Any] = field(default_factory=dict)
@@ -110,9 +113,7 @@ class LaunchSpec:
     def __post_init__(self) -> None:
         self.world  # noqa: B018 - World validates nodes, gpus, nr and the port: those errors first
         get_backend(self.backend).check_options(self.backend_options)
-        # Built once here, on the CPU, only to check name, loss scale and options together.
-        make_precision(check_precision(self.precision), "cpu", LossScaleConfig.parse(
-            self.loss_scale), self.precision_options)
+        self.run_precision  # noqa: B018 - refuses a pair the backend would train wrong
         check_lr_scaling(self.lr_scaling)
         if self.global_batch_size is not None:  # the script's batch size is checked at start-up
             plan_batch(self.global_batch_size, self.world.world_size)
@@ -134,13 +135,23 @@ class LaunchSpec:
         if self.resume == "auto" and self.checkpoint_dir is None:
             raise UsageError("--resume", "auto", "there is no --checkpoint-dir to look in",
                              "pass --checkpoint-dir DIR as well")
+        check_root("--checkpoint-dir", self.checkpoint_dir)
         check_resume("--resume", self.resume)
+
+    @property
+    def run_precision(self) -> str:
+        """The precision the workers use, checked against the backend on this machine's device
+        type (see ``mpt.backends.resolve_precision``)."""
+        return resolve_precision(
+            self.backend, self.precision, loss_scale=LossScaleConfig.parse(self.loss_scale),
+            precision_options=self.precision_options, backend_options=self.backend_options,
+            device_type="cuda" if torch.cuda.is_available() else "cpu")
 
     def worker_env(self) -> dict[str, str]:
         """What every worker inherits, whichever launcher starts it: the run settings as
         ``MPT_*`` variables (its ``mpt.Runtime`` reads them), and one thread per process."""
         env = settings_env(
-            backend=self.backend, precision=self.precision, loss_scale=self.loss_scale,
+            backend=self.backend, precision=self.run_precision, loss_scale=self.loss_scale,
             backend_options=self.backend_options, precision_options=self.precision_options,
             global_batch_size=self.global_batch_size, lr_scaling=self.lr_scaling,
             run_dir=self.run_dir and self.run_dir.absolute(), quiet=self.quiet,

@@ -10,7 +10,7 @@ import torch
 from mpt.errors import UsageError
 from mpt.precision.amp_config import OPT_LEVELS, AmpConfig
 from mpt.precision.apex import ApexPrecision
-from mpt.precision.base import FP32Precision, Precision
+from mpt.precision.base import FP32Precision, Precision, PrecisionSpec
 from mpt.precision.mixed import LossScaleConfig, MixedPrecision
 
 PrecisionFactory = Callable[[str, LossScaleConfig, Mapping[str, Any]], Precision]
@@ -65,5 +65,13 @@ def make_precision(name: str, device_type: str, loss_scale: LossScaleConfig | No
                                               options or {})
 
 
+def describe(name: str, loss_scale: LossScaleConfig | None = None,
+               options: Mapping[str, Any] | None = None) -> PrecisionSpec:
+    """What precision ``name`` with these settings does, checked, without a device or a model
+    (`mpt launch` asks before any process starts)."""
+    return make_precision(name, "cpu", loss_scale, options).spec
+
+
 __all__ = ["PRECISIONS", "AmpConfig", "ApexPrecision", "FP32Precision", "LossScaleConfig",
-           "MixedPrecision", "Precision", "check_precision", "make_precision"]
+           "MixedPrecision", "Precision", "PrecisionSpec", "check_precision", "describe",
+           "make_precision"]

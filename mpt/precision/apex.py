@@ -20,6 +20,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from mpt.errors import UsageError
 from mpt.precision.amp_config import AmpConfig
+from mpt.precision.base import PrecisionSpec
 from mpt.precision.mixed import LossScaleConfig, MixedPrecision
 
 
@@ -80,6 +81,20 @@ class ApexPrecision(MixedPrecision):
         """(master, model parameter) pairs in optimizer order."""
         self._model_of: dict[int, nn.Parameter] = {}
         self._grads_moved: set[int] = set()
+
+    @property
+    def spec(self) -> PrecisionSpec:
+        config = self.config
+        params = config.cast_model_type if config.casts_model else torch.float32
+        assert params is not None
+        scaled = self.scaler is not None or self._static_scale != 1.0
+        return PrecisionSpec(
+            name=self.name, params=params, reduce=params,
+            compute=config.low_dtype if config.patch_torch_functions else params,
+            master=torch.float32 if config.master_weights or not config.casts_model else params,
+            autocast=config.patch_torch_functions,
+            loss_scaling=self._scaling_kind() if self.scaler is not None
+            else "static" if scaled else "none")
 
     # -- the model ------------------------------------------------------------------------------
     def autocast(self) -> AbstractContextManager[Any]:

@@ -4,9 +4,37 @@ from __future__ import annotations
 
 import contextlib
 from contextlib import AbstractContextManager
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PrecisionSpec:
+    """What a precision does to the numbers of a step: the contract a backend maps onto its
+    engine, or refuses before anything starts (``Backend.precision_refusal``)."""
+
+    name: str
+    """The ``--precision`` name."""
+    compute: torch.dtype
+    """dtype of the forward's matmuls and convolutions (autocast's, or the cast model's)."""
+    params: torch.dtype
+    """dtype of the model's weights while it trains (batchnorm may stay fp32 where cast)."""
+    master: torch.dtype
+    """dtype of the weights the optimizer steps: fp32 masters, or the weights themselves."""
+    reduce: torch.dtype
+    """dtype of the gradients reduced across ranks (the weights' own)."""
+    autocast: bool
+    """Whether the forward runs under ``torch.autocast`` (else the model itself is cast)."""
+    loss_scaling: Literal["none", "static", "dynamic"]
+    """How losses are scaled before backward so that small fp16 gradients survive."""
+
+    @classmethod
+    def full(cls, name: str, dtype: torch.dtype = torch.float32) -> PrecisionSpec:
+        """Everything in ``dtype``, nothing scaled."""
+        return cls(name=name, compute=dtype, params=dtype, master=dtype, reduce=dtype,
+                   autocast=False, loss_scaling="none")
 
 
 class Precision:
@@ -19,6 +47,11 @@ class Precision:
 
     name: str
     """The ``--precision`` name."""
+
+    @property
+    def spec(self) -> PrecisionSpec:
+        """What this precision does to the numbers (see ``PrecisionSpec``)."""
+        return PrecisionSpec.full(self.name)
 
     def __init__(self, device_type: str) -> None:
         self.device_type = device_type

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from mpt.errors import UsageError
-from mpt.precision.base import Precision
+from mpt.precision.base import Precision, PrecisionSpec
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -78,6 +78,17 @@ class MixedPrecision(Precision):
             )
         # ids of optimizers already unscaled this step: clipping and stepping share one unscale.
         self._unscaled: set[int] = set()
+
+    @property
+    def spec(self) -> PrecisionSpec:
+        return PrecisionSpec(name=self.name, compute=self.dtype, params=torch.float32,
+                             master=torch.float32, reduce=torch.float32, autocast=True,
+                             loss_scaling=self._scaling_kind())
+
+    def _scaling_kind(self) -> Literal["none", "static", "dynamic"]:
+        if self.scaler is None:
+            return "none"
+        return "dynamic" if self.scaling.dynamic else "static"
 
     def autocast(self) -> AbstractContextManager[Any]:
         return torch.autocast(self.device_type, dtype=self.dtype)
