@@ -271,9 +271,9 @@ class DeepSpeedBackend(DDPBackend):
                 record.push_scale = False
                 from mpt.backends.deepspeed_state import apply_scaler_state, loss_scaler_of
 
-                state = getattr(getattr(self.precision, "scaler", None), "state_dict", dict)()
+                state = self.precision.loss_scale_state
                 loss_scaler = loss_scaler_of(engine.optimizer)
-                if state and loss_scaler is not None:
+                if state is not None and loss_scaler is not None:
                     apply_scaler_state(loss_scaler, state)
             total = mine[0]
             for loss in mine[1:]:
@@ -324,14 +324,13 @@ class DeepSpeedBackend(DDPBackend):
             engine.optimizer.clip_grad = record.default_clip
         applied = bool(engine.was_step_applied())
         self.precision.skipped_steps += int(not applied)
-        scaler = getattr(self.precision, "scaler", None)
-        if scaler is not None:
+        if self.precision.loss_scale_state is not None:
             # mpt's checkpoint stores the precision's scaler: keep it equal to DeepSpeed's.
             from mpt.backends.deepspeed_state import loss_scaler_of, scaler_state
 
             loss_scaler = loss_scaler_of(engine.optimizer)
             if loss_scaler is not None:
-                scaler.load_state_dict(scaler_state(loss_scaler))
+                self.precision.loss_scale_state = scaler_state(loss_scaler)
         return applied
 
     # -- state for checkpoints ----------------------------------------------------------------

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from mpt.precision import LossScaleState
+
 
 def _utils() -> Any:
     """``deepspeed.utils``, imported on use: the backend imported deepspeed already (after
@@ -174,22 +176,20 @@ def _last_overflow(loss_scaler: Any) -> int:
     return -1 if value is None else int(value)
 
 
-def scaler_state(loss_scaler: Any) -> dict[str, Any]:
-    """DeepSpeed's fp16 loss scaler as a ``torch.amp.GradScaler`` state dict (mpt's format).
+def scaler_state(loss_scaler: Any) -> LossScaleState:
+    """Where DeepSpeed's fp16 loss scaler stands, in mpt's terms.
 
-    GradScaler counts clean steps since the last growth or overflow (``_growth_tracker``);
-    DeepSpeed counts iterations since the last overflow and grows every ``scale_window``.
+    mpt counts clean steps since the last growth or overflow; DeepSpeed counts iterations since
+    the last overflow and grows every ``scale_window``.
     """
     window = int(getattr(loss_scaler, "scale_window", 1) or 1)
     clean = int(loss_scaler.cur_iter) - _last_overflow(loss_scaler) - 1
-    dynamic = _dynamic(loss_scaler)
-    return {"scale": float(loss_scaler.cur_scale), "growth_factor": 2.0, "backoff_factor": 0.5,
-            "growth_interval": window, "_growth_tracker": clean % window if dynamic else 0}
+    return LossScaleState(scale=float(loss_scaler.cur_scale),
+                          clean_steps=clean % window if _dynamic(loss_scaler) else 0)
 
 
-def apply_scaler_state(loss_scaler: Any, state: dict[str, Any]) -> None:
-    """Set DeepSpeed's loss scaler from a GradScaler state dict (inverse of ``scaler_state``)."""
-    loss_scaler.cur_scale = float(state["scale"])
+def apply_scaler_state(loss_scaler: Any, state: LossScaleState) -> None:
+    """Set DeepSpeed's loss scaler to ``state`` (inverse of ``scaler_state``)."""
+    loss_scaler.cur_scale = state.scale
     if _dynamic(loss_scaler):
-        loss_scaler.last_overflow_iter = int(loss_scaler.cur_iter) - 1 - int(
-            state.get("_growth_tracker", 0))
+        loss_scaler.last_overflow_iter = int(loss_scaler.cur_iter) - 1 - state.clean_steps

@@ -105,11 +105,11 @@ def _write_converted(src: Path, dst: str, step: int, weights: dict[str, Any],
     from mpt.checkpoint import io
     from mpt.checkpoint.format import MODEL_FILE, STATE_JSON, STATE_TENSORS
     from mpt.checkpoint.state import write_directory
+    from mpt.precision import LossScaleState
 
     precision: dict[str, Any] = {"skipped_steps": 0}
     if loss_scale is not None:
-        precision["scaler"] = {"scale": loss_scale, "growth_factor": 2.0, "backoff_factor": 0.5,
-                               "growth_interval": 2000, "_growth_tracker": tracker}
+        precision["scaler"] = LossScaleState(scale=loss_scale, clean_steps=tracker).state_dict()
     # One model named "model", as a one-model run names it; no optimizer state.
     state = {"models": ["model"], "optimizers": {}, "precision": precision, "schedulers": {},
              "loaders": [], "rng": [], "extra": {"converted_from": os.fspath(src)}}

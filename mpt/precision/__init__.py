@@ -10,7 +10,7 @@ import torch
 from mpt.errors import UsageError
 from mpt.precision.amp_config import OPT_LEVELS, AmpConfig
 from mpt.precision.apex import ApexPrecision
-from mpt.precision.base import FP32Precision, Precision, PrecisionSpec
+from mpt.precision.base import FP32Precision, LossScaleState, Precision, PrecisionSpec
 from mpt.precision.mixed import LossScaleConfig, MixedPrecision
 
 PrecisionFactory = Callable[[str, LossScaleConfig, Mapping[str, Any]], Precision]
@@ -73,5 +73,5 @@ def describe(name: str, loss_scale: LossScaleConfig | None = None,
 
 
 __all__ = ["PRECISIONS", "AmpConfig", "ApexPrecision", "FP32Precision", "LossScaleConfig",
-           "MixedPrecision", "Precision", "PrecisionSpec", "check_precision", "describe",
-           "make_precision"]
+           "LossScaleState", "MixedPrecision", "Precision", "PrecisionSpec", "check_precision",
+           "describe", "make_precision"]

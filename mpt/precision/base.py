@@ -37,6 +37,33 @@ class PrecisionSpec:
                    autocast=False, loss_scaling="none")
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LossScaleState:
+    """Where a loss scale stands: what checkpoints keep and engines with their own scaler
+    (DeepSpeed) exchange with mpt's, instead of GradScaler's private fields."""
+
+    scale: float
+    """The current scale."""
+    clean_steps: int = 0
+    """Finite steps since the scale last grew or backed off; it grows at ``growth_interval``."""
+
+    @classmethod
+    def of(cls, scaler: torch.amp.GradScaler) -> LossScaleState:
+        return cls.from_state_dict(scaler.state_dict())
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> LossScaleState:
+        """From ``GradScaler.state_dict()``, the layout mpt's checkpoints keep."""
+        return cls(scale=float(state["scale"]), clean_steps=int(state.get("_growth_tracker", 0)))
+
+    def state_dict(self, *, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                   growth_interval: int = 2000) -> dict[str, Any]:
+        """As ``GradScaler.state_dict()`` lays it out, with the given schedule."""
+        return {"scale": self.scale, "growth_factor": growth_factor,
+                "backoff_factor": backoff_factor, "growth_interval": growth_interval,
+                "_growth_tracker": self.clean_steps}
+
+
 class Precision:
     """What a numeric format does to a training step: autocast, loss scaling and their state.
 
@@ -96,6 +123,15 @@ class Precision:
     def loss_scale(self) -> float:
         """The current loss scale (1.0 where the format does not scale)."""
         return 1.0
+
+    @property
+    def loss_scale_state(self) -> LossScaleState | None:
+        """Where the dynamic loss scale stands; None where nothing is scaled dynamically."""
+        return None
+
+    @loss_scale_state.setter
+    def loss_scale_state(self, state: LossScaleState) -> None:
+        """Take over ``state`` (an engine's own scaler's); nothing to do where none is kept."""
 
     def state_dict(self) -> dict[str, Any]:
         return {"skipped_steps": self.skipped_steps}

@@ -9,7 +9,7 @@ from typing import Any, Literal
 import torch
 
 from mpt.errors import UsageError
-from mpt.precision.base import Precision, PrecisionSpec
+from mpt.precision.base import LossScaleState, Precision, PrecisionSpec
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -107,11 +107,20 @@ class MixedPrecision(Precision):
             return True
         self.unscale_(optimizer)
         self._unscaled.discard(id(optimizer))
-        self.scaler.step(optimizer)  # skips optimizer.step() itself when an inf/NaN was found
-        # The scaler recorded its verdict while unscaling; GradScaler has no public getter for it.
-        overflow = any(v.item() for v in self.scaler._found_inf_per_device(optimizer).values())
-        self.skipped_steps += int(overflow)
-        return not overflow
+        # The verdict, without reading the scaler's private state: GradScaler calls the
+        # optimizer's step only when the gradients are finite (it waits for the device to know),
+        # except for optimizers that skip by themselves (fused Adam), which it hands the verdict
+        # as ``optimizer.found_inf`` for the duration of the step: read only for those.
+        ran: list[torch.Tensor | None] = []
+        hook = optimizer.register_step_post_hook(
+            lambda opt, _args, _kwargs: ran.append(getattr(opt, "found_inf", None)))
+        try:
+            self.scaler.step(optimizer)
+        finally:
+            hook.remove()
+        stepped = bool(ran) and (ran[0] is None or not ran[0].item())
+        self.skipped_steps += int(not stepped)
+        return stepped
 
     def update(self) -> None:
         if self.scaler is None:
@@ -124,6 +133,19 @@ class MixedPrecision(Precision):
     @property
     def loss_scale(self) -> float:
         return 1.0 if self.scaler is None else float(self.scaler.get_scale())
+
+    @property
+    def loss_scale_state(self) -> LossScaleState | None:
+        """The scaler's state (None where nothing is scaled dynamically)."""
+        return None if self.scaler is None else LossScaleState.of(self.scaler)
+
+    @loss_scale_state.setter
+    def loss_scale_state(self, state: LossScaleState) -> None:
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state.state_dict(
+                growth_factor=self.scaling.growth_factor,
+                backoff_factor=self.scaling.backoff_factor,
+                growth_interval=self.scaling.growth_interval))
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()

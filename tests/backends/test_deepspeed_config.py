@@ -6,6 +6,7 @@ import json
 import sys
 
 import pytest
+import torch
 import torch.distributed as dist
 from conftest import run_mpt, worker
 
@@ -145,22 +146,25 @@ def test_loss_scaler_state_round_trips_through_mpts_format():
     from types import SimpleNamespace
 
     from mpt.backends.deepspeed_state import apply_scaler_state, loss_scaler_of, scaler_state
+    from mpt.precision import LossScaleState
 
     ds = SimpleNamespace(cur_scale=1024.0, cur_iter=37, last_overflow_iter=30, scale_window=5,
                          dynamic=True)
     state = scaler_state(ds)
-    assert state == {"scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5,
-                     "growth_interval": 5, "_growth_tracker": 1}  # 6 clean steps, grew at 5
+    assert state == LossScaleState(scale=1024.0, clean_steps=1)  # 6 clean steps, grew at 5
     fresh = SimpleNamespace(cur_scale=65536.0, cur_iter=0, last_overflow_iter=-1,
                             scale_window=5, dynamic=True)
     apply_scaler_state(fresh, state)
     assert scaler_state(fresh) == state
-    assert json.dumps(state)  # plain values, as mpt's checkpoint stores them
+    # what mpt's checkpoint stores: GradScaler's layout, plain values, loadable by GradScaler
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.load_state_dict(state.state_dict(growth_interval=5))
+    assert LossScaleState.of(scaler) == state and json.dumps(state.state_dict())
     # ZeRO-0's fp16 optimizer names it differently and starts with no overflow at all
     stage0 = SimpleNamespace(cur_scale=2.0**16, cur_iter=3, last_overflow_iter=None,
                              scale_window=1000, dynamic_loss_scale=True)
     owner = SimpleNamespace(loss_scale_config=stage0)
     assert loss_scaler_of(owner) is stage0
-    assert scaler_state(stage0)["_growth_tracker"] == 3
-    apply_scaler_state(stage0, {**state, "scale": 8.0})
-    assert (stage0.cur_scale, scaler_state(stage0)["_growth_tracker"]) == (8.0, 1)
+    assert scaler_state(stage0).clean_steps == 3
+    apply_scaler_state(stage0, LossScaleState(scale=8.0, clean_steps=1))
+    assert (stage0.cur_scale, scaler_state(stage0).clean_steps) == (8.0, 1)

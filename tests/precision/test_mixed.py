@@ -25,6 +25,29 @@ def backward(precision, model, inf: bool = False) -> None:
     precision.scale_loss(loss).backward()
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_verdict_is_whether_the_weights_changed_without_the_scalers_private_state(
+        fused, monkeypatch):
+    def private(*_args):
+        raise AssertionError("GradScaler's private state was read")
+
+    monkeypatch.setattr(torch.amp.GradScaler, "_found_inf_per_device", private)
+    # fused Adam skips inside its own kernel: GradScaler calls its step even on overflow
+    p = MixedPrecision("cpu", torch.float16, LossScaleConfig(init_scale=256.0))
+    model = nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters(), fused=fused)
+    verdicts = []
+    for step in range(4):
+        before = model.weight.detach().clone()
+        backward(p, model, inf=step in (1, 2))
+        stepped = p.optimizer_step(opt)
+        p.update()
+        opt.zero_grad()
+        verdicts.append((stepped, not torch.equal(before, model.weight)))
+    assert verdicts == [(True, True), (False, False), (False, False), (True, True)]
+    assert p.skipped_steps == 2 and p.loss_scale == 64.0
+
+
 def test_overflow_skips_the_step_and_backs_off():
     p = MixedPrecision("cpu", torch.float16, LossScaleConfig(init_scale=256.0))
     model, opt = model_and_opt()
