@@ -7,10 +7,12 @@ argument, the value and the fix, not a traceback.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
@@ -19,6 +21,7 @@ from rich.table import Table
 from mpt.checkpoint.commands import app as checkpoint_app
 from mpt.config import ConfigurableCommand, load_into_context
 from mpt.errors import MptError, UsageError
+from mpt.run_config import RunConfig, flag_of
 
 if TYPE_CHECKING:
     from mpt.launchers import LaunchSpec
@@ -64,8 +67,47 @@ def _root(
     """Mixed-precision, multi-process PyTorch training on the backend chosen by a flag."""
 
 
+RunOptions = dict[str, Any] | None
+"""A command's parameter that ``_with_run_options`` replaces by one option per setting."""
+
+
+def _run_option(setting: dataclasses.Field[Any]) -> inspect.Parameter:
+    """The `mpt launch` option of one ``RunConfig`` setting: a flag for a yes/no setting, else a
+    value parsed by ``RunConfig.parse`` (so that a bad one gets mpt's one-line error)."""
+    help_text, metavar = setting.metadata["help"], setting.metadata["metavar"]
+    if setting.type in (bool, "bool"):
+        return inspect.Parameter(setting.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                 default=False, annotation=Annotated[bool, typer.Option(
+                                     flag_of(setting.name), help=help_text)])
+    default = setting.default if isinstance(setting.default, str | int) else None
+    return inspect.Parameter(setting.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                             default=None if default is None else str(default),
+                             annotation=Annotated[str | None, typer.Option(
+                                 metavar=metavar, help=help_text)])
+
+
+def _with_run_options(command: Callable[..., None]) -> Callable[..., None]:
+    """``command`` with one option per ``RunConfig`` setting where its ``run`` parameter was;
+    it receives their values, as given, in ``run``."""
+    settings = dataclasses.fields(RunConfig)
+    signature = inspect.signature(command, eval_str=True)
+    parameters: list[inspect.Parameter] = []
+    for parameter in signature.parameters.values():
+        parameters += ([_run_option(s) for s in settings] if parameter.name == "run"
+                       else [parameter])
+
+    @functools.wraps(command)
+    def with_run_options(**values: Any) -> None:
+        command(run={s.name: values.pop(s.name) for s in settings}, **values)
+
+    with_run_options.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=parameters)
+    return with_run_options
+
+
 @app.command(cls=ConfigurableCommand, context_settings={"allow_interspersed_args": False,
                                                         "ignore_unknown_options": True})
+@_with_run_options
 def launch(
     script: Annotated[Path, typer.Argument(help="Training script each process runs.")],
     script_args: Annotated[list[str] | None, typer.Argument(
@@ -81,17 +123,11 @@ def launch(
     master_port: Annotated[str, typer.Option(
         metavar="PORT", help="Rendezvous port on node 0; auto picks a free one (one node "
         "only).")] = "29500",
-    backend: Annotated[str, typer.Option(help="Distributed backend (see `mpt backends`).")] = "ddp",
-    precision: Annotated[str | None, typer.Option(
-        help="fp32, fp16-mixed, bf16-mixed, or Apex's opt levels O0, O1, O2, O3 (O2-bf16, "
-        "O3-bf16); default: a DeepSpeed config's fp16/bf16, else fp32 (see `mpt "
-        "backends`).")] = None,
-    loss_scale: Annotated[str, typer.Option(
-        help="fp16 loss scaling: 'dynamic' or a static number.")] = "dynamic",
+    run: RunOptions = None,  # every RunConfig setting, one option each (see _with_run_options)
     keep_batchnorm_fp32: Annotated[str | None, typer.Option(
-        metavar="BOOL", help="Opt levels O1-O3: Apex's override, True or False.")] = None,
+        metavar="BOOL", help="Opt levels O1-O3: Apex's override, true or false.")] = None,
     master_weights: Annotated[str | None, typer.Option(
-        metavar="BOOL", help="Opt levels O1-O3: keep fp32 master weights, True or False.")] = None,
+        metavar="BOOL", help="Opt levels O1-O3: keep fp32 master weights, true or false.")] = None,
     cast_model_type: Annotated[str | None, typer.Option(
         metavar="DTYPE", help="Opt levels O1-O3: cast the model to float16, bfloat16 or "
         "float32.")] = None,
@@ -99,15 +135,6 @@ def launch(
     tee: TeeOption = None,
     max_restarts: Annotated[str, typer.Option(
         metavar="K", help="Restart the whole gang this often after a failure.")] = "0",
-    checkpoint_dir: Annotated[str | None, typer.Option(
-        metavar="DIR", help="Where rt.save() writes and rt.resume() looks (a path or fsspec "
-        "URL).")] = None,
-    resume: Annotated[str | None, typer.Option(
-        metavar="FROM", help="rt.resume(): auto (the latest checkpoint of --checkpoint-dir, if "
-        "any; the default), never, or a checkpoint's path.")] = None,
-    timeout: Annotated[str | None, typer.Option(
-        metavar="SECONDS", help="A collective that waits longer for its peers fails instead of "
-        "hanging (default 1800).")] = None,
     heartbeat_timeout: Annotated[str, typer.Option(
         metavar="SECONDS", help="Report a rank that made no progress for this long; 0 = "
         "never.")] = "300",
@@ -116,12 +143,6 @@ def launch(
         "SIGKILL.")] = "30",
     rdzv_timeout: Annotated[str, typer.Option(
         metavar="SECONDS", help="How long node 0 waits for the other nodes to arrive.")] = "900",
-    global_batch_size: Annotated[str | None, typer.Option(
-        metavar="B", help="Samples per optimizer step over all processes; per-rank batch and "
-        "accumulation follow (rt.batch_size, rt.accumulate).")] = None,
-    lr_scaling: Annotated[str | None, typer.Option(
-        metavar="RULE", help="Scale learning rates in the world size with rt.scale_lr: linear "
-        "or sqrt.")] = None,
     hosts: Annotated[str | None, typer.Option(
         metavar="H1,H2", help="--backend horovod: the job's hosts, one per node (horovodrun "
         "starts them all from here).")] = None,
@@ -155,15 +176,6 @@ def launch(
     deepspeed_config: Annotated[Path | None, typer.Option(
         metavar="FILE", help="--backend deepspeed: DeepSpeed JSON config; the flags fill only "
         "what it leaves out.")] = None,
-    run_dir: Annotated[Path | None, typer.Option(
-        metavar="DIR", help="Write metrics.jsonl and TensorBoard files here "
-        "(`mpt visualize DIR` draws them).")] = None,
-    quiet: Annotated[bool, typer.Option(
-        "--quiet", help="No progress bar or progress lines.")] = False,
-    log_every: Annotated[str, typer.Option(
-        metavar="STEPS", help="Optimizer steps between two metric records.")] = "10",
-    metrics_all_ranks: Annotated[bool, typer.Option(
-        "--metrics-all-ranks", help="Every rank writes metrics, not only rank 0.")] = False,
     local_rank_arg: LocalRankArgOption = False,
     dry_run: Annotated[bool, typer.Option(
         help="Print every process of the job and exit.")] = False,
@@ -173,7 +185,6 @@ def launch(
 
     from mpt import launchers
     from mpt.launchers.horovod_join import check_port
-    from mpt.metrics.config import parse_log_every
 
     if str(script).startswith("-"):
         raise UsageError("option", script, "mpt launch has no such option",
@@ -191,24 +202,19 @@ def launch(
         "zero_stage": zero_stage, "offload": offload,
         "config": None if deepspeed_config is None else str(deepspeed_config.resolve()),
     }.items() if v is not None}
+    settings = RunConfig.parse(run or {})
+    settings = settings.replace(backend_options=backend_options, precision_options={
+        k: v for k, v in {"keep_batchnorm_fp32": keep_batchnorm_fp32,
+                          "master_weights": master_weights,
+                          "cast_model_type": cast_model_type}.items() if v is not None})
     spec = launchers.LaunchSpec(
         script=script, script_args=tuple(script_args or ()), nodes=_int("--nodes", nodes),
         gpus=_int("--gpus", gpus), nr=_int("--nr", nr), master_addr=master_addr,
-        master_port=launchers.parse_port(master_port, _int("--nodes", nodes)), backend=backend,
-        precision=precision,
-        loss_scale=loss_scale, backend_options=backend_options, log_dir=log_dir,
-        precision_options={k: v for k, v in {
-            "keep_batchnorm_fp32": keep_batchnorm_fp32, "master_weights": master_weights,
-            "cast_model_type": cast_model_type}.items() if v is not None},
-        max_restarts=_int("--max-restarts", max_restarts), checkpoint_dir=checkpoint_dir,
-        resume=resume, timeout=_maybe(_number, "--timeout", timeout),
+        master_port=launchers.parse_port(master_port, _int("--nodes", nodes)), run=settings,
+        log_dir=log_dir, max_restarts=_int("--max-restarts", max_restarts),
         heartbeat_timeout=_number("--heartbeat-timeout", heartbeat_timeout),
         grace_period=_int("--grace-period", grace_period),
-        rdzv_timeout=_int("--rdzv-timeout", rdzv_timeout),
-        global_batch_size=_maybe(_int, "--global-batch-size", global_batch_size),
-        lr_scaling=lr_scaling, run_dir=run_dir, quiet=quiet,
-        log_every=parse_log_every(log_every), metrics_all_ranks=metrics_all_ranks,
-        local_rank_arg=local_rank_arg)
+        rdzv_timeout=_int("--rdzv-timeout", rdzv_timeout), local_rank_arg=local_rank_arg)
     if tee is not None:  # checked against the world, so after the spec has checked the world
         spec = dataclasses.replace(spec, tee=_tee(tee, spec))
     if hosts or hostfile or _horovodrun_starts(spec.backend):
@@ -304,15 +310,16 @@ def _print_plan(spec: LaunchSpec, cuda_devices: int) -> None:
         table.add_row(str(node), str(local_rank), str(rank),
                       device_name(local_rank, cuda_devices > 0))
     out.print(table)
-    if spec.global_batch_size is not None:
-        out.print(f"global batch size {spec.global_batch_size}: "
-                  f"{spec.global_batch_size // spec.world.world_size} samples per process per "
+    run = spec.run
+    if run.global_batch_size is not None:
+        out.print(f"global batch size {run.global_batch_size}: "
+                  f"{run.global_batch_size // spec.world.world_size} samples per process per "
                   "optimizer step (micro-batch size x accumulation)")
-    if spec.lr_scaling is not None:
+    if run.lr_scaling is not None:
         from mpt.scaling import lr_factor
 
-        out.print(f"lr scaling {spec.lr_scaling}: learning rates x "
-                  f"{lr_factor(spec.lr_scaling, spec.world.world_size):g}")
+        out.print(f"lr scaling {run.lr_scaling}: learning rates x "
+                  f"{lr_factor(run.lr_scaling, spec.world.world_size):g}")
 
 
 @app.command(context_settings={"allow_interspersed_args": False,
@@ -332,13 +339,14 @@ def horovodrun(
     import torch
 
     from mpt.backends import resolve_precision
-    from mpt.environments.settings import settings_env
     from mpt.launchers import horovodrun as hvdrun
     from mpt.precision import LossScaleConfig
 
+    run = RunConfig.parse({"backend": "horovod", "precision": precision,
+                           "loss_scale": loss_scale})
     resolve_precision("horovod", precision, loss_scale=LossScaleConfig.parse(loss_scale),
                       device_type="cuda" if torch.cuda.is_available() else "cpu")
-    env = settings_env(backend="horovod", precision=precision, loss_scale=loss_scale)
+    env = run.to_env()
     result = hvdrun.run_passthrough(args, env, log_dir=log_dir, tee=tee,
                                     local_rank_arg=local_rank_arg)
     for line in result.lines(local_rank_arg):

@@ -87,16 +87,17 @@ def _backends() -> list[dict[str, Any]]:
 
 def _world(env: Mapping[str, str]) -> dict[str, Any]:
     from mpt.environments import detect_world
-    from mpt.environments.settings import read_settings
     from mpt.errors import MptError
+    from mpt.run_config import RunConfig
 
     try:
         world = detect_world(env)
     except MptError as exc:  # inconsistent launcher variables: say so, do not crash the report
         return {"source": "error", "error": str(exc), "settings": {}}
-    try:
-        settings = read_settings(env)
-    except ValueError as exc:
+    try:  # the settings a launcher handed over, defaults left out
+        default, given = RunConfig().values(), RunConfig.from_env(env).values()
+        settings: dict[str, Any] = {k: v for k, v in given.items() if v != default[k]}
+    except MptError as exc:
         settings = {"error": str(exc)}
     return {"source": world.source, "nodes": world.nodes, "gpus": world.gpus, "nr": world.nr,
             "local_rank": world.local_rank, "rank": world.rank, "world_size": world.world_size,

@@ -10,6 +10,7 @@ import os
 import signal
 from collections.abc import Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, overload
 
 import torch
@@ -21,42 +22,17 @@ from mpt._native import bind_to_parent
 from mpt.backends import Backend, get_backend, resolve_precision
 from mpt.data import DistributedLoader
 from mpt.environments import World, detect_world, device_name
-from mpt.environments.settings import launch_dir, launcher_pid, read_settings
+from mpt.environments.settings import launch_dir, launcher_pid
 from mpt.errors import UsageError
 from mpt.fault import REQUEUE_EXIT_CODE, Heartbeat, Preemption
 from mpt.metrics import MetricsConfig, Monitor
 from mpt.pairs import Pair, Pairs
 from mpt.precision import LossScaleConfig, Precision, make_precision
-from mpt.scaling import BatchPlan, check_lr_scaling, lr_factor, plan_batch
+from mpt.run_config import RunConfig
+from mpt.scaling import BatchPlan, lr_factor, plan_batch
 
 Schedulers = checkpoint.Stateful | Mapping[str, checkpoint.Stateful] | None
 """An LR scheduler, or several by name (``{"G": sched_g, "D": sched_d}``)."""
-
-
-def _parse_accumulate(argument: str, value: object) -> int:
-    try:
-        number: int = int(value)  # type: ignore[call-overload]
-    except (TypeError, ValueError):
-        number = 0
-    if number < 1:
-        raise UsageError(argument, value, "it must be a whole number of at least 1",
-                         f"pass {argument}=1 for no accumulation, or more")
-    return number
-
-
-def _parse_timeout(flags: Mapping[str, Any]) -> timedelta:
-    """``--timeout`` seconds as a timedelta; 30 minutes (torch's default) when not given."""
-    value = flags.get("timeout")
-    if value is None:
-        return timedelta(minutes=30)
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = 0
-    if seconds <= 0:
-        raise UsageError("--timeout", value, "it must be a positive number of seconds",
-                         "pass --timeout 600, for example")
-    return timedelta(seconds=seconds)
 
 
 def _die_with_launcher(pid: int | None) -> None:
@@ -135,50 +111,58 @@ class Runtime:
                  env: Mapping[str, str] | None = None) -> None:
         env = os.environ if env is None else env
         _die_with_launcher(launcher_pid(env))
-        flags = read_settings(env)
+        # The settings `mpt launch` handed over, with the arguments given here on top: both
+        # checked by RunConfig, whichever way they came.
+        self.config: RunConfig = RunConfig.from_env(env).replace(
+            backend=backend, precision=precision, accumulate=accumulate,
+            loss_scale=None if isinstance(loss_scale, LossScaleConfig) else loss_scale,
+            timeout=timeout.total_seconds() if isinstance(timeout, timedelta) else timeout,
+            backend_options=backend_options, precision_options=precision_options,
+            global_batch_size=global_batch_size, lr_scaling=lr_scaling,
+            run_dir=None if run_dir is None else os.fspath(run_dir), quiet=quiet,
+            log_every=log_every, metrics_all_ranks=metrics_all_ranks,
+            checkpoint_dir=None if checkpoint_dir is None else os.fspath(checkpoint_dir),
+            resume=resume)
+        """Every run setting, as this process trains with it."""
+        config = self.config
         self.world: World = detect_world(env)
         scratch = launch_dir(env)  # under `mpt launch`: its stall watch reads our heartbeat
         self._heartbeat = Heartbeat(scratch, self.world.rank) if scratch else None
         self.device = torch.device(device_name(self.world.local_rank, torch.cuda.is_available()))
-        if accumulate is None and "accumulate" in flags:
-            accumulate = _parse_accumulate("accumulate", flags["accumulate"])
-        total = global_batch_size or flags.get("global_batch_size")
+        total = config.global_batch_size
         self.batch_plan: BatchPlan | None = None if total is None else plan_batch(
-            total, self.world.world_size, batch_size=batch_size, accumulate=accumulate)
+            total, self.world.world_size, batch_size=batch_size, accumulate=config.accumulate)
         """How the global batch splits over ranks and micro-batches (None: no global size)."""
         self.accumulate = (self.batch_plan.accumulate if self.batch_plan
-                           else _parse_accumulate("accumulate", 1 if accumulate is None
-                                                  else accumulate))
+                           else config.accumulate or 1)
         self.batch_size: int | None = self.batch_plan.batch_size if self.batch_plan else batch_size
         """Per-rank micro-batch size to build the DataLoader with (None: the script decides)."""
-        self.lr_scaling = check_lr_scaling(lr_scaling or flags.get("lr_scaling"))
-        scale = (loss_scale if isinstance(loss_scale, LossScaleConfig) else LossScaleConfig.parse(
-            loss_scale if loss_scale is not None else flags.get("loss_scale", "dynamic")))
-        backend_name = backend or flags.get("backend", "ddp")
-        options = {**flags.get("backend_options", {}), **(backend_options or {})}
-        amp_options = {**flags.get("precision_options", {}), **(precision_options or {})}
+        self.lr_scaling = config.lr_scaling
+        scale = (loss_scale if isinstance(loss_scale, LossScaleConfig)
+                 else LossScaleConfig.parse(config.loss_scale))
         # The check `mpt launch` made, again for scripts other launchers started.
         precision_name = resolve_precision(
-            backend_name, precision or flags.get("precision"), device_type=self.device.type,
-            loss_scale=scale, precision_options=amp_options, backend_options=options)
+            config.backend, config.precision, device_type=self.device.type, loss_scale=scale,
+            precision_options=config.precision_options, backend_options=config.backend_options)
         self.precision: Precision = make_precision(precision_name, self.device.type, scale,
-                                                   amp_options)
-        self.backend: Backend = get_backend(backend_name)(
+                                                   config.precision_options)
+        self.backend: Backend = get_backend(config.backend)(
             world=self.world, device=self.device, precision=self.precision,
-            accumulate=self.accumulate, timeout=timeout or _parse_timeout(flags), options=options)
+            accumulate=self.accumulate, timeout=timedelta(seconds=config.timeout or 1800.0),
+            options=config.backend_options)
         self.seed = seed
-        self.checkpoint_dir = checkpoint.check_root("checkpoint_dir", checkpoint_dir
-                                                    or flags.get("checkpoint_dir"))
+        self.checkpoint_dir = config.checkpoint_dir
         """Default root of ``save`` and ``resume`` (None: pass a path to them)."""
-        self.resume_from = checkpoint.check_resume("resume", resume or flags.get("resume"))
+        self.resume_from = config.resume or "auto"
         """``auto``, ``never`` or a checkpoint path: what ``resume`` loads."""
         self.global_step = 0
         """Training iterations done (every optimizer stepped once), counted on from a loaded
         checkpoint's step."""
         self._schedulers: dict[str, checkpoint.Stateful] = {}  # saved with a preempted run
         self._preemption = Preemption()
-        metrics = MetricsConfig.resolve(flags, run_dir=run_dir, quiet=quiet, log_every=log_every,
-                                        all_ranks=metrics_all_ranks)
+        metrics = MetricsConfig(run_dir=None if config.run_dir is None else Path(config.run_dir),
+                                quiet=config.quiet, log_every=config.log_every,
+                                all_ranks=config.metrics_all_ranks)
         self.backend.init_process_group()
         if self.batch_plan is not None:
             self.print(f"mpt: {self.batch_plan.describe()}")

@@ -27,6 +27,9 @@ SCRIPT = worker("report_world.py")
     (["--resume", "no/such/ckpt", SCRIPT], ["--resume=no/such/ckpt", "no checkpoint"]),
     (["--checkpoint-dir", SCRIPT, SCRIPT], [f"--checkpoint-dir={SCRIPT}", "is a file"]),
     (["--grace-period", "0", SCRIPT], ["--grace-period=0", "positive"]),
+    (["--accumulate", "0", SCRIPT], ["--accumulate=0", "at least 1"]),
+    (["--backend-options", "{bad", SCRIPT], ["--backend-options={bad", "JSON"]),
+    (["--quiet", "--metrics-all-ranks", "--log-every", "0", SCRIPT], ["--log-every=0"]),
     (["--timeout", "soon", SCRIPT], ["--timeout=soon", "not a number"]),
     (["--rdzv-timeout", "-5", SCRIPT], ["--rdzv-timeout=-5", "positive"]),
 ])

@@ -64,7 +64,7 @@ def test_unavailable_backend_is_listed_with_reason_and_install(monkeypatch):
 def test_detected_cluster_world_and_its_source():
     slurm = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NNODES": "2",
              "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "5",
-             "MPT_PRECISION": "bf16-mixed"}
+             "MPT_RUN_CONFIG": '{"precision": "bf16-mixed"}'}
     world = report.collect(slurm)["environment"]
     assert world["source"] == "slurm" and world["rank"] == 3 and world["world_size"] == 4
     assert world["master_addr"] == "gpu07" and world["settings"] == {"precision": "bf16-mixed"}

@@ -15,7 +15,7 @@ from mpt.errors import UsageError
 
 
 def test_launch_flags_apply_where_the_code_is_silent_and_code_wins():
-    env = {"MPT_PRECISION": "bf16-mixed", "MPT_ACCUMULATE": "4"}
+    env = {"MPT_RUN_CONFIG": json.dumps({"precision": "bf16-mixed", "accumulate": "4"})}
     rt = mpt.Runtime(env=env)
     assert (rt.backend.name, rt.precision.name, rt.accumulate) == ("ddp", "bf16-mixed", 4)
     rt = mpt.Runtime(precision="fp16-mixed", accumulate=1, env=env)
@@ -25,7 +25,8 @@ def test_launch_flags_apply_where_the_code_is_silent_and_code_wins():
 
 @pytest.mark.parametrize(("kwargs", "argument"), [
     ({"backend": "nope"}, "--backend"), ({"precision": "fp4"}, "--precision"),
-    ({"accumulate": 0}, "accumulate"), ({"loss_scale": "huge"}, "--loss-scale"),
+    ({"accumulate": 0}, "--accumulate"), ({"loss_scale": "huge"}, "--loss-scale"),
+    ({"quiet": "maybe"}, "--quiet"), ({"checkpoint_dir": __file__}, "--checkpoint-dir"),
 ])
 def test_bad_settings_name_the_argument(kwargs, argument):
     with pytest.raises(mpt.UsageError, match=f"^{argument}="):
@@ -113,7 +114,7 @@ def test_training_before_setup_says_what_to_do():
 
 
 def test_backend_options_from_the_launcher_and_from_code_are_checked_by_the_backend():
-    env = {"MPT_BACKEND_OPTIONS": json.dumps({"bucket": 1})}
+    env = {"MPT_RUN_CONFIG": json.dumps({"backend_options": {"bucket": 1}})}
     with pytest.raises(UsageError, match=r"bucket.*'ddp' has no such option"):
         mpt.Runtime(env=env)
     with pytest.raises(UsageError, match="zero_stage"):

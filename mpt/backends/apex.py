@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from mpt.backends.base import Availability
 from mpt.backends.ddp import DDPBackend
 from mpt.errors import MissingDependencyError, UsageError
+from mpt.parse import parse_bool
 
 _MB = 2**20
 APEX_MESSAGE_SIZE = 10_000_000
@@ -130,14 +131,6 @@ class ApexDistributedDataParallel(TorchDDP):
         self.register_comm_hook(self.reduce_settings, apex_allreduce_hook)
 
 
-def _bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if str(value).lower() in ("true", "1", "yes", "false", "0", "no"):
-        return str(value).lower() in ("true", "1", "yes")
-    raise UsageError(name, value, "it must be true or false", f"pass {name}=true")
-
-
 def _number(name: str, value: Any, kind: type[int] | type[float]) -> Any:
     try:
         return kind(value)
@@ -173,12 +166,12 @@ class ApexBackend(DDPBackend):
         o = self.option_values
         kwargs: dict[str, Any] = {}
         if "delay_allreduce" in o:
-            kwargs["delay_allreduce"] = _bool("delay_allreduce", o["delay_allreduce"])
+            kwargs["delay_allreduce"] = parse_bool("delay_allreduce", o["delay_allreduce"])
         if "allreduce_always_fp32" in o:
-            kwargs["allreduce_always_fp32"] = _bool("allreduce_always_fp32",
+            kwargs["allreduce_always_fp32"] = parse_bool("allreduce_always_fp32",
                                                     o["allreduce_always_fp32"])
         if "gradient_average" in o:
-            kwargs["gradient_average"] = _bool("gradient_average", o["gradient_average"])
+            kwargs["gradient_average"] = parse_bool("gradient_average", o["gradient_average"])
         if "message_size" in o:
             kwargs["message_size"] = _number("message_size", o["message_size"], int)
         if "gradient_predivide_factor" in o:
@@ -191,7 +184,7 @@ class ApexBackend(DDPBackend):
         kwargs = self.ddp_kwargs()  # bad options fail on one process too
         if optimizer is None:
             return super().setup(model, None)
-        if _bool("fused_optimizer", self.option_values.get("fused_optimizer", False)):
+        if parse_bool("fused_optimizer", self.option_values.get("fused_optimizer", False)):
             optimizer = fused_adam(optimizer)
         if not self.world.is_distributed:
             return model, optimizer

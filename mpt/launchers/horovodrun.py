@@ -130,16 +130,17 @@ def horovodrun_command(spec: LaunchSpec, hosts: list[tuple[str, int]],
     command = ["horovodrun", "-np", str(spec.world.world_size),
                "-H", ",".join(f"{host}:{slots}" for host, slots in hosts), f"--{controller}"]
     for option, flag in HOROVODRUN_FLAGS.items():
-        if option in spec.backend_options:
-            command += [flag, str(spec.backend_options[option])]
+        if option in spec.run.backend_options:
+            command += [flag, str(spec.run.backend_options[option])]
     return [*command, "python", *spec.worker_args()]
 
 
 def horovodrun_env(spec: LaunchSpec) -> dict[str, str]:
     """What horovodrun's workers need besides horovodrun's own variables: mpt's settings
     (less the options that became horovodrun flags)."""
-    options = {k: v for k, v in spec.backend_options.items() if k not in HOROVODRUN_FLAGS}
-    return replace(spec, backend_options=options).worker_env()
+    run = spec.run
+    options = {k: v for k, v in run.backend_options.items() if k not in HOROVODRUN_FLAGS}
+    return replace(spec, run=replace(run, backend_options=options)).worker_env()
 
 
 def horovodrun_executable() -> str:

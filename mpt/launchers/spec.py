@@ -2,23 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from mpt.backends import get_backend, resolve_precision
-from mpt.checkpoint import check_resume, check_root
+from mpt.backends import resolve_precision
 from mpt.environments import World
-from mpt.environments.settings import settings_env
 from mpt.errors import UsageError
 from mpt.launchers.local_rank import LOCAL_RANK_ARG
 from mpt.launchers.logs import DEFAULT_TEE
 from mpt.precision import LossScaleConfig
-from mpt.scaling import check_lr_scaling, plan_batch
+from mpt.run_config import RunConfig
+from mpt.scaling import plan_batch
 
 
 def parse_port(value: str, nodes: int) -> int:
@@ -57,17 +56,8 @@ class LaunchSpec:
     """Address of node 0, reachable from every node."""
     master_port: int = 29500
     """Port of the rendezvous on node 0."""
-    backend: str = "ddp"
-    """Backend the workers' runtime uses (exported as MPT_BACKEND)."""
-    precision: str | None = None
-    """Precision the workers' runtime uses (exported as MPT_PRECISION); None: the one the
-    backend's config asks for (a DeepSpeed config's fp16 or bf16), else fp32."""
-    loss_scale: str = "dynamic"
-    """fp16 loss scaling: 'dynamic' or a static number (exported as MPT_LOSS_SCALE)."""
-    backend_options: dict[str, Any] = field(default_factory=dict)
-    """The backend's own options, JSON-able (exported as MPT_BACKEND_OPTIONS)."""
-    precision_options: dict[str, Any] = field(default_factory=dict)
-    """The precision's own options, e.g. Apex's opt-level overrides (MPT_PRECISION_OPTIONS)."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """What every worker trains with: backend, precision, ... (exported as MPT_RUN_CONFIG)."""
     log_dir: Path | None = None
     """Where each rank's stdout/stderr is also written, one file per rank."""
     tee: frozenset[int] = DEFAULT_TEE
@@ -79,28 +69,8 @@ class LaunchSpec:
     the step, save) before it is sent SIGKILL."""
     rdzv_timeout: int = 900
     """Seconds node 0 waits for the other nodes' launchers to arrive before giving up."""
-    timeout: float | None = None
-    """Seconds a collective may wait for its peers before it fails (MPT_TIMEOUT); None: the
-    runtime's default."""
     heartbeat_timeout: float = 300.0
     """Seconds without progress after which the launcher reports a rank as stalled; 0: never."""
-    checkpoint_dir: str | None = None
-    """Where ``rt.save()`` writes and ``rt.resume()`` looks (MPT_CHECKPOINT_DIR); a path or URL."""
-    resume: str | None = None
-    """``auto`` (the latest checkpoint of ``checkpoint_dir``, if any: the default there),
-    ``never``, or one checkpoint's path (MPT_RESUME)."""
-    global_batch_size: int | None = None
-    """Samples per optimizer step over the whole job (exported as MPT_GLOBAL_BATCH_SIZE)."""
-    lr_scaling: str | None = None
-    """Learning-rate scaling rule in the world size, linear or sqrt (MPT_LR_SCALING)."""
-    run_dir: Path | None = None
-    """Where the workers write metrics.jsonl and TensorBoard files (exported as MPT_RUN_DIR)."""
-    quiet: bool = False
-    """No progress bar or progress lines on rank 0 (MPT_QUIET)."""
-    log_every: int = 10
-    """Optimizer steps between two metric records (MPT_LOG_EVERY)."""
-    metrics_all_ranks: bool = False
-    """Every rank writes metrics, not only rank 0 (MPT_METRICS_ALL_RANKS)."""
     local_rank_arg: bool = False
     """Pass ``--local_rank=<N>`` to the script, as ``torch.distributed.launch`` did."""
 
@@ -112,52 +82,46 @@ class LaunchSpec:
 
     def __post_init__(self) -> None:
         self.world  # noqa: B018 - World validates nodes, gpus, nr and the port: those errors first
-        get_backend(self.backend).check_options(self.backend_options)
         self.run_precision  # noqa: B018 - refuses a pair the backend would train wrong
-        check_lr_scaling(self.lr_scaling)
-        if self.global_batch_size is not None:  # the script's batch size is checked at start-up
-            plan_batch(self.global_batch_size, self.world.world_size)
+        if self.run.global_batch_size is not None:  # the script's batch size is checked later
+            plan_batch(self.run.global_batch_size, self.world.world_size)
         if not self.script.is_file():
             raise UsageError("SCRIPT", str(self.script), "no such file",
                              "pass the path of the training script, e.g. examples/digits.py")
         if self.max_restarts < 0:
             raise UsageError("--max-restarts", self.max_restarts, "it cannot be negative",
                              "pass 0 to fail on the first error")
-        seconds = {"--grace-period": self.grace_period, "--rdzv-timeout": self.rdzv_timeout,
-                   "--timeout": 1 if self.timeout is None else self.timeout}
-        for flag, value in seconds.items():
+        for flag, value in {"--grace-period": self.grace_period,
+                            "--rdzv-timeout": self.rdzv_timeout}.items():
             if value <= 0:
                 raise UsageError(flag, value, "it must be positive", f"pass {flag} 30, for "
                                  "example")
         if self.heartbeat_timeout < 0:
             raise UsageError("--heartbeat-timeout", self.heartbeat_timeout, "it cannot be "
                              "negative", "pass 0 to turn the report off, or 300")
-        if self.resume == "auto" and self.checkpoint_dir is None:
+        if self.run.resume == "auto" and self.run.checkpoint_dir is None:
             raise UsageError("--resume", "auto", "there is no --checkpoint-dir to look in",
                              "pass --checkpoint-dir DIR as well")
-        check_root("--checkpoint-dir", self.checkpoint_dir)
-        check_resume("--resume", self.resume)
+
+    @property
+    def backend(self) -> str:
+        return self.run.backend
 
     @property
     def run_precision(self) -> str:
         """The precision the workers use, checked against the backend on this machine's device
         type (see ``mpt.backends.resolve_precision``)."""
+        run = self.run
         return resolve_precision(
-            self.backend, self.precision, loss_scale=LossScaleConfig.parse(self.loss_scale),
-            precision_options=self.precision_options, backend_options=self.backend_options,
+            run.backend, run.precision, loss_scale=LossScaleConfig.parse(run.loss_scale),
+            precision_options=run.precision_options, backend_options=run.backend_options,
             device_type="cuda" if torch.cuda.is_available() else "cpu")
 
     def worker_env(self) -> dict[str, str]:
-        """What every worker inherits, whichever launcher starts it: the run settings as
-        ``MPT_*`` variables (its ``mpt.Runtime`` reads them), and one thread per process."""
-        env = settings_env(
-            backend=self.backend, precision=self.run_precision, loss_scale=self.loss_scale,
-            backend_options=self.backend_options, precision_options=self.precision_options,
-            global_batch_size=self.global_batch_size, lr_scaling=self.lr_scaling,
-            run_dir=self.run_dir and self.run_dir.absolute(), quiet=self.quiet,
-            log_every=self.log_every, metrics_all_ranks=self.metrics_all_ranks,
-            timeout=self.timeout, checkpoint_dir=self.checkpoint_dir, resume=self.resume)
-        return {**env, **thread_env(self.gpus)}
+        """What every worker inherits, whichever launcher starts it: the run's settings (its
+        ``mpt.Runtime`` reads them) with the precision resolved, and one thread per process."""
+        run = dataclasses.replace(self.run, precision=self.run_precision)
+        return {**run.to_env(), **thread_env(self.gpus)}
 
     def worker_args(self) -> list[str]:
         """What each process runs after ``python``: the script through mpt's worker shim."""

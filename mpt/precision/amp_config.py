@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from mpt.errors import UsageError
+from mpt.parse import parse_bool
 from mpt.precision.mixed import LossScaleConfig
 
 OPT_LEVELS = {
@@ -160,11 +161,7 @@ def _parse(name: str, value: Any) -> Any:
                              "use torch.float16, torch.bfloat16 or torch.float32")
         return _DTYPES[key]
     if name in ("keep_batchnorm_fp32", "master_weights"):
-        if isinstance(value, bool):
-            return value
-        if str(value) in ("True", "False", "true", "false"):
-            return str(value).lower() == "true"
-        raise UsageError(name, value, "it must be True or False", f"pass {name}=True")
+        return parse_bool(name, value)
     # loss_scale: "dynamic" or a number, as --loss-scale takes it
     scale = LossScaleConfig.parse(value if isinstance(value, str) else float(value))
     return "dynamic" if scale.dynamic else scale.init_scale

@@ -11,12 +11,16 @@ from conftest import run_mpt, worker
 from mpt.errors import UsageError
 from mpt.launchers import LaunchSpec
 from mpt.launchers.horovodrun import horovodrun_command, horovodrun_env, job_hosts, read_hostfile
+from mpt.run_config import RunConfig
 
 SCRIPT = worker("report_world.py")
 
 
 def spec(**kwargs) -> LaunchSpec:
-    return LaunchSpec(script=Path(SCRIPT), script_args=("out", "1"), backend="horovod", **kwargs)
+    run = RunConfig(backend="horovod", **{k: kwargs.pop(k) for k in ("precision",
+                                                                      "backend_options")
+                                          if k in kwargs})
+    return LaunchSpec(script=Path(SCRIPT), script_args=("out", "1"), run=run, **kwargs)
 
 
 def test_two_nodes_of_two_from_hosts():
@@ -37,9 +41,10 @@ def test_hostfile_mpi_fusion_flags_and_settings(tmp_path):
     assert command[:6] == ["horovodrun", "-np", "4", "-H", "node-a:2,node-b:2", "--mpi"]
     assert command[6:10] == ["--fusion-threshold-mb", "0", "--cycle-time-ms", "2.5"]
     env = horovodrun_env(s)
-    assert env["MPT_BACKEND"] == "horovod" and env["MPT_PRECISION"] == "fp16-mixed"
+    run = RunConfig.from_env(env)
+    assert run.backend == "horovod" and run.precision == "fp16-mixed"
     # horovodrun turns the fusion flags into HOROVOD_* variables; the rest reaches the backend
-    assert env["MPT_BACKEND_OPTIONS"] == '{"op": "sum"}'
+    assert run.backend_options == {"op": "sum"}
 
 
 def test_one_node_without_hosts_is_localhost():
@@ -80,7 +85,7 @@ def test_cli_dry_run_prints_the_command_and_bad_hosts_exit_2(tmp_path):
     assert result.returncode == 0, result.stderr
     assert (f"horovodrun -np 4 -H h1:2,h2:2 --gloo python -u -m mpt.launchers.worker {SCRIPT} x"
             in result.stdout)
-    assert "MPT_BACKEND=horovod" in result.stdout and "adasum" in result.stdout
+    assert '"backend": "horovod"' in result.stdout and "adasum" in result.stdout
     bad = run_mpt("launch", "--backend", "horovod", "--nodes", "2", "--gpus", "2",
                   "--hosts", "h1:1,h2:1", "--dry-run", SCRIPT)
     assert bad.returncode == 2

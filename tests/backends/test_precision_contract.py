@@ -108,5 +108,5 @@ def test_the_runtime_refuses_the_same_pairs_before_joining_a_group():
     with pytest.raises(UsageError, match="--backend deepspeed casts the model"):
         mpt.Runtime(backend="deepspeed", precision="O2-bf16", env={})
     with pytest.raises(UsageError, match="Horovod has no bf16"):
-        mpt.Runtime(backend="horovod", env={"MPT_PRECISION": "O3-bf16"})
+        mpt.Runtime(backend="horovod", env={"MPT_RUN_CONFIG": '{"precision": "O3-bf16"}'})
     assert not dist.is_initialized()

@@ -108,8 +108,9 @@ def test_resume_never_refuses_to_overwrite_and_a_path_must_hold_a_checkpoint(tmp
 
 def test_a_bad_timeout_is_refused():
     with pytest.raises(UsageError, match="--timeout=0"):
-        mpt.Runtime(env={"MPT_TIMEOUT": "0"})
-    assert mpt.Runtime(env={"MPT_TIMEOUT": "2.5"}).backend.timeout.total_seconds() == 2.5
+        mpt.Runtime(env={"MPT_RUN_CONFIG": '{"timeout": 0}'})
+    rt = mpt.Runtime(env={"MPT_RUN_CONFIG": '{"timeout": "2.5"}'})
+    assert rt.backend.timeout.total_seconds() == 2.5
 
 
 def test_a_preempted_horovod_job_saves_and_exits_75(tmp_path):

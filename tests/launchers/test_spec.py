@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from mpt.errors import UsageError
 from mpt.launchers import LaunchSpec
 from mpt.launchers.elastic import torch_launch_config, worker_env
+from mpt.run_config import RunConfig
 
 SCRIPT = Path(__file__)
 
@@ -32,10 +34,13 @@ def test_spec_becomes_a_static_rendezvous_with_the_node_rank():
 
 
 def test_workers_inherit_the_settings():
-    env = worker_env(LaunchSpec(script=SCRIPT, gpus=2, backend="ddp", precision="fp16-mixed",
-                                loss_scale="128"), failure_dir="/tmp/notes")
-    assert env["MPT_BACKEND"] == "ddp" and env["MPT_PRECISION"] == "fp16-mixed"
-    assert env["MPT_LOSS_SCALE"] == "128" and env["MPT_LAUNCHER_PID"].isdigit()
+    run = RunConfig(backend="ddp", precision="fp16-mixed", loss_scale="128", accumulate=2)
+    env = worker_env(LaunchSpec(script=SCRIPT, gpus=2, run=run), failure_dir="/tmp/notes")
+    assert RunConfig.from_env(env) == run  # one variable carries them all
+    assert json.loads(env["MPT_RUN_CONFIG"]) == {**RunConfig().values(), "backend": "ddp",
+                                                 "precision": "fp16-mixed", "loss_scale": "128",
+                                                 "accumulate": 2}
+    assert env["MPT_LAUNCHER_PID"].isdigit()
     assert env["MPT_FAILURE_DIR"] == "/tmp/notes"
 
 
@@ -54,12 +59,13 @@ def test_opt_level_overrides_reach_the_workers_runtime():
 
     import mpt
 
-    spec = LaunchSpec(script=SCRIPT, precision="O2",
-                      precision_options={"keep_batchnorm_fp32": "False"})
+    spec = LaunchSpec(script=SCRIPT, run=RunConfig(
+        precision="O2", precision_options={"keep_batchnorm_fp32": "no"}))
     rt = mpt.Runtime(env=spec.worker_env())  # what a worker of this launch reads
     model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
     model, _ = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     # O2 keeps batchnorm in fp32 unless told otherwise: here it was told.
     assert model[0].weight.dtype == model[1].weight.dtype == torch.float16
     with pytest.raises(UsageError, match="master_weights"):
-        LaunchSpec(script=SCRIPT, precision="fp32", precision_options={"master_weights": True})
+        LaunchSpec(script=SCRIPT, run=RunConfig(precision="fp32",
+                                                precision_options={"master_weights": True}))

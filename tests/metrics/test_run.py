@@ -136,8 +136,8 @@ def test_quiet_shows_nothing_and_rank_0_alone_writes_by_default(tmp_path, free_p
 def test_a_terminal_gets_a_rich_bar_with_loss_rate_and_eta(tmp_path):
     """One process, no launcher, its output a pseudo-terminal."""
     primary, secondary = pty.openpty()
-    env = {**os.environ, "COLUMNS": "160", "LINES": "40", "MPT_LOG_EVERY": "3",
-           "TERM": "xterm-256color", "MPT_RUN_DIR": str(tmp_path)}
+    env = {**os.environ, "COLUMNS": "160", "LINES": "40", "TERM": "xterm-256color",
+           "MPT_RUN_CONFIG": json.dumps({"log_every": 3, "run_dir": str(tmp_path)})}
     for var in ("NO_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "FORCE_COLOR"):
         env.pop(var, None)
     proc = subprocess.Popen([sys.executable, worker("metrics_train.py"), "12", "0.1"],

@@ -16,18 +16,17 @@ from mpt.metrics.progress import PlainLines
 
 
 def test_code_wins_over_launch_flags_and_bad_values_name_the_flag(tmp_path):
-    flags = {"run_dir": "/from/flag", "quiet": "True", "log_every": "7",
-             "metrics_all_ranks": "False"}
-    assert MetricsConfig.resolve(flags) == MetricsConfig(
+    env = {"MPT_RUN_CONFIG": json.dumps({"run_dir": "/from/flag", "quiet": "True",
+                                         "log_every": "7", "metrics_all_ranks": "no"})}
+    assert mpt.Runtime(env=env).monitor.config == MetricsConfig(
         run_dir=tmp_path.__class__("/from/flag"), quiet=True, log_every=7, all_ranks=False)
-    config = MetricsConfig.resolve(flags, run_dir=tmp_path, quiet=False, log_every=2,
-                                   all_ranks=True)
-    assert config == MetricsConfig(run_dir=tmp_path, quiet=False, log_every=2, all_ranks=True)
-    assert MetricsConfig.resolve({}) == MetricsConfig()
+    rt = mpt.Runtime(env=env, run_dir=tmp_path, quiet=False, log_every=2, metrics_all_ranks=True)
+    assert rt.monitor.config == MetricsConfig(run_dir=tmp_path, quiet=False, log_every=2,
+                                              all_ranks=True)
     with pytest.raises(mpt.UsageError, match=r"^--log-every=0 is invalid"):
-        MetricsConfig.resolve({"log_every": "0"})
+        mpt.Runtime(env={"MPT_RUN_CONFIG": '{"log_every": "0"}'})
     with pytest.raises(mpt.UsageError, match=r"^--quiet=maybe is invalid"):
-        MetricsConfig.resolve({"quiet": "maybe"})
+        mpt.Runtime(env={"MPT_RUN_CONFIG": '{"quiet": "maybe"}'})
 
 
 def test_reader_skips_a_half_written_last_line_and_counts_broken_ones(tmp_path):

@@ -1,0 +1,172 @@
+"""The run's settings: one frozen, typed tree that everything else is derived from.
+
+`mpt launch`'s options for these settings are generated from the fields below (``run_options``),
+so are the keys a ``--config`` file may hold for them; the launcher hands the whole tree to its
+workers in one variable, ``MPT_RUN_CONFIG`` (JSON); the worker's ``mpt.Runtime(...)`` reads it
+and lets the arguments given in code win. Every value is checked here, once, whichever way it
+came, and booleans take one vocabulary (``mpt.parse.BOOLEANS``).
+
+A new setting is a new field here (with its ``help``, and its parser if it is not a string);
+``tests/test_run_config.py`` checks that the Runtime takes it as an argument too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from mpt.errors import UsageError
+from mpt.parse import parse_bool, parse_int, parse_number
+
+VARIABLE = "MPT_RUN_CONFIG"
+"""The one environment variable that carries the run's settings from `mpt launch` to workers."""
+
+
+def _setting(default: Any, help: str, *, parse: Callable[[str, Any], Any] | None = None,
+             metavar: str | None = None) -> Any:
+    """A field of ``RunConfig``: its default, the help of its `mpt launch` option, how a value
+    given as text is parsed, and the option's metavar."""
+    metadata = {"help": help, "parse": parse, "metavar": metavar}
+    if isinstance(default, dict):
+        return field(default_factory=dict, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _options(argument: str, value: Any) -> dict[str, Any]:
+    """A dict of options: a mapping, or its JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise UsageError(argument, value, f"it is not valid JSON ({exc.msg})",
+                             'pass a JSON object such as {"zero_stage": 2}') from None
+    if not isinstance(value, Mapping):
+        raise UsageError(argument, value, "it is not a mapping of option names to values",
+                         'pass a JSON object such as {"zero_stage": 2}')
+    return dict(value)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunConfig:
+    """What every worker of a run trains with (the Runtime's settings)."""
+
+    backend: str = _setting("ddp", "Distributed backend (see `mpt backends`).")
+    precision: str | None = _setting(
+        None, "fp32, fp16-mixed, bf16-mixed, or Apex's opt levels O0, O1, O2, O3 (O2-bf16, "
+        "O3-bf16); default: a DeepSpeed config's fp16/bf16, else fp32 (see `mpt backends`).")
+    loss_scale: str = _setting("dynamic", "fp16 loss scaling: 'dynamic' or a static number.")
+    accumulate: int | None = _setting(
+        None, "Micro-batches per optimizer step (default 1, or what --global-batch-size "
+        "implies).", parse=parse_int, metavar="N")
+    backend_options: dict[str, Any] = _setting(  # noqa: RUF009 - a field(), not a call
+        {}, "The backend's own options as JSON (its flags below fill them too).",
+        parse=_options, metavar="JSON")
+    precision_options: dict[str, Any] = _setting(  # noqa: RUF009 - a field(), not a call
+        {}, "The precision's own options as JSON (Apex's overrides: see the flags below).",
+        parse=_options, metavar="JSON")
+    global_batch_size: int | None = _setting(
+        None, "Samples per optimizer step over all processes; per-rank batch and accumulation "
+        "follow (rt.batch_size, rt.accumulate).", parse=parse_int, metavar="B")
+    lr_scaling: str | None = _setting(
+        None, "Scale learning rates in the world size with rt.scale_lr: linear or sqrt.",
+        metavar="RULE")
+    timeout: float | None = _setting(
+        None, "A collective that waits longer for its peers fails instead of hanging (default "
+        "1800).", parse=parse_number, metavar="SECONDS")
+    checkpoint_dir: str | None = _setting(
+        None, "Where rt.save() writes and rt.resume() looks (a path or fsspec URL).",
+        metavar="DIR")
+    resume: str | None = _setting(
+        None, "rt.resume(): auto (the latest checkpoint of --checkpoint-dir, if any; the "
+        "default), never, or a checkpoint's path.", metavar="FROM")
+    run_dir: str | None = _setting(
+        None, "Write metrics.jsonl and TensorBoard files here (`mpt visualize DIR` draws "
+        "them).", metavar="DIR")
+    quiet: bool = _setting(False, "No progress bar or progress lines.", parse=parse_bool)
+    log_every: int = _setting(10, "Optimizer steps between two metric records.",
+                              parse=parse_int, metavar="STEPS")
+    metrics_all_ranks: bool = _setting(False, "Every rank writes metrics, not only rank 0.",
+                                       parse=parse_bool)
+
+    def __post_init__(self) -> None:
+        from mpt.backends import get_backend
+        from mpt.checkpoint import check_resume, check_root
+        from mpt.metrics.config import parse_log_every
+        from mpt.precision import LossScaleConfig, check_precision
+        from mpt.scaling import check_lr_scaling
+
+        get_backend(self.backend).check_options(self.backend_options)
+        if self.precision is not None:
+            check_precision(self.precision)
+        LossScaleConfig.parse(self.loss_scale)
+        for flag, count in (("--accumulate", self.accumulate),
+                            ("--global-batch-size", self.global_batch_size)):
+            if count is not None and count < 1:
+                raise UsageError(flag, count, "it must be at least 1", f"pass {flag} 1 or more")
+        check_lr_scaling(self.lr_scaling)
+        if self.timeout is not None and not self.timeout > 0:
+            raise UsageError("--timeout", self.timeout, "it must be positive",
+                             "pass --timeout 30, for example")
+        check_root("--checkpoint-dir", self.checkpoint_dir)
+        check_resume("--resume", self.resume)
+        parse_log_every(self.log_every)
+
+    @classmethod
+    def parse(cls, values: Mapping[str, Any]) -> RunConfig:
+        """A config from values as users write them (text from flags, files or variables, or
+        typed values from code); None values keep the defaults."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        typed: dict[str, Any] = {}
+        for name, value in values.items():
+            if name not in fields:
+                raise UsageError("run setting", name, "mpt has no such setting",
+                                 f"use one of {', '.join(fields)}")
+            if value is None:
+                continue
+            parse = fields[name].metadata["parse"]
+            typed[name] = parse(flag_of(name), value) if parse else str(value)
+        return cls(**typed)
+
+    def replace(self, **values: Any) -> RunConfig:
+        """This config with ``values`` (as ``parse`` takes them) on top; None keeps a value,
+        and option dicts are merged key by key (the new ones win)."""
+        current = self.values()
+        given = {k: v for k, v in values.items() if v is not None}
+        for name in ("backend_options", "precision_options"):
+            if name in given:
+                given[name] = {**current[name], **_options(flag_of(name), given[name])}
+        return RunConfig.parse({**current, **given})
+
+    def values(self) -> dict[str, Any]:
+        """Every setting by name."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    # -- the hand-off from launcher to workers ----------------------------------------------------
+    def to_env(self) -> dict[str, str]:
+        """The one variable that gives a worker this config, every setting spelled out."""
+        return {VARIABLE: json.dumps(self.values(), sort_keys=True)}
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> RunConfig:
+        """What `mpt launch` handed this process (defaults where nothing was). A process that
+        horovodrun started without mpt can only join its job through Horovod: its backend is
+        horovod where no launcher of mpt's handed a config over (its variable names one)."""
+        retired = sorted(f"MPT_{f.name.upper()}" for f in dataclasses.fields(cls)
+                         if f"MPT_{f.name.upper()}" in env)
+        if retired:  # read once, by earlier versions: ignoring it would train another run
+            name = retired[0].removeprefix("MPT_").lower()
+            raise UsageError(retired[0], env[retired[0]], f"mpt reads its settings from "
+                             f"{VARIABLE} only", f"unset it and pass {VARIABLE}="
+                             f"'{{\"{name}\": ...}}' or `mpt launch {flag_of(name)}`")
+        values = _options(VARIABLE, env.get(VARIABLE) or "{}")
+        if "HOROVOD_RANK" in env:
+            values.setdefault("backend", "horovod")
+        return cls.parse(values)
+
+
+def flag_of(name: str) -> str:
+    """The `mpt launch` option of setting ``name``."""
+    return "--" + name.replace("_", "-")
