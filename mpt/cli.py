@@ -12,15 +12,17 @@ import inspect
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from mpt.backends.base import BackendOption
 from mpt.checkpoint.commands import app as checkpoint_app
 from mpt.config import ConfigurableCommand, load_into_context
 from mpt.errors import MptError, UsageError
+from mpt.parse import parse_int, parse_number
 from mpt.run_config import RunConfig, flag_of
 
 if TYPE_CHECKING:
@@ -36,7 +38,6 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)
 out = Console(highlight=False, soft_wrap=True)
 
 USAGE_ERROR = 2
-T = TypeVar("T")
 
 # Options `mpt launch` and `mpt horovodrun` share.
 LogDirOption = Annotated[Path | None, typer.Option(
@@ -69,6 +70,8 @@ def _root(
 
 RunOptions = dict[str, Any] | None
 """A command's parameter that ``_with_run_options`` replaces by one option per setting."""
+BackendFlags = dict[str, Any] | None
+"""A command's parameter that ``_with_run_options`` replaces by the backends' own flags."""
 
 
 def _run_option(setting: dataclasses.Field[Any]) -> inspect.Parameter:
@@ -86,19 +89,55 @@ def _run_option(setting: dataclasses.Field[Any]) -> inspect.Parameter:
                                  metavar=metavar, help=help_text)])
 
 
+def _backend_flags() -> dict[str, tuple[str, BackendOption]]:
+    """Parameter name -> (option name, option) of every built-in backend option with a flag."""
+    from mpt.backends import BUILTIN
+
+    found: dict[str, tuple[str, BackendOption]] = {}
+    for backend in BUILTIN.values():
+        for name, option in backend.options.items():
+            if option.flag is not None:
+                found[option.flag.removeprefix("--").replace("-", "_")] = (name, option)
+    return found
+
+
+def _backend_flag(parameter: str, backend: str, option: BackendOption) -> inspect.Parameter:
+    """The `mpt launch` flag of one backend option; its value is parsed by the backend."""
+    help_text = f"--backend {backend}: {option.help}."
+    annotation: Any = (Annotated[bool, typer.Option(option.flag, help=help_text)]
+                       if option.is_switch else
+                       Annotated[str | None, typer.Option(option.flag, help=help_text,
+                                                          metavar="VALUE")])
+    return inspect.Parameter(parameter, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                             default=False if option.is_switch else None, annotation=annotation)
+
+
 def _with_run_options(command: Callable[..., None]) -> Callable[..., None]:
-    """``command`` with one option per ``RunConfig`` setting where its ``run`` parameter was;
-    it receives their values, as given, in ``run``."""
+    """``command`` with one option per ``RunConfig`` setting where its ``run`` parameter was,
+    and one flag per backend option that declares one where its ``backend_flags`` was; it
+    receives their values, as given, in ``run`` and ``backend_flags`` (options by name)."""
+    from mpt.backends import BUILTIN
+
     settings = dataclasses.fields(RunConfig)
+    flags = _backend_flags()
+    owner = {param: next(b for b, cls in BUILTIN.items() if cls.options.get(name) is option)
+             for param, (name, option) in flags.items()}
     signature = inspect.signature(command, eval_str=True)
     parameters: list[inspect.Parameter] = []
     for parameter in signature.parameters.values():
-        parameters += ([_run_option(s) for s in settings] if parameter.name == "run"
-                       else [parameter])
+        if parameter.name == "run":
+            parameters += [_run_option(s) for s in settings]
+        elif parameter.name == "backend_flags":
+            parameters += [_backend_flag(p, owner[p], option) for p, (_, option) in flags.items()]
+        else:
+            parameters.append(parameter)
 
     @functools.wraps(command)
     def with_run_options(**values: Any) -> None:
-        command(run={s.name: values.pop(s.name) for s in settings}, **values)
+        run = {s.name: values.pop(s.name) for s in settings}
+        given = {flags[p][0]: values.pop(p) for p in flags}
+        command(run=run, backend_flags={k: v for k, v in given.items() if v not in (None, False)},
+                **values)
 
     with_run_options.__signature__ = signature.replace(  # type: ignore[attr-defined]
         parameters=parameters)
@@ -150,32 +189,7 @@ def launch(
         metavar="FILE", help="--backend horovod: hosts as 'HOST slots=N' lines.")] = None,
     horovod_controller: Annotated[str, typer.Option(
         metavar="C", help="--backend horovod: gloo or mpi.")] = "gloo",
-    horovod_op: Annotated[str | None, typer.Option(
-        metavar="OP", help="--backend horovod: average, sum or adasum.")] = None,
-    horovod_compression: Annotated[str | None, typer.Option(
-        metavar="C", help="--backend horovod: none or fp16 gradients on the wire.")] = None,
-    fusion_threshold_mb: Annotated[str | None, typer.Option(
-        metavar="MB", help="--backend horovod: tensor-fusion buffer, 0 = off.")] = None,
-    cycle_time_ms: Annotated[str | None, typer.Option(
-        metavar="MS", help="--backend horovod: wait between fusion cycles.")] = None,
-    delay_allreduce: Annotated[bool, typer.Option(
-        "--delay-allreduce", help="--backend apex: reduce all gradients after backward, in one "
-        "bucket.")] = False,
-    message_size: Annotated[str | None, typer.Option(
-        metavar="N", help="--backend apex: elements per allreduce bucket.")] = None,
-    allreduce_always_fp32: Annotated[bool, typer.Option(
-        "--allreduce-always-fp32", help="--backend apex: reduce fp16 gradients in fp32.")] = False,
-    gradient_predivide_factor: Annotated[str | None, typer.Option(
-        metavar="F", help="--backend apex: divide gradients by F before the allreduce, "
-        "multiply by F/world size after.")] = None,
-    zero_stage: Annotated[str | None, typer.Option(
-        metavar="S", help="--backend deepspeed: ZeRO stage 0, 1, 2 or 3.")] = None,
-    offload: Annotated[str | None, typer.Option(
-        metavar="WHAT", help="--backend deepspeed: none, optimizer, parameters (stage 3) or "
-        "optimizer,parameters, moved to CPU memory.")] = None,
-    deepspeed_config: Annotated[Path | None, typer.Option(
-        metavar="FILE", help="--backend deepspeed: DeepSpeed JSON config; the flags fill only "
-        "what it leaves out.")] = None,
+    backend_flags: BackendFlags = None,  # each backend's own options (see _with_run_options)
     local_rank_arg: LocalRankArgOption = False,
     dry_run: Annotated[bool, typer.Option(
         help="Print every process of the job and exit.")] = False,
@@ -189,32 +203,19 @@ def launch(
     if str(script).startswith("-"):
         raise UsageError("option", script, "mpt launch has no such option",
                          "see `mpt launch --help`; options for the script go after SCRIPT")
-    # Each backend's own flags; the spec checks them against the chosen backend's options.
-    backend_options = {k: v for k, v in {
-        "op": horovod_op, "compression": horovod_compression,
-        "fusion_threshold_mb": _maybe(_int, "--fusion-threshold-mb", fusion_threshold_mb),
-        "cycle_time_ms": _maybe(_number, "--cycle-time-ms", cycle_time_ms),
-        "delay_allreduce": delay_allreduce or None,
-        "allreduce_always_fp32": allreduce_always_fp32 or None,
-        "message_size": _maybe(_int, "--message-size", message_size),
-        "gradient_predivide_factor": _maybe(_number, "--gradient-predivide-factor",
-                                            gradient_predivide_factor),
-        "zero_stage": zero_stage, "offload": offload,
-        "config": None if deepspeed_config is None else str(deepspeed_config.resolve()),
-    }.items() if v is not None}
     settings = RunConfig.parse(run or {})
-    settings = settings.replace(backend_options=backend_options, precision_options={
+    settings = settings.replace(backend_options=backend_flags, precision_options={
         k: v for k, v in {"keep_batchnorm_fp32": keep_batchnorm_fp32,
                           "master_weights": master_weights,
                           "cast_model_type": cast_model_type}.items() if v is not None})
     spec = launchers.LaunchSpec(
-        script=script, script_args=tuple(script_args or ()), nodes=_int("--nodes", nodes),
-        gpus=_int("--gpus", gpus), nr=_int("--nr", nr), master_addr=master_addr,
-        master_port=launchers.parse_port(master_port, _int("--nodes", nodes)), run=settings,
-        log_dir=log_dir, max_restarts=_int("--max-restarts", max_restarts),
-        heartbeat_timeout=_number("--heartbeat-timeout", heartbeat_timeout),
-        grace_period=_int("--grace-period", grace_period),
-        rdzv_timeout=_int("--rdzv-timeout", rdzv_timeout), local_rank_arg=local_rank_arg)
+        script=script, script_args=tuple(script_args or ()), nodes=parse_int("--nodes", nodes),
+        gpus=parse_int("--gpus", gpus), nr=parse_int("--nr", nr), master_addr=master_addr,
+        master_port=launchers.parse_port(master_port, parse_int("--nodes", nodes)), run=settings,
+        log_dir=log_dir, max_restarts=parse_int("--max-restarts", max_restarts),
+        heartbeat_timeout=parse_number("--heartbeat-timeout", heartbeat_timeout),
+        grace_period=parse_int("--grace-period", grace_period),
+        rdzv_timeout=parse_int("--rdzv-timeout", rdzv_timeout), local_rank_arg=local_rank_arg)
     if tee is not None:  # checked against the world, so after the spec has checked the world
         spec = dataclasses.replace(spec, tee=_tee(tee, spec))
     if hosts or hostfile or _horovodrun_starts(spec.backend):
@@ -243,18 +244,6 @@ def _tee(value: str, spec: LaunchSpec) -> frozenset[int]:
         raise UsageError("--tee", value, "it needs --log-dir (without it every rank prints to "
                          "the console)", "add --log-dir DIR, or leave --tee out")
     return parse_tee(value, spec.world.world_size)
-
-
-def _maybe(parse: Callable[[str, str], T], flag: str, value: str | None) -> T | None:
-    """``parse(flag, value)``, or None for an option that was not given."""
-    return None if value is None else parse(flag, value)
-
-
-def _number(flag: str, value: str) -> float:
-    try:
-        return float(value)
-    except ValueError:
-        raise UsageError(flag, value, "it is not a number", f"pass {flag} 5, 0.5, ...") from None
 
 
 def _horovodrun_starts(backend: str) -> bool:
@@ -287,15 +276,6 @@ def _launch_horovodrun(spec: LaunchSpec, hosts: str | None, hostfile: Path | Non
         err.print(line, markup=False)
     if result.code:
         raise typer.Exit(result.code)
-
-
-def _int(flag: str, value: str) -> int:
-    """Integer options are parsed here so that a bad one gets mpt's one-line error."""
-    try:
-        return int(value)
-    except ValueError:
-        raise UsageError(flag, value, "it is not a whole number",
-                         f"pass {flag} 1, 2, ...") from None
 
 
 def _print_plan(spec: LaunchSpec, cuda_devices: int) -> None:

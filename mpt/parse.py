@@ -6,6 +6,7 @@ takes the same words, and every bad value is one ``UsageError`` naming the argum
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from mpt.errors import UsageError
@@ -46,3 +47,26 @@ def parse_number(argument: str, value: Any) -> float:
     except (TypeError, ValueError):
         raise UsageError(argument, value, "it is not a number",
                          f"pass {argument} 5, 0.5, ...") from None
+
+
+def parse_text(argument: str, value: Any) -> str:
+    """``value`` as text."""
+    return str(value)
+
+
+def one_of(*choices: str) -> Callable[[str, Any], str]:
+    """A parser that takes one of ``choices``."""
+    def parse(argument: str, value: Any) -> str:
+        if str(value) not in choices:
+            raise UsageError(argument, value, "it is not one of the choices",
+                             f"use one of {', '.join(choices)}")
+        return str(value)
+    return parse
+
+
+def parse_size(argument: str, value: Any) -> float:
+    """``value`` as a number of at least 0 (sizes, durations)."""
+    number = parse_number(argument, value)
+    if number < 0:
+        raise UsageError(argument, value, "it cannot be negative", f"pass {argument} 0 or more")
+    return number

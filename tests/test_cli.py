@@ -28,6 +28,8 @@ SCRIPT = worker("report_world.py")
     (["--checkpoint-dir", SCRIPT, SCRIPT], [f"--checkpoint-dir={SCRIPT}", "is a file"]),
     (["--grace-period", "0", SCRIPT], ["--grace-period=0", "positive"]),
     (["--accumulate", "0", SCRIPT], ["--accumulate=0", "at least 1"]),
+    (["--backend", "horovod", "--horovod-op", "mean", SCRIPT], ["--horovod-op=mean", "adasum"]),
+    (["--zero-stage", "2", SCRIPT], ["zero_stage", "'ddp' has no such option"]),
     (["--backend-options", "{bad", SCRIPT], ["--backend-options={bad", "JSON"]),
     (["--quiet", "--metrics-all-ranks", "--log-every", "0", SCRIPT], ["--log-every=0"]),
     (["--timeout", "soon", SCRIPT], ["--timeout=soon", "not a number"]),

@@ -17,10 +17,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from mpt.backends.base import Availability
+from mpt.backends.base import Availability, BackendOption
 from mpt.backends.ddp import DDPBackend
 from mpt.errors import MissingDependencyError, UsageError
-from mpt.parse import parse_bool
+from mpt.parse import parse_bool, parse_int, parse_number
 
 _MB = 2**20
 APEX_MESSAGE_SIZE = 10_000_000
@@ -131,26 +131,28 @@ class ApexDistributedDataParallel(TorchDDP):
         self.register_comm_hook(self.reduce_settings, apex_allreduce_hook)
 
 
-def _number(name: str, value: Any, kind: type[int] | type[float]) -> Any:
-    try:
-        return kind(value)
-    except (TypeError, ValueError):
-        raise UsageError(name, value, f"it is not a {kind.__name__}",
-                         f"pass a number, e.g. {name}={kind(1)}") from None
-
-
 class ApexBackend(DDPBackend):
     """DDP with Apex DDP's knobs; pair it with ``--precision O0..O3`` for Apex's amp."""
 
     name = "apex"
-    options: ClassVar[dict[str, str]] = {
-        "delay_allreduce": "reduce all gradients once backward is done, in one bucket",
-        "message_size": f"elements per allreduce bucket (Apex's default {APEX_MESSAGE_SIZE})",
-        "allreduce_always_fp32": "reduce fp16/bf16 gradients in fp32",
-        "gradient_predivide_factor": "divide gradients by this before the allreduce, multiply "
-                                     "by it / world size after",
-        "gradient_average": "average gradients over ranks (false: sum)",
-        "fused_optimizer": "swap torch Adam/AdamW for apex.optimizers.FusedAdam (needs Apex)",
+    options: ClassVar[dict[str, BackendOption]] = {
+        "delay_allreduce": BackendOption(
+            help="reduce all gradients after backward, in one bucket", parse=parse_bool,
+            flag="--delay-allreduce"),
+        "message_size": BackendOption(
+            help=f"elements per allreduce bucket (Apex's default {APEX_MESSAGE_SIZE})",
+            parse=parse_int, flag="--message-size"),
+        "allreduce_always_fp32": BackendOption(
+            help="reduce fp16/bf16 gradients in fp32", parse=parse_bool,
+            flag="--allreduce-always-fp32"),
+        "gradient_predivide_factor": BackendOption(
+            help="divide gradients by F before the allreduce, multiply by F/world size after",
+            parse=parse_number, flag="--gradient-predivide-factor"),
+        "gradient_average": BackendOption(help="average gradients over ranks (false: sum)",
+                                          parse=parse_bool),
+        "fused_optimizer": BackendOption(
+            help="swap torch Adam/AdamW for apex.optimizers.FusedAdam (needs Apex)",
+            parse=parse_bool, default=False),
     }
 
     @classmethod
@@ -163,28 +165,15 @@ class ApexBackend(DDPBackend):
 
     def ddp_kwargs(self) -> dict[str, Any]:
         """The options as ``ApexDistributedDataParallel`` arguments."""
-        o = self.option_values
-        kwargs: dict[str, Any] = {}
-        if "delay_allreduce" in o:
-            kwargs["delay_allreduce"] = parse_bool("delay_allreduce", o["delay_allreduce"])
-        if "allreduce_always_fp32" in o:
-            kwargs["allreduce_always_fp32"] = parse_bool("allreduce_always_fp32",
-                                                    o["allreduce_always_fp32"])
-        if "gradient_average" in o:
-            kwargs["gradient_average"] = parse_bool("gradient_average", o["gradient_average"])
-        if "message_size" in o:
-            kwargs["message_size"] = _number("message_size", o["message_size"], int)
-        if "gradient_predivide_factor" in o:
-            kwargs["gradient_predivide_factor"] = _number(
-                "gradient_predivide_factor", o["gradient_predivide_factor"], float)
-        return kwargs
+        return {name: value for name, value in self.option_values.items()
+                if value is not None and name != "fused_optimizer"}
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
               ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-        kwargs = self.ddp_kwargs()  # bad options fail on one process too
+        kwargs = self.ddp_kwargs()
         if optimizer is None:
             return super().setup(model, None)
-        if parse_bool("fused_optimizer", self.option_values.get("fused_optimizer", False)):
+        if self.option_values["fused_optimizer"]:
             optimizer = fused_adam(optimizer)
         if not self.world.is_distributed:
             return model, optimizer

@@ -14,7 +14,29 @@ from torch import nn
 from mpt.checkpoint.named import from_named, to_named
 from mpt.environments import World
 from mpt.errors import UsageError
+from mpt.parse import parse_bool, parse_text
 from mpt.precision import Precision, PrecisionSpec
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BackendOption:
+    """One of a backend's own options: what it does, how a value is parsed, its default, and
+    the `mpt launch` flag generated for it."""
+
+    help: str
+    """What it does, for `mpt launch --help` and ``mpt backends``."""
+    parse: Callable[[str, Any], Any] = parse_text
+    """Turns a value as given (text from a flag or a file, or a typed value from code) into the
+    one the backend uses; raises a UsageError naming the argument."""
+    default: Any = None
+    """The value when not given (None: the backend decides, e.g. from its own config)."""
+    flag: str | None = None
+    """The `mpt launch` flag (``--zero-stage``); None: only ``--backend-options`` sets it."""
+
+    @property
+    def is_switch(self) -> bool:
+        """A yes/no option: its flag takes no value."""
+        return self.parse is parse_bool
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -43,9 +65,10 @@ class Backend(ABC):
     name: ClassVar[str]
     launcher: ClassVar[str] = "elastic"
     """What `mpt launch` starts the processes with: torch's elastic agent, or ``horovodrun``."""
-    options: ClassVar[dict[str, str]] = {}
-    """The backend's own options (``Runtime(backend_options=...)``, `mpt launch` flags): name ->
-    what it does. A subclass that declares some reads them from ``self.option_values``."""
+    options: ClassVar[dict[str, BackendOption]] = {}
+    """The backend's own options (``Runtime(backend_options=...)``, `--backend-options`, and the
+    flags `mpt launch` generates from them), by name. A subclass reads them, parsed and with
+    their defaults, from ``self.option_values``."""
 
     def __init__(self, *, world: World, device: torch.device, precision: Precision,
                  accumulate: int = 1, timeout: timedelta = timedelta(minutes=30),
@@ -61,13 +84,16 @@ class Backend(ABC):
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
-        """``options`` as a dict, or a UsageError naming one this backend does not have."""
+        """Every option parsed, with the defaults of those not given; a UsageError names one
+        this backend does not have, or a bad value."""
         unknown = sorted(set(options) - set(cls.options))
         if unknown:
             known = ", ".join(sorted(cls.options)) or "none"
             raise UsageError("backend option", unknown[0], f"backend {cls.name!r} has no such "
                              "option", f"use one of its options ({known}) or another --backend")
-        return dict(options)
+        return {name: option.default if options.get(name) is None
+                else option.parse(option.flag or f"backend option {name}", options[name])
+                for name, option in cls.options.items()}
 
     @classmethod
     def precision_refusal(cls, spec: PrecisionSpec, device_type: str,

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mpt.backends.base import Availability
+from mpt.backends.base import Availability, BackendOption
 from mpt.backends.ddp import DDPBackend
 from mpt.backends.deepspeed_config import (
     build_config,
@@ -114,11 +114,18 @@ class DeepSpeedBackend(DDPBackend):
     """
 
     name = "deepspeed"
-    options: ClassVar[dict[str, str]] = {
-        "zero_stage": "ZeRO stage 0-3 (default: the config's, else 0)",
-        "offload": "none, optimizer, parameters or optimizer,parameters: move to CPU memory",
-        "config": "DeepSpeed config: a dict or the path of a JSON file; mpt fills what it "
-                  "leaves out",
+    options: ClassVar[dict[str, BackendOption]] = {
+        "zero_stage": BackendOption(help="ZeRO stage 0, 1, 2 or 3 (default: the config's, "
+                                    "else 0)", parse=lambda _, v: parse_stage(v),
+                                    flag="--zero-stage"),
+        "offload": BackendOption(help="none, optimizer, parameters (stage 3) or "
+                                 "optimizer,parameters, moved to CPU memory",
+                                 parse=lambda _, v: parse_offload(v), default=frozenset(),
+                                 flag="--offload"),
+        "config": BackendOption(help="DeepSpeed JSON config (a path, or a dict from code); the "
+                                "flags fill only what it leaves out",
+                                parse=lambda _, v: load_user_config(v), default={},
+                                flag="--deepspeed-config"),
     }
 
     def __init__(self, *, world: World, device: torch.device, precision: Precision,
@@ -127,11 +134,10 @@ class DeepSpeedBackend(DDPBackend):
         super().__init__(world=world, device=device, precision=precision, accumulate=accumulate,
                          timeout=timeout, options=options)
         values = self.option_values
-        stage = parse_stage(values["zero_stage"]) if values.get("zero_stage") is not None else None
         scale = getattr(precision, "scaling", None) or LossScaleConfig()
         self.config: dict[str, Any] = build_config(
-            load_user_config(values.get("config")), stage=stage,
-            offload=parse_offload(values.get("offload", "none")), mode=mode_of(precision.spec),
+            values["config"], stage=values["zero_stage"],
+            offload=values["offload"], mode=mode_of(precision.spec),
             loss_scale=scale, accumulate=accumulate, world_size=world.world_size)
         """What ``deepspeed.initialize`` gets: the user's config, completed by mpt."""
         self._ds = _import_deepspeed(device.type, world.local_rank)  # before any process group
@@ -147,9 +153,7 @@ class DeepSpeedBackend(DDPBackend):
         if _installed_version() is None:  # `mpt launch` says so once, instead of every rank
             raise MissingDependencyError("backend 'deepspeed'", "deepspeed", INSTALL,
                                          reason="it is not installed")
-        stage = parse_stage(values["zero_stage"]) if values.get("zero_stage") is not None else None
-        user = load_user_config(values.get("config"))
-        check_stage_and_offload(user, stage, parse_offload(values.get("offload", "none")))
+        check_stage_and_offload(values["config"], values["zero_stage"], values["offload"])
         return values
 
     @classmethod

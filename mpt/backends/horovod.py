@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mpt.backends.base import Availability, Backend
+from mpt.backends.base import Availability, Backend, BackendOption
 from mpt.errors import MissingDependencyError, UsageError
+from mpt.parse import one_of, parse_size
 from mpt.precision import PrecisionSpec
 
 INSTALL = ("run `make horovod-wheel` (Horovod 0.28.1 patched for C++17, built with "
@@ -64,30 +65,24 @@ class HorovodBackend(Backend):
 
     name = "horovod"
     launcher = "horovodrun"
-    options: ClassVar[dict[str, str]] = {
-        "op": f"gradient reduction: {', '.join(OPS)} (default average)",
-        "compression": "gradient compression on the wire: none or fp16 (default none)",
-        "fusion_threshold_mb": "tensor-fusion buffer in MB, 0 = no fusion; a horovodrun flag "
-                               "(HOROVOD_FUSION_THRESHOLD), applied by `mpt launch`",
-        "cycle_time_ms": "wait between fusion cycles in ms; a horovodrun flag "
-                         "(HOROVOD_CYCLE_TIME), applied by `mpt launch`",
+    options: ClassVar[dict[str, BackendOption]] = {
+        "op": BackendOption(help=f"gradient reduction: {', '.join(OPS)}", parse=one_of(*OPS),
+                            default="average", flag="--horovod-op"),
+        "compression": BackendOption(help="none or fp16 gradients on the wire",
+                                     parse=one_of(*COMPRESSIONS), default="none",
+                                     flag="--horovod-compression"),
+        "fusion_threshold_mb": BackendOption(
+            help="tensor-fusion buffer in MB, 0 = off (a horovodrun flag, applied by `mpt "
+            "launch`)", parse=parse_size, flag="--fusion-threshold-mb"),
+        "cycle_time_ms": BackendOption(
+            help="wait between fusion cycles in ms (a horovodrun flag, applied by `mpt "
+            "launch`)", parse=parse_size, flag="--cycle-time-ms"),
     }
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.op: str = str(self.option_values.get("op", "average"))
-        self.compression: str = str(self.option_values.get("compression", "none"))
-        if self.op not in OPS:
-            raise UsageError("backend option op", self.op, "Horovod has no such reduction",
-                             f"use one of {', '.join(OPS)}")
-        if self.compression not in COMPRESSIONS:
-            raise UsageError("backend option compression", self.compression, "unknown "
-                             "compression", f"use one of {', '.join(COMPRESSIONS)}")
-        for option in ("fusion_threshold_mb", "cycle_time_ms"):
-            value = self.option_values.get(option, 0)
-            if not isinstance(value, int | float) or value < 0:
-                raise UsageError(f"backend option {option}", value, "it must be a number >= 0",
-                                 f"pass e.g. {option}=64")
+        self.op: str = self.option_values["op"]
+        self.compression: str = self.option_values["compression"]
         self.hvd: ModuleType | None = None
         self._grad_names: dict[int, dict[torch.Tensor, str]] = {}
         """Per optimizer (by id), each parameter's name in Horovod's allreduce queue."""
