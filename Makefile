@@ -15,7 +15,7 @@ PYTAG          := $(shell $(PYTHON) -c 'import sys; print("cp%d%d" % sys.version
 HOROVOD_WHEELS := .cache/wheels/$(subst ==,-,$(HOROVOD))-$(subst ==,-,$(TORCH))-$(PYTAG)
 HOROVOD_BUILT  := $(HOROVOD_WHEELS)/.built
 
-.PHONY: demo test bench clean horovod-wheel
+.PHONY: demo test conformance bench clean horovod-wheel
 
 $(STAMP): setup.py CMakeLists.txt $(wildcard backends/csrc/*) $(HOROVOD_BUILT)
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# Every backend x precision x world size 1/2 x accumulation 1/2 against ddp fp32, one launch per
+# cell (~40 min on 2 cores); prints the table and writes docs/support-matrix.md. `make test`
+# runs a fast subset (tests/conformance/test_grid.py). Options: CONFORMANCE_ARGS="--zero-stages 0,1,2,3".
+conformance: $(STAMP)
+	$(BIN)/python tests/conformance/grid.py $(CONFORMANCE_ARGS)
 
 bench: $(STAMP)
 	for p in fp32 bf16-mixed fp16-mixed; do \

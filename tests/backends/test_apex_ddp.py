@@ -64,11 +64,11 @@ def test_backend_options_are_checked_even_on_one_process():
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     assert backend(delay_allreduce="true", message_size="100").setup(model, opt) == (model, opt)
-    with pytest.raises(UsageError, match="^--message-size=lots"):  # before any setup
+    with pytest.raises(UsageError, match=r"^--message-size=lots"):  # before any setup
         backend(message_size="lots")
-    with pytest.raises(UsageError, match="^--delay-allreduce=perhaps"):
+    with pytest.raises(UsageError, match=r"^--delay-allreduce=perhaps"):
         backend(delay_allreduce="perhaps")
-    with pytest.raises(UsageError, match="^backend option gradient_average=2"):
+    with pytest.raises(UsageError, match=r"^backend option gradient_average=2"):
         backend(gradient_average="2")
     with pytest.raises(UsageError, match="has no such option"):
         backend(bucket="x")
