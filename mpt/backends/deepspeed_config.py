@@ -188,6 +188,11 @@ def precision_refusal(user: Mapping[str, Any], spec: PrecisionSpec,
 
 def _precision(config: dict[str, Any], mode: str | None, scale: LossScaleConfig) -> None:
     """Turn on DeepSpeed's ``mode`` section, with mpt's loss-scale settings where fp16."""
+    if mode is not None:
+        # DeepSpeed 0.19 casts the parameters to the mode's dtype but leaves the buffers as they
+        # are unless told: a batchnorm's fp32 running statistics beside its bf16 weight make
+        # its forward fail. Cast them too, as the module's .half()/.bfloat16() would.
+        _section(config, "data_types").setdefault("buffer_dtype", mode)
     if mode == "bf16":
         _section(config, "bfloat16" if "bfloat16" in config else "bf16").setdefault("enabled",
                                                                                       True)

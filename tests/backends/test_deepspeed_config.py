@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import pytest
@@ -29,6 +30,7 @@ def test_mpt_fills_what_the_user_config_leaves_out():
                mode="bf16", accumulate=4)
     assert c["train_batch_size"] == 8 * 4 * 2 and c["gradient_accumulation_steps"] == 4
     assert c["zero_optimization"]["stage"] == 3 and c["bf16"] == {"enabled": True}
+    assert c["data_types"] == {"buffer_dtype": "bf16"}  # a batchnorm's statistics follow
     assert "fp16" not in c and c["gradient_clipping"] == 0.0  # DeepSpeed's default would be 1.0
     c = config({"train_batch_size": 64}, stage=1, offload=frozenset({"optimizer"}))
     assert c["train_micro_batch_size_per_gpu"] == 32
@@ -168,3 +170,23 @@ def test_loss_scaler_state_round_trips_through_mpts_format():
     assert scaler_state(stage0).clean_steps == 3
     apply_scaler_state(stage0, LossScaleState(scale=8.0, clean_steps=1))
     assert (stage0.cur_scale, scaler_state(stage0).clean_steps) == (8.0, 1)
+
+
+def test_a_batchnorm_model_trains_in_bf16_under_deepspeed():
+    import mpt
+
+    torch.manual_seed(0)
+    rt = mpt.Runtime(backend="deepspeed", precision="bf16-mixed", env={})
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),
+                                torch.nn.Linear(8, 1))
+    model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    x, y = torch.randn(64, 4), torch.randn(64, 1)
+    losses = []
+    for _ in range(5):
+        with rt.autocast():
+            loss = (model(x).float() - y).pow(2).mean()
+        rt.backward(loss)
+        rt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] and all(map(math.isfinite, losses))
+    rt.close()
