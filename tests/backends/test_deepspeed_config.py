@@ -179,7 +179,7 @@ def test_a_batchnorm_model_trains_in_bf16_under_deepspeed():
     rt = mpt.Runtime(backend="deepspeed", precision="bf16-mixed", env={})
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),
                                 torch.nn.Linear(8, 1))
-    model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    model, _ = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.05))
     x, y = torch.randn(64, 4), torch.randn(64, 1)
     losses = []
     for _ in range(5):
