@@ -26,8 +26,9 @@ TINY = {  # a few seconds of work per run; the process start-up is most of each 
 
 
 def launch(port: int, *args: str, backend: str = "ddp"):
-    return run_mpt("launch", "--gpus", "2", "--backend", backend, "--precision", "bf16-mixed",
-                   "--master-port", str(port), *args, timeout=300)
+    zero = ("--zero-stage", "2") if backend == "deepspeed" else ()  # ZeRO, as the docs show
+    return run_mpt("launch", "--gpus", "2", "--backend", backend, *zero, "--precision",
+                   "bf16-mixed", "--master-port", str(port), *args, timeout=300)
 
 
 def test_digits_example_reaches_95_percent_on_two_processes_in_bf16(tmp_path, free_port):
