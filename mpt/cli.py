@@ -35,6 +35,18 @@ out = Console(highlight=False, soft_wrap=True)
 USAGE_ERROR = 2
 T = TypeVar("T")
 
+# Options `mpt launch` and `mpt horovodrun` share.
+LogDirOption = Annotated[Path | None, typer.Option(
+    metavar="DIR", help="Write each rank's stdout and stderr to DIR/rank<R>.log (an earlier job's "
+    "logs move to DIR/previous-<time>/; horovodrun's own lines go to DIR/horovodrun.log); only "
+    "--tee ranks reach the console.")]
+TeeOption = Annotated[str | None, typer.Option(
+    metavar="RANKS", help="With --log-dir: the global ranks also shown on the console, each line "
+    "prefixed with its rank; comma-separated, or 'all' (default 0).")]
+LocalRankArgOption = Annotated[bool, typer.Option(
+    "--local-rank-arg", help="Pass --local_rank=<N> to the script, as torch.distributed.launch "
+    "did (Apex-era scripts read it from argv).")]
+
 
 def _version(show: bool) -> None:
     if show:
@@ -82,12 +94,8 @@ def launch(
     cast_model_type: Annotated[str | None, typer.Option(
         metavar="DTYPE", help="Opt levels O1-O3: cast the model to float16, bfloat16 or "
         "float32.")] = None,
-    log_dir: Annotated[Path | None, typer.Option(
-        metavar="DIR", help="Write each rank's stdout and stderr to DIR/rank<R>.log (an earlier "
-        "job's logs move to DIR/previous-<time>/); only --tee ranks reach the console.")] = None,
-    tee: Annotated[str | None, typer.Option(
-        metavar="RANKS", help="With --log-dir: the global ranks also shown on the console, each "
-        "line prefixed with its rank; comma-separated, or 'all' (default 0).")] = None,
+    log_dir: LogDirOption = None,
+    tee: TeeOption = None,
     max_restarts: Annotated[str, typer.Option(
         metavar="K", help="Restart the whole gang this often after a failure.")] = "0",
     checkpoint_dir: Annotated[str | None, typer.Option(
@@ -155,6 +163,7 @@ def launch(
         metavar="STEPS", help="Optimizer steps between two metric records.")] = "10",
     metrics_all_ranks: Annotated[bool, typer.Option(
         "--metrics-all-ranks", help="Every rank writes metrics, not only rank 0.")] = False,
+    local_rank_arg: LocalRankArgOption = False,
     dry_run: Annotated[bool, typer.Option(
         help="Print every process of the job and exit.")] = False,
 ) -> None:
@@ -162,6 +171,7 @@ def launch(
     import torch
 
     from mpt import launchers
+    from mpt.launchers.horovod_join import check_port
     from mpt.metrics.config import parse_log_every
 
     if str(script).startswith("-"):
@@ -196,7 +206,8 @@ def launch(
         rdzv_timeout=_int("--rdzv-timeout", rdzv_timeout),
         global_batch_size=_maybe(_int, "--global-batch-size", global_batch_size),
         lr_scaling=lr_scaling, run_dir=run_dir, quiet=quiet,
-        log_every=parse_log_every(log_every), metrics_all_ranks=metrics_all_ranks)
+        log_every=parse_log_every(log_every), metrics_all_ranks=metrics_all_ranks,
+        local_rank_arg=local_rank_arg)
     if tee is not None:  # checked against the world, so after the spec has checked the world
         spec = dataclasses.replace(spec, tee=_tee(tee, spec))
     if hosts or hostfile or _horovodrun_starts(spec.backend):
@@ -207,6 +218,7 @@ def launch(
         _print_plan(spec, cuda_devices)
         return
     spec.check_machine(cuda_devices)
+    check_port(spec)
     if not cuda_devices:
         err.print(f"mpt: no CUDA device here: running {spec.gpus} CPU process(es) per node on gloo")
     outcome = launchers.run(spec, report=err.print)
@@ -250,7 +262,6 @@ def _launch_horovodrun(spec: LaunchSpec, hosts: str | None, hostfile: Path | Non
     """Run the whole job (every node) through one horovodrun; its exit code becomes ours."""
     import shlex
 
-    from mpt.fault import REQUEUE_EXIT_CODE
     from mpt.launchers import horovodrun
 
     if not _horovodrun_starts(spec.backend):
@@ -264,14 +275,11 @@ def _launch_horovodrun(spec: LaunchSpec, hosts: str | None, hostfile: Path | Non
                             for k, v in horovodrun.horovodrun_env(spec).items())
         out.print(f"{settings} {shlex.join(command)}")
         return
-    code, rank = horovodrun.run(spec, job_hosts, controller)
-    if code == REQUEUE_EXIT_CODE:
-        err.print(f"mpt: preempted: the ranks saved and exited {code} (requeue me)")
-    elif code:
-        err.print(f"mpt: horovodrun {'rank ' + rank + ' ' if rank else ''}exited with code "
-                  f"{code}; the job was stopped")
-    if code:
-        raise typer.Exit(code)
+    result = horovodrun.run(spec, job_hosts, controller)
+    for line in result.lines(spec.local_rank_arg):
+        err.print(line, markup=False)
+    if result.code:
+        raise typer.Exit(result.code)
 
 
 def _int(flag: str, value: str) -> int:
@@ -314,8 +322,12 @@ def horovodrun(
     precision: Annotated[str, typer.Option(help="fp32, fp16-mixed or bf16-mixed.")] = "fp32",
     loss_scale: Annotated[str, typer.Option(
         help="fp16 loss scaling: 'dynamic' or a static number.")] = "dynamic",
+    log_dir: LogDirOption = None,
+    tee: TeeOption = None,
+    local_rank_arg: LocalRankArgOption = False,
 ) -> None:
-    """Run horovodrun ARGS with mpt's settings (backend horovod, precision) exported."""
+    """Run horovodrun ARGS with mpt's settings (backend horovod, precision, one OpenMP thread
+    per process), per-rank logs and failure report, as `mpt launch --backend horovod`."""
     from mpt.environments.settings import settings_env
     from mpt.launchers import horovodrun as hvdrun
     from mpt.precision import LossScaleConfig, check_precision
@@ -323,11 +335,12 @@ def horovodrun(
     check_precision(precision)
     LossScaleConfig.parse(loss_scale)
     env = settings_env(backend="horovod", precision=precision, loss_scale=loss_scale)
-    code, rank = hvdrun.run_horovodrun(args, env)
-    if code:
-        err.print(f"mpt: horovodrun {'rank ' + rank + ' ' if rank else ''}exited with code "
-                  f"{code}")
-        raise typer.Exit(code)
+    result = hvdrun.run_passthrough(args, env, log_dir=log_dir, tee=tee,
+                                    local_rank_arg=local_rank_arg)
+    for line in result.lines(local_rank_arg):
+        err.print(line, markup=False)
+    if result.code:
+        raise typer.Exit(result.code)
 
 
 @app.command()

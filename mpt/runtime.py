@@ -10,7 +10,7 @@ import os
 import signal
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import nn
@@ -25,8 +25,12 @@ from mpt.environments.settings import launch_dir, launcher_pid, read_settings
 from mpt.errors import UsageError
 from mpt.fault import REQUEUE_EXIT_CODE, Heartbeat, Preemption
 from mpt.metrics import MetricsConfig, Monitor
+from mpt.pairs import Pair, Pairs
 from mpt.precision import LossScaleConfig, Precision, check_precision, make_precision
 from mpt.scaling import BatchPlan, check_lr_scaling, lr_factor, plan_batch
+
+Schedulers = checkpoint.Stateful | Mapping[str, checkpoint.Stateful] | None
+"""An LR scheduler, or several by name (``{"G": sched_g, "D": sched_d}``)."""
 
 
 def _parse_accumulate(argument: str, value: object) -> int:
@@ -164,8 +168,9 @@ class Runtime:
         self.resume_from = checkpoint.check_resume("resume", resume or flags.get("resume"))
         """``auto``, ``never`` or a checkpoint path: what ``resume`` loads."""
         self.global_step = 0
-        """Optimizer steps taken, counted on from a loaded checkpoint's step."""
-        self._scheduler: checkpoint.Stateful | None = None  # saved with a preempted run
+        """Training iterations done (every optimizer stepped once), counted on from a loaded
+        checkpoint's step."""
+        self._schedulers: dict[str, checkpoint.Stateful] = {}  # saved with a preempted run
         self._preemption = Preemption()
         metrics = MetricsConfig.resolve(flags, run_dir=run_dir, quiet=quiet, log_every=log_every,
                                         all_ranks=metrics_all_ranks)
@@ -176,9 +181,9 @@ class Runtime:
             self.print(f"mpt: lr scaling {self.lr_scaling}: rt.scale_lr multiplies learning rates "
                        f"by {lr_factor(self.lr_scaling, self.world_size):g} "
                        f"(world size {self.world_size})")
-        self._model: nn.Module | None = None
-        self._optimizer: torch.optim.Optimizer | None = None
-        self._micro_step = 0
+        self.pairs = Pairs()
+        """Every model and optimizer ``setup`` was given, by name."""
+        self._micro_step = 0  # backward calls, over every model
         self._loaders: list[DistributedLoader] = []  # their sampler positions go in checkpoints
         self.monitor = Monitor(metrics, rank=self.rank, device=self.device,
                                precision=self.precision, meta={
@@ -209,37 +214,73 @@ class Runtime:
             print(*args, **kwargs, flush=True)
 
     # -- setup --------------------------------------------------------------------------------
-    def setup(self, model: nn.Module,
-              optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """Move the model to this rank's device and wrap both for the backend.
+    @overload
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+              name: str | None = None) -> tuple[nn.Module, torch.optim.Optimizer]: ...
+
+    @overload
+    def setup(self, model: nn.Module, optimizer: None = None, *,
+              name: str | None = None) -> nn.Module: ...
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+              name: str | None = None) -> tuple[nn.Module, torch.optim.Optimizer] | nn.Module:
+        """Move the model to this rank's device and wrap it and its optimizer for the backend.
+
+        Call it once per model: a GAN sets up its generator and its discriminator, each with
+        its optimizer; an EMA copy or a frozen teacher comes without one (then only the model
+        is returned, placed and equal on every rank). ``name`` keys the pair in checkpoints
+        (default ``model``, then ``model_1``, ... in the order of the calls).
 
         Build the optimizer over ``model.parameters()`` before calling this; the parameters
         move in place, so the optimizer keeps pointing at them.
         """
+        name = self.pairs.check_new(name, model, optimizer)
+        original_model, original_optimizer = model, optimizer
         model = self.precision.convert_module(model.to(self.device))
-        self._model, self._optimizer = self.backend.setup(model, optimizer)
+        wrapped, wrapped_optimizer = self.backend.setup(model, optimizer)
+        pair = self.pairs.add(Pair(name=name, model=wrapped, optimizer=wrapped_optimizer),
+                              original_model, original_optimizer)
+        if wrapped_optimizer is None:
+            return wrapped
         # After the backend: masters (O2) start from the weights it synchronised.
-        self.precision.setup_optimizer(self._model, self._optimizer)
-        if self.accumulate > 1:
-            self.backend.set_gradient_sync(self._model, False)  # the first micro-batch
-        return self._model, self._optimizer
+        self.precision.setup_optimizer(wrapped, wrapped_optimizer)
+        self._sync_for_next_micro_batch(pair)
+        return wrapped, wrapped_optimizer
 
     def scale_lr(self, lr: float) -> float:
         """``lr`` scaled by the run's rule in the world size (unchanged without a rule)."""
         return lr * lr_factor(self.lr_scaling, self.world_size)
 
-    def setup_dataloader(self, loader: DataLoader[Any]) -> DistributedLoader:
-        """This rank's shard of ``loader``'s dataset, batches on this rank's device."""
-        if self.batch_plan is not None and loader.batch_size != self.batch_plan.batch_size:
+    def setup_dataloader(self, loader: DataLoader[Any], name: str | None = None
+                         ) -> DistributedLoader:
+        """This rank's shard of ``loader``'s dataset, batches on this rank's device.
+
+        A plain sampler (``shuffle=True``/``False``) becomes mpt's sharded, reshuffled one; a
+        ``DistributedSampler`` keeps its shuffle, seed and drop_last; any other sampler is kept
+        as it is (see ``mpt.data``). ``name`` keys the loader's position in checkpoints (set up
+        again under a name, a loader replaces the one before). The loader named ``"train"`` (the
+        first one set up, unless named otherwise) is the training loader: only its batch size
+        is bound to the global batch, and it counts the samples per step; evaluation loaders
+        (any other name) may have any batch size.
+        """
+        taken = {known.name for known in self._loaders}
+        if name is None:  # the first is the training loader, the others are numbered
+            name, number = "train", len(self._loaders)
+            while name in taken:
+                name, number = f"loader{number}", number + 1
+        if name == "train" and self.batch_plan is not None and (
+                loader.batch_size != self.batch_plan.batch_size):
             # The seeds' confusion: a per-rank batch that silently changes the global one.
             raise UsageError("DataLoader batch_size", loader.batch_size, "the "
                              f"{self.batch_plan.describe()} needs {self.batch_plan.batch_size} "
-                             "per rank", "build the DataLoader with batch_size=rt.batch_size")
-        if loader.batch_size:  # for samples/s; rt.progress(samples_per_step=...) overrides it
+                             "per rank for the training loader", "build the DataLoader with "
+                             "batch_size=rt.batch_size, or set up an evaluation loader with "
+                             "another name (name=\"eval\")")
+        if name == "train" and loader.batch_size:  # rt.progress(samples_per_step=...) overrides
             self.monitor.samples_per_step = loader.batch_size * self.accumulate * self.world_size
         distributed = DistributedLoader(loader, rank=self.rank, world_size=self.world_size,
-                                        device=self.device, seed=self.seed)
-        self._loaders.append(distributed)
+                                        device=self.device, seed=self.seed, name=name)
+        self._loaders = [*(known for known in self._loaders if known.name != name), distributed]
         return distributed
 
     # -- the step -----------------------------------------------------------------------------
@@ -249,50 +290,95 @@ class Runtime:
 
     @property
     def is_accumulating(self) -> bool:
-        """True while the micro-batches seen since the last step do not yet make a full step."""
-        return self._micro_step % self.accumulate != 0
+        """True while the coming ``rt.step()`` will not step: its micro-batch is not the last of
+        an optimizer step (one optimizer set up; see ``accumulating`` for several)."""
+        return self.accumulating()
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of one micro-batch, scaled for precision and divided for accumulation."""
-        model, _ = self._require_setup()
+    def accumulating(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
+        """Whether ``rt.step(optimizer)`` will only accumulate: its micro-batch is not the last
+        of an optimizer step."""
+        return self._accumulating(self.pairs.of_optimizer(optimizer, "accumulating"))
+
+    def _accumulating(self, pair: Pair) -> bool:
+        return (pair.calls + 1) % self.accumulate != 0
+
+    def _sync_for_next_micro_batch(self, pair: Pair) -> None:
+        """Reduce the gradients of the model's next backward only when its micro-batch is the
+        last of an optimizer step: the allreduce runs once per step, not per micro-batch. The
+        flag must be set before the forward (DDP reads it there), hence after each step."""
+        if self.accumulate > 1:
+            self.backend.set_gradient_sync(pair.model, not self._accumulating(pair))
+
+    def backward(self, loss: torch.Tensor, *, model: nn.Module | None = None) -> None:
+        """Backward of one micro-batch's loss, scaled for precision and divided for accumulation.
+
+        Any loss of any model set up: gradients go wherever autograd takes them, as with
+        ``loss.backward()``. ``model`` names the model whose optimizer this loss trains, for
+        backends that backpropagate through one engine per model (DeepSpeed): without it, such a
+        backend uses the engine of the next ``rt.step``/``rt.clip_grad_norm_``.
+        """
+        if not self.pairs.pairs:
+            raise UsageError("rt.backward", "called before rt.setup", "nothing is set up",
+                             "call model, optimizer = rt.setup(model, optimizer) first")
+        target = self.pairs.of_model(model)
         self._mark("backward")
-        self.backend.backward(loss)
+        self.backend.backward(loss, None if target is None else target.model)
         self._mark("script")
         self.monitor.on_backward(loss)  # kept on the device; read every log_every steps
         self._micro_step += 1
-        if self.accumulate > 1:
-            # The *next* forward must know whether its backward reduces: only the last
-            # micro-batch of a step does, so the allreduce runs once per optimizer step.
-            self.backend.set_gradient_sync(model, (self._micro_step + 1) % self.accumulate == 0)
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
-        """Clip the unscaled gradients at the end of a step; None while accumulating."""
-        model, optimizer = self._require_setup()
-        if self.is_accumulating:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
+                        optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor | None:
+        """Clip the unscaled gradients of ``optimizer``'s parameters (the only optimizer by
+        default) at the end of a step; None while accumulating."""
+        pair = self.pairs.of_optimizer(optimizer, "clip_grad_norm_")
+        if self._accumulating(pair):
             return None
+        assert pair.optimizer is not None
         self._mark("step")  # the norm is reduced across ranks under sharding backends
-        norm = self.backend.clip_grad_norm_(model, optimizer, max_norm, norm_type)
+        norm = self.backend.clip_grad_norm_(pair.model, pair.optimizer, max_norm, norm_type)
         self.monitor.on_grad_norm(norm)
         return norm
 
-    def step(self) -> bool:
-        """Step the optimizer once every ``accumulate`` micro-batches, then zero the gradients.
+    def step(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
+        """Step ``optimizer`` (the only one set up by default) once every ``accumulate`` calls,
+        then zero its gradients. Call it once per micro-batch.
 
-        Returns True when the parameters changed; False while accumulating or when fp16
-        gradients overflowed (that step is skipped on every rank and the loss scale backs off).
+        Returns True when its parameters changed; False while accumulating or when fp16
+        gradients overflowed (that step is skipped on every rank; the scale backs off).
+
+        With several optimizers, one training iteration ends when every optimizer has stepped:
+        there the shared loss scale is updated once and ``global_step`` counts one. An optimizer
+        stepping again before the others (a critic's extra steps) updates the scale first.
         When the job is preempted (`mpt launch` got SIGTERM or SIGUSR1), every rank ends at the
-        same step: it saves to ``checkpoint_dir`` and exits with ``REQUEUE_EXIT_CODE``.
+        same iteration: it saves to ``checkpoint_dir`` and exits with ``REQUEUE_EXIT_CODE``.
         """
-        model, optimizer = self._require_setup()
-        if self.is_accumulating or self._micro_step == 0:
+        pair = self.pairs.of_optimizer(optimizer, "step")
+        assert pair.optimizer is not None
+        if self._micro_step == 0:
+            return False  # no backward yet: nothing to step on
+        accumulating = self._accumulating(pair)
+        pair.calls += 1
+        self._sync_for_next_micro_batch(pair)
+        if accumulating:
+            self.backend.accumulate_step(pair.model, pair.optimizer)
             return False
         self._mark("step")
-        stepped = self.backend.optimizer_step(model, optimizer)
-        self.backend.zero_grad(optimizer)
-        self.global_step += 1
-        self.monitor.on_step(optimizer, self.global_step)
-        if self._preemption.should_stop(self.backend.sum_async, self.world_size):
-            self._stop_preempted()
+        if self.pairs.must_update_before(pair):
+            self.backend.update_loss_scale()
+            self.pairs.updated()
+        stepped = self.backend.optimizer_step(pair.model, pair.optimizer)
+        self.backend.zero_grad(pair.optimizer)
+        update, ended = self.pairs.stepped(pair)
+        if update:
+            self.backend.update_loss_scale()
+        if ended:
+            self.global_step += 1
+            first = self.pairs.stepping[0].optimizer  # its learning rate goes in the metrics
+            assert first is not None
+            self.monitor.on_step(first, self.global_step)
+            if self._preemption.should_stop(self.backend.sum_async, self.world_size):
+                self._stop_preempted()
         self._mark("script", self.global_step)
         return stepped
 
@@ -323,11 +409,6 @@ class Runtime:
         """
         self.monitor.log(metrics)
 
-    def _require_setup(self) -> tuple[nn.Module, torch.optim.Optimizer]:
-        if self._model is None or self._optimizer is None:
-            raise RuntimeError("call rt.setup(model, optimizer) before training with the runtime")
-        return self._model, self._optimizer
-
     # -- collectives --------------------------------------------------------------------------
     def barrier(self) -> None:
         self._mark("collective")
@@ -343,21 +424,27 @@ class Runtime:
 
     # -- checkpoints --------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str] | None = None, *, step: int | None = None,
-             epoch: int | None = None, scheduler: checkpoint.Stateful | None = None,
+             epoch: int | None = None, scheduler: Schedulers = None,
              keep: int | None = None, sharded: bool | None = None, **extra: Any) -> str:
         """Checkpoint the run into ``path/step-<step>/`` and point ``path/latest`` at it.
 
         ``path`` defaults to ``checkpoint_dir``, ``step`` to ``global_step``, ``scheduler`` to
-        the last one given to ``save``, ``load`` or ``resume``.
+        the last one given to ``save``, ``load`` or ``resume``; several schedulers go in as a
+        dict by name (``scheduler={"G": sched_g, "D": sched_d}``).
 
-        Saved: full weights, optimizer state and precision state (loss scale, masters), the
-        ``scheduler``'s state, the sampler position of every ``setup_dataloader`` loader, every
-        rank's RNG, ``step``, ``epoch`` and the JSON-able ``extra`` values. Every rank calls it;
-        it returns once the checkpoint is committed. ``keep``: delete all but the newest ``keep``
-        checkpoints of ``path``. ``sharded``: write model and optimizer as per-rank shards
-        through torch.distributed.checkpoint (default: when they pass 2 GiB). ``path`` may be
-        an fsspec URL (``s3://...``). Returns the checkpoint directory's URL.
+        Saved: the full weights and optimizer state of every model ``setup`` was given, under
+        its name, the precision state (loss scale, masters), the schedulers' states, the sampler
+        position of every ``setup_dataloader`` loader, every rank's RNG, ``step``, ``epoch`` and
+        the JSON-able ``extra`` values. Every rank calls it; it returns once the checkpoint is
+        committed. ``keep``: delete all but the newest ``keep`` checkpoints of ``path``.
+        ``sharded``: write models and optimizers as per-rank shards through
+        torch.distributed.checkpoint (default: when they pass 2 GiB). ``path`` may be an fsspec
+        URL (``s3://...``). Returns the checkpoint directory's URL.
+
+        ``model=``/``optimizer=`` (Fabric's habit) may name objects ``setup`` returned: they are
+        saved anyway, by name.
         """
+        extra = self._drop_set_up(extra)
         self._mark("checkpoint")
         where = checkpoint.save_checkpoint(
             self._root(path, "save"), self._training_state(scheduler),
@@ -367,10 +454,12 @@ class Runtime:
         return where
 
     def load(self, path: str | os.PathLike[str], *,
-             scheduler: checkpoint.Stateful | None = None) -> dict[str, Any]:
+             scheduler: Schedulers = None) -> dict[str, Any]:
         """Restore a checkpoint (``path``: a root ``save`` wrote into, which loads its latest,
-        or one ``step-*`` directory) into the set-up model, optimizer, ``scheduler`` and loaders.
+        or one ``step-*`` directory) into the set-up models, optimizers, schedulers and loaders.
 
+        The checkpoint must hold exactly the names set up; a mismatch names what is missing and
+        what is extra.
         Works at any world size and under any backend. Returns ``{"step": ..., "epoch": ...
         (when known), **extra}``. Call ``setup_dataloader`` before, so loaders resume mid-epoch.
         """
@@ -381,7 +470,7 @@ class Runtime:
         self._mark("script", self.global_step)
         return info
 
-    def resume(self, *, scheduler: checkpoint.Stateful | None = None) -> dict[str, Any]:
+    def resume(self, *, scheduler: Schedulers = None) -> dict[str, Any]:
         """Load what the run's ``resume`` setting names, if anything: call it once, after
         ``setup`` and ``setup_dataloader``, and train on from the returned ``"step"``.
 
@@ -391,7 +480,7 @@ class Runtime:
         and refuses a ``checkpoint_dir`` that holds checkpoints already (they would be
         overwritten). Returns ``load``'s result, or ``{"step": 0}`` for a fresh start.
         """
-        self._scheduler = scheduler or self._scheduler
+        self._remember(scheduler)
         found = (None if self.checkpoint_dir is None
                  else checkpoint.find_latest(self.checkpoint_dir))
         if self.resume_from == "never":
@@ -415,11 +504,33 @@ class Runtime:
                              "checkpoint_dir", "pass one, or `mpt launch --checkpoint-dir DIR`")
         return root
 
-    def _training_state(self, scheduler: checkpoint.Stateful | None) -> checkpoint.TrainingState:
-        model, optimizer = self._require_setup()
-        self._scheduler = scheduler or self._scheduler
-        return checkpoint.TrainingState(backend=self.backend, model=model, optimizer=optimizer,
-                                        scheduler=self._scheduler, loaders=self._loaders)
+    def _remember(self, scheduler: Schedulers) -> None:
+        if scheduler is None:
+            return
+        if isinstance(scheduler, Mapping):
+            self._schedulers = dict(scheduler)
+        else:
+            self._schedulers = {"scheduler": scheduler}
+
+    def _drop_set_up(self, extra: dict[str, Any]) -> dict[str, Any]:
+        """``extra`` without the models and optimizers ``setup`` knows (saved by name anyway);
+        one that was never set up cannot be saved as an extra value."""
+        kept = {}
+        for key, value in extra.items():
+            if isinstance(value, (nn.Module, torch.optim.Optimizer)):
+                self.pairs.of_model(value) if isinstance(value, nn.Module) else (
+                    self.pairs.of_optimizer(value, "save"))
+                continue
+            kept[key] = value
+        return kept
+
+    def _training_state(self, scheduler: Schedulers) -> checkpoint.TrainingState:
+        if not self.pairs.pairs:
+            raise UsageError("rt.save/rt.load", "called before rt.setup", "nothing is set up",
+                             "call model, optimizer = rt.setup(model, optimizer) first")
+        self._remember(scheduler)
+        return checkpoint.TrainingState(backend=self.backend, pairs=self.pairs.pairs,
+                                        schedulers=self._schedulers, loaders=self._loaders)
 
     def _mark(self, phase: str, step: int | None = None) -> None:
         """Tell the heartbeat where this rank is (a no-op outside `mpt launch`)."""

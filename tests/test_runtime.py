@@ -106,8 +106,10 @@ def test_ranks_get_disjoint_shards_reshuffled_every_epoch():
 
 def test_training_before_setup_says_what_to_do():
     rt = mpt.Runtime(env={})
-    with pytest.raises(RuntimeError, match=r"rt\.setup"):
-        rt.step()
+    for call in (rt.step, lambda: rt.backward(torch.ones(())), lambda: rt.clip_grad_norm_(1.0),
+                 lambda: rt.save("unused")):
+        with pytest.raises(UsageError, match=r"rt\.setup\(model, optimizer\) first"):
+            call()
 
 
 def test_backend_options_from_the_launcher_and_from_code_are_checked_by_the_backend():

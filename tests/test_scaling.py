@@ -62,6 +62,7 @@ def test_two_ranks_get_the_derived_batch_and_scaled_lr_and_rank0_says_so(tmp_pat
         assert got["lr"] == pytest.approx(0.1 * math.sqrt(2))
         assert "DataLoader batch_size=5 is invalid" in got["refused"]
         assert "batch_size=rt.batch_size" in got["refused"]
+        assert (got["eval_batch"], got["eval_name"]) == (10, "loader1")
     lines = result.stdout.splitlines()
     plan = "mpt: global batch 16 = 2 process(es) x 4 per micro-batch x 2 accumulation step(s)"
     assert lines.count(plan) == 1, result.stdout  # rank 0 only

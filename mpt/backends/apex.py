@@ -186,9 +186,11 @@ class ApexBackend(DDPBackend):
                 "gradient_predivide_factor", o["gradient_predivide_factor"], float)
         return kwargs
 
-    def setup(self, model: nn.Module,
-              optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+              ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         kwargs = self.ddp_kwargs()  # bad options fail on one process too
+        if optimizer is None:
+            return super().setup(model, None)
         if _bool("fused_optimizer", self.option_values.get("fused_optimizer", False)):
             optimizer = fused_adam(optimizer)
         if not self.world.is_distributed:

@@ -80,19 +80,35 @@ class Backend(ABC):
         """Join the job's other processes (a no-op for a world of one)."""
 
     @abstractmethod
-    def setup(self, model: nn.Module,
-              optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """Wrap model and optimizer so that ``backward`` leaves averaged gradients."""
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+              ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        """Wrap model and optimizer so that ``backward`` leaves averaged gradients.
+
+        Called once per model. A model without an optimizer (an EMA copy, a frozen teacher)
+        trains nothing: it is made equal on every rank and left unwrapped.
+        """
 
     def shutdown(self) -> None:
         """Leave the process group."""
 
     # -- the training step --------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of one micro-batch's loss, scaled for precision and accumulation."""
+    def backward(self, loss: torch.Tensor, model: nn.Module | None = None) -> None:
+        """Backward of one micro-batch's loss, scaled for precision and accumulation.
+
+        ``model``: the set-up model whose optimizer this loss trains, when the script named it;
+        backends that reduce inside autograd's hooks do not need it.
+        """
         if self.accumulate > 1:
             loss = loss / self.accumulate
         self.precision.scale_loss(loss).backward()
+
+    def accumulate_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """``rt.step`` on a micro-batch that is not the last of a step: nothing to do by
+        default (engines that count micro-batches themselves count it here)."""
+
+    def update_loss_scale(self) -> None:
+        """Once per training iteration, after every optimizer stepped."""
+        self.precision.update()
 
     @abstractmethod
     def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
@@ -145,6 +161,15 @@ class Backend(ABC):
         optimizer.load_state_dict(from_named(state, self.parameter_names(model, optimizer)))
 
     # -- collectives the runtime offers to scripts --------------------------------------------
+    def broadcast_module_(self, module: nn.Module) -> None:
+        """Give every rank rank 0's parameters and buffers (models set up without optimizer)."""
+        for tensor in module.state_dict().values():
+            self.broadcast_tensor_(tensor)
+
+    @abstractmethod
+    def broadcast_tensor_(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Overwrite ``tensor`` with rank ``src``'s, in place."""
+
     @abstractmethod
     def barrier(self) -> None:
         """Wait until every process reaches this point."""

@@ -73,10 +73,13 @@ class DDPBackend(Backend):
         )
         atexit.register(self.shutdown)  # for scripts that never call rt.close()
 
-    def setup(self, model: nn.Module,
-              optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+              ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         if not self.world.is_distributed:
             return model, optimizer
+        if optimizer is None:  # nothing to reduce: no wrapper, no buffer broadcast per forward
+            self.broadcast_module_(model)
+            return model, None
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids), optimizer
 
@@ -110,6 +113,10 @@ class DDPBackend(Backend):
             return tensor.div_(self.world.world_size)
         dist.all_reduce(tensor, _REDUCE_OPS[op])
         return tensor
+
+    def broadcast_tensor_(self, tensor: torch.Tensor, src: int = 0) -> None:
+        if dist.is_initialized():
+            dist.broadcast(tensor, src=src)
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         if not dist.is_initialized():

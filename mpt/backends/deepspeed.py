@@ -24,6 +24,7 @@ import atexit
 import importlib.metadata
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -83,6 +84,25 @@ def _installed_version() -> str | None:
         return None
 
 
+@dataclass(kw_only=True, slots=True, eq=False)
+class _Engine:
+    """One DeepSpeed engine (one per model set up with an optimizer) and mpt's notes on it."""
+
+    engine: Any
+    """What ``deepspeed.initialize`` returned, and ``setup`` hands to the script."""
+    state: FlatState
+    """Its parameters by name, and their state in ZeRO's flat shards (for checkpoints)."""
+
+    default_clip: float = 0.0
+    """The config's ``gradient_clipping``, restored after a step ``rt.clip_grad_norm_`` set."""
+    norm: torch.Tensor | None = None
+    """What ``rt.clip_grad_norm_`` returned: filled with DeepSpeed's norm after the step."""
+    backwards: int = 0
+    """Losses this engine backpropagated since its last ``step``."""
+    push_scale: bool = False
+    """A checkpoint was loaded: its loss scale goes into the engine at the next backward."""
+
+
 class DeepSpeedBackend(DDPBackend):
     """ZeRO data parallelism: optimizer state (1), gradients (2) and parameters (3) sharded.
 
@@ -112,11 +132,10 @@ class DeepSpeedBackend(DDPBackend):
             loss_scale=scale, accumulate=accumulate, world_size=world.world_size)
         """What ``deepspeed.initialize`` gets: the user's config, completed by mpt."""
         self._ds = _import_deepspeed(device.type, world.local_rank)  # before any process group
-        self._engine: Any = None
-        self._state: FlatState | None = None
-        self._norm: torch.Tensor | None = None  # filled with DeepSpeed's norm after the step
-        self._default_clip = 0.0
-        self._push_scale = False
+        self._engines: dict[int, _Engine] = {}
+        """One engine per model set up with an optimizer, by id of the engine."""
+        self._pending: list[tuple[_Engine | None, torch.Tensor]] = []
+        """Losses not backpropagated yet, with their engine where ``model=`` named it."""
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -161,54 +180,106 @@ class DeepSpeedBackend(DDPBackend):
                                 timeout=self.timeout)
         atexit.register(self.shutdown)  # as DDP does, for scripts that never call rt.close()
 
-    def setup(self, model: nn.Module,
-              optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+              ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         from mpt.backends.deepspeed_state import FlatState
 
+        if optimizer is None:  # nothing to train: no engine, rank 0's weights everywhere
+            self.broadcast_module_(model)
+            return model, None
+        stage = self.config["zero_optimization"]["stage"]
+        if self._engines and stage != 1:
+            # Stage 0 refuses a backward that reaches a second engine's module (a GAN's
+            # discriminator inside the generator's loss); stages 2-3 reduce a model's gradients
+            # into its shards inside any backward that reaches it, where the script's zero_grad
+            # cannot clear them: they would join that model's next step.
+            raise UsageError("--zero-stage", stage, "DeepSpeed keeps a model's gradients "
+                             "apart only at stage 1 when a script trains several models",
+                             "use --zero-stage 1, or --backend ddp, apex or horovod")
         names = {param: name for name, param in model.named_parameters()}
         # DeepSpeed drops empty groups and replaces the parameters of the others by flat shards:
         # remember each group's names now, for checkpoints keyed by name.
         groups = [[names[p] for p in g["params"]] for g in optimizer.param_groups if g["params"]]
         engine, _, _, _ = self._ds.initialize(model=model, optimizer=optimizer,
                                               config=self.config, dist_init_required=False)
-        self._engine = engine
-        self._state = FlatState(engine, groups)
-        self._default_clip = float(getattr(engine.optimizer, "clip_grad", 0.0) or 0.0)
+        self._engines[id(engine)] = _Engine(
+            engine=engine, state=FlatState(engine, groups),
+            default_clip=float(getattr(engine.optimizer, "clip_grad", 0.0) or 0.0))
         # The user's optimizer, not DeepSpeed's wrapper: the wrapper steps it and shares its
         # param-group dicts, so an LR scheduler built on what setup returns works (torch's
-        # schedulers refuse DeepSpeed's ZeRO optimizers, which are no torch Optimizer).
+        # schedulers refuse DeepSpeed's ZeRO optimizers, which are no torch Optimizer). Its
+        # zero_grad must reach the gradients the engine keeps in the module (stages 0-1) until
+        # its backward reduces them: there another model's loss may have left some.
+        clear_own = optimizer.zero_grad
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            engine.zero_grad()
+            clear_own(set_to_none=set_to_none)
+
+        optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
         return engine, optimizer
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        # The gradients live in DeepSpeed's wrapper (flat, partitioned), not in `optimizer`.
-        self._require_engine().optimizer.zero_grad(set_to_none=True)
+        """Nothing left to do: ``optimizer_step`` cleared the engine's gradients."""
 
-    def _require_engine(self) -> Any:
-        if self._engine is None:
+    def _of(self, model: nn.Module) -> _Engine:
+        found = self._engines.get(id(model))
+        if found is None:
             raise RuntimeError("call rt.setup(model, optimizer) before training with deepspeed")
-        return self._engine
+        return found
 
     # -- the training step --------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor) -> None:
-        engine = self._require_engine()
-        if self._push_scale:  # a checkpoint was loaded: its loss scale goes into the engine
-            self._push_scale = False
-            from mpt.backends.deepspeed_state import apply_scaler_state, loss_scaler_of
+    def backward(self, loss: torch.Tensor, model: nn.Module | None = None) -> None:
+        # Run at the next step or clip, as one backward of the sum of the losses given since
+        # the last one: DeepSpeed reduces at the end of each engine.backward on the
+        # accumulation boundary, so two backwards before one step (a discriminator's real and
+        # fake losses) would keep only the second. With several engines, the one a loss trains
+        # is also known only then (a generator's loss runs through the discriminator too).
+        self._pending.append((None if model is None else self._of(model), loss))
 
-            state = getattr(getattr(self.precision, "scaler", None), "state_dict", dict)()
-            loss_scaler = loss_scaler_of(engine.optimizer)
-            if state and loss_scaler is not None:
-                apply_scaler_state(loss_scaler, state)
-        engine.backward(loss)
-        if not engine.is_gradient_accumulation_boundary():
-            engine.step()  # only advances DeepSpeed's micro-batch counter (see module docstring)
+    def _flush(self, model: nn.Module, method: str) -> _Engine:
+        """The engine of ``model``, after it ran the backward of the losses waiting for it."""
+        record = self._of(model)
+        mine = [loss for owner, loss in self._pending if owner in (None, record)]
+        self._pending = [(owner, loss) for owner, loss in self._pending
+                         if owner not in (None, record)]
+        if not mine and not record.backwards:
+            raise UsageError(f"rt.{method}", "optimizer", "no loss went through this model's "
+                             "DeepSpeed engine since its last step (with several engines, a "
+                             "loss trains the model whose optimizer steps next)", "pass "
+                             "rt.backward(loss, model=...) once per model a loss trains, or "
+                             "step each optimizer right after the backward of its own losses")
+        if mine:
+            engine = record.engine
+            if record.push_scale:  # a checkpoint was loaded: its loss scale goes in first
+                record.push_scale = False
+                from mpt.backends.deepspeed_state import apply_scaler_state, loss_scaler_of
+
+                state = getattr(getattr(self.precision, "scaler", None), "state_dict", dict)()
+                loss_scaler = loss_scaler_of(engine.optimizer)
+                if state and loss_scaler is not None:
+                    apply_scaler_state(loss_scaler, state)
+            total = mine[0]
+            for loss in mine[1:]:
+                total = total + loss
+            engine.backward(total)
+            record.backwards += 1
+        return record
+
+    def accumulate_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        # Off the accumulation boundary engine.step() only counts the micro-batch: DeepSpeed
+        # reduces on its own boundary, which is therefore the same as mpt's.
+        record = self._flush(model, "step")
+        record.engine.step()
+        record.backwards = 0
 
     def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
         """Nothing to do: the engine knows its accumulation boundary from its own counter."""
 
     def clip_grad_norm_(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                         max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        engine = self._require_engine()
+        record = self._flush(model, "clip_grad_norm_")
+        engine = record.engine
         if norm_type != 2.0:
             raise UsageError("norm_type", norm_type, "DeepSpeed clips by the 2-norm only",
                              "call rt.clip_grad_norm_(max_norm) with the default norm_type=2")
@@ -220,17 +291,21 @@ class DeepSpeedBackend(DDPBackend):
                              f"{type(engine.optimizer).__name__} has no clipping limit mpt can "
                              "set per step", 'set "gradient_clipping" in the DeepSpeed config')
         engine.optimizer.clip_grad = float(max_norm)  # for the coming step only
-        self._norm = torch.full((), float("nan"))
-        return self._norm
+        record.norm = torch.full((), float("nan"))
+        return record.norm
 
     def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
-        engine = self._require_engine()
+        record = self._flush(model, "step")
+        engine = record.engine
         engine.step()
-        if self._norm is not None:
+        record.backwards = 0
+        # The gradients live in DeepSpeed's wrapper (flat, partitioned), not in `optimizer`.
+        engine.optimizer.zero_grad(set_to_none=True)
+        if record.norm is not None:
             norm = engine.get_global_grad_norm()
-            self._norm.fill_(float("nan") if norm is None else float(norm))
-            self._norm = None
-            engine.optimizer.clip_grad = self._default_clip
+            record.norm.fill_(float("nan") if norm is None else float(norm))
+            record.norm = None
+            engine.optimizer.clip_grad = record.default_clip
         applied = bool(engine.was_step_applied())
         self.precision.skipped_steps += int(not applied)
         scaler = getattr(self.precision, "scaler", None)
@@ -244,11 +319,16 @@ class DeepSpeedBackend(DDPBackend):
         return applied
 
     # -- state for checkpoints ----------------------------------------------------------------
+    def update_loss_scale(self) -> None:
+        """Nothing to do: each engine updates its own loss scale in its step."""
+
     def unwrap(self, model: nn.Module) -> nn.Module:
-        return model.module if model is self._engine and model is not None else model
+        return model.module if id(model) in self._engines else model
 
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        engine = self._require_engine()
+        if id(model) not in self._engines:
+            return super().model_state_dict(model)
+        engine = self._of(model).engine
         state = engine.module.state_dict()
         for name, param in engine.module.named_parameters():
             full = self._ds.utils.safe_get_full_fp32_param(param)  # collective
@@ -256,8 +336,11 @@ class DeepSpeedBackend(DDPBackend):
         return state
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        engine = self._require_engine()
-        module = engine.module
+        if id(model) not in self._engines:
+            super().load_model_state_dict(model, state)
+            return
+        record = self._of(model)
+        module = record.engine.module
         wanted = set(module.state_dict())
         if set(state) != wanted:
             missing, unknown = sorted(wanted - set(state)), sorted(set(state) - wanted)
@@ -265,26 +348,23 @@ class DeepSpeedBackend(DDPBackend):
                              "the checkpoint's weights do not match the model's "
                              f"({'missing' if missing else 'unknown'} names)",
                              "load it into the model it was saved from")
-        assert self._state is not None
-        self._state.load_weights({n: t.to(self.device) for n, t in state.items()})
+        record.state.load_weights({n: t.to(self.device) for n, t in state.items()})
 
     def optimizer_state_dict(self, model: nn.Module,
                              optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        engine = self._require_engine()
-        if engine.optimizer is engine.basic_optimizer:
+        record = self._of(model)
+        if record.engine.optimizer is record.engine.basic_optimizer:
             return super().optimizer_state_dict(model, optimizer)
-        assert self._state is not None
-        return self._state.optimizer_state()
+        return record.state.optimizer_state()
 
     def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                                   state: dict[str, Any]) -> None:
-        engine = self._require_engine()
+        record = self._of(model)
         # Runtime.load restores the precision (loss scale) right after this: the engine takes
         # it over at the next backward.
-        self._push_scale = True
-        if engine.optimizer is engine.basic_optimizer:
+        record.push_scale = True
+        if record.engine.optimizer is record.engine.basic_optimizer:
             super().load_optimizer_state_dict(model, optimizer, state)
             return
-        assert self._state is not None
-        from_named(state, self._state.names)  # refuses checkpoints of other models
-        self._state.load_optimizer_state(state)
+        from_named(state, record.state.names)  # refuses checkpoints of other models
+        record.state.load_optimizer_state(state)

@@ -1,19 +1,27 @@
-"""Horovod: ring-allreduce of gradients through ``hvd.DistributedOptimizer``, started by horovodrun.
+"""Horovod: ring-allreduce of gradients through Horovod's fused allreduce, started by horovodrun.
 
-Horovod reduces gradients from hooks fired during backward and waits for them in
-``optimizer.step()``. Everything that reads gradients between backward and step (unscaling fp16
-gradients, clipping) must therefore first wait for the reduction (``optimizer.synchronize()``)
-and then step without reducing again (``optimizer.skip_synchronize()``): this backend does so,
-once per step, for every precision. ``horovod`` is imported here only, when the backend is used.
+Each optimizer's gradients are reduced when that optimizer steps (or clips first): every
+gradient is handed to ``hvd.allreduce_async_`` under its parameter's name, Horovod's background
+thread fuses them into few buffers (its tensor fusion), and the step waits for all. This is
+what ``hvd.DistributedOptimizer.synchronize()`` does, without the autograd hooks that make it
+refuse two backward passes before a step (``errD_real.backward(); errD_fake.backward()`` in a
+GAN) and a ``zero_grad`` after a backward that never stepped (the discriminator's gradients
+left by the generator's loss): several models, losses and optimizers work as under ``ddp``.
+The price is the overlap of communication with backward, which the hooks gave.
+``horovod`` is imported here only, when the backend is used.
 """
 
 from __future__ import annotations
 
+import atexit
+import gc
+import socket
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from mpt.backends.base import Availability, Backend
@@ -50,7 +58,8 @@ def _refuse_bf16(what: str, tensor: torch.Tensor) -> None:
 
 
 class HorovodBackend(Backend):
-    """``hvd.DistributedOptimizer`` on a plain model; parameters broadcast from rank 0."""
+    """Horovod's fused allreduce of each optimizer's gradients at its step; parameters and
+    optimizer state broadcast from rank 0."""
 
     name = "horovod"
     launcher = "horovodrun"
@@ -79,8 +88,12 @@ class HorovodBackend(Backend):
                 raise UsageError(f"backend option {option}", value, "it must be a number >= 0",
                                  f"pass e.g. {option}=64")
         self.hvd: ModuleType | None = None
-        self._synchronized = False
-        """Whether this step's reduction was already awaited (clipping does it before step)."""
+        self._grad_names: dict[int, dict[torch.Tensor, str]] = {}
+        """Per optimizer (by id), each parameter's name in Horovod's allreduce queue."""
+        self._reduced: set[int] = set()
+        """Optimizers (ids) whose gradients this step already reduced (clipping does it)."""
+        self._torch_group = False
+        """Whether init_process_group started the torch.distributed group beside Horovod's."""
 
     @classmethod
     def availability(cls) -> Availability:
@@ -102,37 +115,64 @@ class HorovodBackend(Backend):
 
     # -- life cycle ---------------------------------------------------------------------------
     def init_process_group(self) -> None:
-        if self.world.is_distributed and self.world.source not in ("horovod", "openmpi"):
-            raise UsageError("--backend", "horovod", f"Horovod's processes must be started by "
-                             f"horovodrun, but these were started by {self.world.source}",
-                             "use `mpt launch --backend horovod` or `mpt horovodrun`")
+        # horovodrun, mpirun and `mpt launch` (which hosts Horovod's rendezvous) make hvd.init()
+        # join the job; under any other launcher each process would be a job of its own.
         hvd = self.hvd = _import_horovod()
         hvd.init()
         if (hvd.rank(), hvd.size()) != (self.world.rank, self.world.world_size):
-            raise UsageError("HOROVOD_RANK", hvd.rank(), f"Horovod sees rank {hvd.rank()} of "
-                             f"{hvd.size()}, mpt rank {self.world.rank} of "
-                             f"{self.world.world_size}", "start the job with horovodrun unchanged")
+            raise UsageError("--backend", "horovod", f"Horovod sees rank {hvd.rank()} of "
+                             f"{hvd.size()}, but {self.world.source} started rank "
+                             f"{self.world.rank} of {self.world.world_size}: Horovod cannot "
+                             "join this launcher's job", "start it with `mpt launch` (any "
+                             "backend), `mpt horovodrun` or horovodrun")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        self._init_torch_group()
 
-    def setup(self, model: nn.Module,
-              optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def _init_torch_group(self) -> None:
+        """Start a torch.distributed group beside Horovod's (gloo, NCCL on GPUs).
+
+        Scripts call ``dist.*`` and build ``DistributedSampler(dataset)`` with default arguments
+        whatever the backend; without a torch group both fail under Horovod only. horovodrun
+        exports no MASTER_ADDR/MASTER_PORT, so rank 0 opens a store on a free port and Horovod
+        broadcasts where it listens. A group the script started itself is left alone.
+        """
+        if not self.world.is_distributed or dist.is_initialized():
+            return
+        hvd = self._require()
+        world = self.world
+        if world.rank == 0:
+            host = world.master_addr or ("127.0.0.1" if world.nodes == 1 else socket.getfqdn())
+            store = dist.TCPStore(host, 0, world.world_size, is_master=True,
+                                  timeout=self.timeout, wait_for_workers=False)
+            hvd.broadcast_object((host, store.port), root_rank=0, name="mpt.torch_group")
+        else:
+            host, port = hvd.broadcast_object(None, root_rank=0, name="mpt.torch_group")
+            store = dist.TCPStore(host, port, world.world_size, is_master=False,
+                                  timeout=self.timeout)
+        dist.init_process_group(backend="nccl" if self.device.type == "cuda" else "gloo",
+                                store=store, rank=world.rank, world_size=world.world_size,
+                                timeout=self.timeout)
+        self._torch_group = True
+        atexit.register(self.shutdown)  # for scripts that never call rt.close()
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+              ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         hvd = self._require()
         for name, param in model.named_parameters():
             _refuse_bf16(f"parameter {name}", param)
+        if optimizer is None:
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+            return model, None
         self._broadcast(model, optimizer)
-        ops = {"average": hvd.Average, "sum": hvd.Sum, "adasum": hvd.Adasum}
-        compression = hvd.Compression.fp16 if self.compression == "fp16" else hvd.Compression.none
-        # accumulation: Horovod's hooks count backward passes and reduce on the last one only.
-        distributed = hvd.DistributedOptimizer(
-            optimizer, named_parameters=model.named_parameters(), compression=compression,
-            backward_passes_per_step=self.accumulate, op=ops[self.op])
-        return model, distributed
-
-    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        # Horovod 0.28's own zero_grad takes no argument (it predates set_to_none) and checks
-        # that no allreduce is still pending; it leaves None gradients, as torch's default.
-        optimizer.zero_grad()
+        # Names match the same gradient across ranks in Horovod's queue; the index keeps two
+        # models' parameters of the same name apart.
+        names = {param: name for name, param in model.named_parameters()}
+        index = len(self._grad_names)
+        self._grad_names[id(optimizer)] = {
+            param: f"mpt.grad.{index}.{names.get(param, id(param))}"
+            for group in optimizer.param_groups for param in group["params"]}
+        return model, optimizer
 
     def _broadcast(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Make every rank start from rank 0's weights and optimizer state."""
@@ -150,31 +190,48 @@ class HorovodBackend(Backend):
             group.update(values)
 
     def shutdown(self) -> None:
+        if self._torch_group and dist.is_initialized():
+            self._torch_group = False
+            dist.destroy_process_group()
+            gc.collect()  # gloo's finished work objects, before teardown (see DDPBackend)
         if self.hvd is not None and self.hvd.is_initialized():
             self.hvd.shutdown()
 
     # -- the training step --------------------------------------------------------------------
     def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
-        """Nothing to do: ``backward_passes_per_step`` already reduces on the last micro-batch."""
+        """Nothing to do: gradients are reduced at the step, after the last micro-batch."""
 
-    def _synchronize(self, optimizer: torch.optim.Optimizer) -> None:
-        # Once per step: a second synchronize() would reduce every gradient again.
-        if not self._synchronized:
-            optimizer.synchronize()  # type: ignore[attr-defined]
-            self._synchronized = True
+    def _reduce(self, optimizer: torch.optim.Optimizer) -> None:
+        """Average ``optimizer``'s gradients over the ranks, once per step."""
+        if id(optimizer) in self._reduced:
+            return
+        self._reduced.add(id(optimizer))
+        hvd = self._require()
+        ops = {"average": hvd.Average, "sum": hvd.Sum, "adasum": hvd.Adasum}
+        compression = hvd.Compression.fp16 if self.compression == "fp16" else hvd.Compression.none
+        pending = []
+        for param, name in self._grad_names[id(optimizer)].items():
+            if param.grad is None:  # unused by this step's graph, on every rank alike: as
+                continue  # under ddp it keeps no gradient (Adam does not move it)
+            sent, context = compression.compress(param.grad)
+            pending.append((param, sent, context,
+                            hvd.allreduce_async_(sent, name=name, op=ops[self.op])))
+        for param, sent, context, handle in pending:
+            hvd.synchronize(handle)
+            if sent is not param.grad:  # compressed: a copy went over the wire
+                param.grad.copy_(compression.decompress(sent, context))
 
     def clip_grad_norm_(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                         max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        self._synchronize(optimizer)  # clip the reduced gradients, not this rank's own
+        self._reduce(optimizer)  # clip the reduced gradients, not this rank's own
         return super().clip_grad_norm_(model, optimizer, max_norm, norm_type)
 
     def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
-        self._synchronize(optimizer)  # the scaler must unscale (and inf-check) reduced grads
+        self._reduce(optimizer)  # the scaler must unscale (and inf-check) reduced grads
         try:
-            with optimizer.skip_synchronize():  # type: ignore[attr-defined]
-                return self.precision.optimizer_step(optimizer)
+            return self.precision.optimizer_step(optimizer)
         finally:
-            self._synchronized = False
+            self._reduced.discard(id(optimizer))
 
     # -- state for checkpoints ----------------------------------------------------------------
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -191,6 +248,9 @@ class HorovodBackend(Backend):
             self._require().broadcast_optimizer_state(optimizer, root_rank=0)
 
     # -- collectives --------------------------------------------------------------------------
+    def broadcast_tensor_(self, tensor: torch.Tensor, src: int = 0) -> None:
+        self._require().broadcast_(tensor, root_rank=src, name=f"mpt.tensor.{src}")
+
     def barrier(self) -> None:
         self._require().barrier()
 

@@ -110,9 +110,11 @@ def _write_converted(src: Path, dst: str, step: int, weights: dict[str, Any],
     if loss_scale is not None:
         precision["scaler"] = {"scale": loss_scale, "growth_factor": 2.0, "backoff_factor": 0.5,
                                "growth_interval": 2000, "_growth_tracker": tracker}
-    state = {"optimizer": None, "precision": precision, "scheduler": None, "loaders": [],
-             "rng": [], "extra": {"converted_from": os.fspath(src)}}
-    blobs: dict[str, Any] = {MODEL_FILE: weights, STATE_TENSORS: {},
+    # One model named "model", as a one-model run names it; no optimizer state.
+    state = {"models": ["model"], "optimizers": {}, "precision": precision, "schedulers": {},
+             "loaders": [], "rng": [], "extra": {"converted_from": os.fspath(src)}}
+    blobs: dict[str, Any] = {MODEL_FILE: {f"model/{k}": v for k, v in weights.items()},
+                             STATE_TENSORS: {},
                              STATE_JSON: json.dumps(state).encode()}
     root = io.Location.parse(dst)
     root.makedirs()

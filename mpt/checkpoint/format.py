@@ -1,10 +1,11 @@
 """What a checkpoint directory holds, and how its contents are checked before they are used.
 
-A checkpoint is a directory of plain files: ``model.safetensors`` (full weights, keyed by
-parameter name), ``state.safetensors`` + ``state.json`` (optimizer state keyed by parameter name,
-precision, LR scheduler, sampler position, every rank's RNG, user extras: tensors in the first,
-everything else in the second) and ``manifest.json``, written last, which lists every other file
-with its size and sha256. Nothing in it is pickled, so reading it never runs code.
+A checkpoint is a directory of plain files: ``model.safetensors`` (full weights of every model
+set up, keyed ``<model name>/<parameter name>``), ``state.safetensors`` + ``state.json``
+(optimizer states by model name, keyed by parameter name, precision, LR schedulers by name,
+sampler positions, every rank's RNG, user extras: tensors in the first, everything else in the
+second) and ``manifest.json``, written last, which lists every other file with its size and
+sha256. Nothing in it is pickled, so reading it never runs code.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from typing import Any
 
 from mpt.errors import MptError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: several models by name (``<name>/<parameter>`` keys, optimizers and schedulers by name);
+1: one model with unprefixed keys, still read."""
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"
 STATE_TENSORS = "state.safetensors"

@@ -13,7 +13,8 @@ A checkpoint *root* (the path given to ``rt.save``) holds one directory per save
    first), so a deletion cut short never leaves something that looks like a checkpoint.
 
 A ``kill -9`` between any two of these leaves the previous checkpoint whole and ``latest``
-naming it, or naming the new one once that is complete.
+naming it, or naming the new one once that is complete. A load of the root takes the newest
+committed checkpoint, also one whose ``latest`` update a kill cut off.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import os
 import posixpath
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -200,16 +201,20 @@ def is_checkpoint(location: Location) -> bool:
     return True
 
 
+def _saved_at(root: Location, names: Iterable[str]) -> list[tuple[float, str]]:
+    """``(saved_at, name)`` of those of ``names`` that are committed checkpoints, oldest first."""
+    found = []
+    for name in names:
+        try:
+            found.append((root.child(name).manifest().saved_at, name))
+        except CheckpointError:
+            continue  # a directory an object-store save did not finish
+    return sorted(found)
+
+
 def complete_checkpoints(root: Location) -> list[tuple[float, str]]:
     """``(saved_at, name)`` of every committed checkpoint under ``root``, oldest first."""
-    found = []
-    for name in root.listdir():
-        if name.startswith("step-"):
-            try:
-                found.append((root.child(name).manifest().saved_at, name))
-            except CheckpointError:
-                continue  # a directory an object-store save did not finish
-    return sorted(found)
+    return _saved_at(root, (name for name in root.listdir() if name.startswith("step-")))
 
 
 def prune(root: Location, keep: int, protect: str) -> list[str]:
@@ -241,15 +246,25 @@ def check_resume(argument: str, value: str | None) -> str:
 
 
 def resolve(url: str | os.PathLike[str]) -> Location:
-    """The checkpoint directory ``url`` means: itself, the one its ``latest`` names, or else its
-    newest complete one."""
+    """The checkpoint directory ``url`` means: itself, the one its ``latest`` names (or a committed
+    one saved after it), or else its newest complete one."""
     location = Location.parse(url)
     if location.exists(MANIFEST):
         return location
     if location.exists(LATEST):
-        named = location.child(location.read(LATEST).decode().strip())
-        if is_checkpoint(named):
-            return named
+        name = location.read(LATEST).decode().strip()
+        try:
+            saved_at = location.child(name).manifest().saved_at
+        except CheckpointError:
+            pass
+        else:
+            # A kill between a commit's rename and its `latest` update leaves a whole checkpoint
+            # newer than the one `latest` names (one per such kill): take the newest, so no
+            # committed step is lost. Only names after `latest` are read, and a higher step saved
+            # earlier (an abandoned run resumed from an older step) stays behind `latest`.
+            after = (n for n in location.listdir() if n.startswith("step-") and n > name)
+            newer = [(t, n) for t, n in _saved_at(location, after) if t > saved_at]
+            return location.child(max(newer)[1] if newer else name)
     found = complete_checkpoints(location)
     if found:
         return location.child(found[-1][1])

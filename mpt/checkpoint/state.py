@@ -37,10 +37,10 @@ from mpt.checkpoint.format import (
 from mpt.errors import UsageError
 
 if TYPE_CHECKING:
-    from torch import nn
 
     from mpt.backends.base import Backend
     from mpt.data import DistributedLoader
+    from mpt.pairs import Pair
 
 SHARD_THRESHOLD = 2**31
 """Model + optimizer bytes above which ``sharded=None`` picks the sharded variant (2 GiB)."""
@@ -60,14 +60,12 @@ class TrainingState:
 
     backend: Backend
     """The run's backend: gathers and scatters weights and optimizer state."""
-    model: nn.Module
-    """The model ``setup`` returned (wrapped or not)."""
-    optimizer: torch.optim.Optimizer
-    """The optimizer ``setup`` returned."""
-    scheduler: Stateful | None = None
-    """The LR scheduler, when the script has one."""
+    pairs: Sequence[Pair]
+    """Every model (wrapped or not) and optimizer ``setup`` returned, by name."""
+    schedulers: dict[str, Stateful] = field(default_factory=dict)
+    """The LR schedulers by name (``scheduler`` for a single one)."""
     loaders: Sequence[DistributedLoader] = field(default_factory=list)
-    """Loaders made by ``setup_dataloader``, whose sampler positions are saved, in order."""
+    """Loaders made by ``setup_dataloader``, whose sampler positions are saved by name."""
 
 
 def save_checkpoint(path: str | os.PathLike[str], parts: TrainingState, *, step: int,
@@ -79,23 +77,25 @@ def save_checkpoint(path: str | os.PathLike[str], parts: TrainingState, *, step:
         raise UsageError("keep", keep, "at least the new checkpoint must be kept",
                          "pass keep=1 or more, or None to keep every checkpoint")
     root = io.Location.parse(path)
-    model_state = backend.model_state_dict(parts.model)
-    optimizer_state = backend.optimizer_state_dict(parts.model, parts.optimizer)
+    model_tensors = {f"{pair.name}/{key}": t.detach() for pair in parts.pairs
+                     for key, t in backend.model_state_dict(pair.model).items()}
     # every rank's RNG, so each rank of a resumed run draws what it would have drawn
     rngs = [backend.broadcast_object(rng_state() if world.rank == r else None, src=r)
             for r in range(world.world_size)]
 
     tensors: dict[str, torch.Tensor] = {}
     state = {
-        "optimizer": encode(optimizer_state, "optimizer", tensors),
+        "models": [pair.name for pair in parts.pairs],
+        "optimizers": {pair.name: encode(backend.optimizer_state_dict(pair.model, pair.optimizer),
+                                         f"optimizer/{pair.name}", tensors)
+                       for pair in parts.pairs if pair.optimizer is not None},
         "precision": encode(backend.precision.state_dict(), "precision", tensors),
-        "scheduler": (None if parts.scheduler is None
-                      else encode(parts.scheduler.state_dict(), "scheduler", tensors)),
-        "loaders": [loader.state_dict() for loader in parts.loaders],
+        "schedulers": {name: encode(scheduler.state_dict(), f"scheduler/{name}", tensors)
+                       for name, scheduler in parts.schedulers.items()},
+        "loaders": {loader.name: loader.state_dict() for loader in parts.loaders},
         "rng": encode(rngs, "rng", tensors),
         "extra": encode(dict(extra or {}), "extra", tensors),
     }
-    model_tensors = {name: t.detach() for name, t in model_state.items()}
     if sharded is None:
         size = sum(t.numel() * t.element_size() for t in [*model_tensors.values(),
                                                             *tensors.values()])
@@ -127,9 +127,11 @@ def save_checkpoint(path: str | os.PathLike[str], parts: TrainingState, *, step:
         write_directory(root, staging, final, blobs, keep=keep, manifest=dict(
             backend=backend.name, world_size=world.world_size,
             precision=backend.precision.name, step=step,
-            epoch=epoch if epoch is not None or not parts.loaders else parts.loaders[0].epoch,
+            epoch=epoch if epoch is not None or not parts.loaders else next(
+                (lo.epoch for lo in parts.loaders if lo.name == "train"), parts.loaders[0].epoch),
             sharded=sharded, loss_scale=backend.precision.loss_scale,
-            parameters=sum(p.numel() for p in backend.unwrap(parts.model).parameters())))
+            parameters=sum(p.numel() for pair in parts.pairs
+                           for p in backend.unwrap(pair.model).parameters())))
     backend.barrier()  # nobody goes on (or loads) before the checkpoint is committed
     return root.child(final).url
 
@@ -217,23 +219,49 @@ def load_checkpoint(path: str | os.PathLike[str], parts: TrainingState) -> dict[
         model_state = {k.removeprefix("model/"): v for k, v in loaded.items()
                        if k.startswith("model/")}
         tensors.update({k: v for k, v in loaded.items() if not k.startswith("model/")})
-    backend.load_model_state_dict(parts.model, model_state)
-    if state["optimizer"] is not None:  # None: converted from weights only
-        backend.load_optimizer_state_dict(parts.model, parts.optimizer,
-                                          decode(state["optimizer"], tensors))
+    if manifest.format < 2:  # one model, one optimizer, one scheduler, keys unprefixed
+        model_state = {f"model/{key}": t for key, t in model_state.items()}
+        state["models"] = ["model"]
+        state["optimizers"] = {} if state["optimizer"] is None else {"model": state["optimizer"]}
+        state["schedulers"] = {} if state["scheduler"] is None else {
+            "scheduler": state["scheduler"]}
+    _check_names(location.url, "models", state["models"], [p.name for p in parts.pairs])
+    for pair in parts.pairs:
+        prefix = f"{pair.name}/"
+        backend.load_model_state_dict(pair.model, {key.removeprefix(prefix): t for key, t in
+                                                   model_state.items() if key.startswith(prefix)})
+        saved = state["optimizers"].get(pair.name)
+        if pair.optimizer is not None and saved is not None:  # None: converted from weights
+            backend.load_optimizer_state_dict(pair.model, pair.optimizer,
+                                              decode(saved, tensors))
     backend.precision.load_state_dict(decode(state["precision"], tensors))
-    if parts.scheduler is not None:
-        if state["scheduler"] is None:
-            raise CheckpointError(location.url, "it holds no LR-scheduler state",
-                                  "load it without scheduler=, or save with scheduler=")
-        parts.scheduler.load_state_dict(decode(state["scheduler"], tensors))
-    for loader, position in zip(parts.loaders, state["loaders"], strict=False):
-        loader.load_state_dict(position)
+    if parts.schedulers:
+        _check_names(location.url, "LR schedulers", list(state["schedulers"]),
+                     list(parts.schedulers))
+        for name, scheduler in parts.schedulers.items():
+            scheduler.load_state_dict(decode(state["schedulers"][name], tensors))
+    positions = state["loaders"]
+    if isinstance(positions, list):  # written before loaders had names: in set-up order
+        positions = {lo.name: p for lo, p in zip(parts.loaders, positions, strict=False)}
+    for loader in parts.loaders:
+        if loader.name in positions:
+            loader.load_state_dict(positions[loader.name])
     rngs = decode(state["rng"], tensors)
     if world.rank < len(rngs):  # ranks a smaller run did not have keep the state they seeded
         set_rng_state(rngs[world.rank])
     epoch = {} if manifest.epoch is None else {"epoch": manifest.epoch}
     return {"step": manifest.step, **epoch, **decode(state["extra"], tensors)}
+
+
+def _check_names(where: str, what: str, saved: list[str], wanted: list[str]) -> None:
+    """Refuse a checkpoint whose ``what`` are not the run's, naming the missing and extra."""
+    missing = [name for name in wanted if name not in saved]
+    extra = [name for name in saved if name not in wanted]
+    if missing or extra:
+        raise CheckpointError(where, f"its {what} are {saved}, this run has {wanted} (missing "
+                              f"{missing or 'none'}, extra {extra or 'none'})",
+                              "set up the same names as the run that saved it "
+                              "(rt.setup(..., name=...)), or load another checkpoint")
 
 
 def _mpt_version() -> str:

@@ -46,8 +46,22 @@ mpt.launchers.worker) and keeps its heartbeat there (see mpt.fault.heartbeat).""
 
 
 LOG_FILE = "MPT_LOG_FILE"
-"""This worker's log file under `mpt launch --log-dir`. Its stdout already goes there; the worker
-then sends its stderr to the same file (see mpt.launchers.logs), so tracebacks stay in order."""
+"""This worker's log file under `mpt launch --log-dir` (under horovodrun, the folder its launcher
+writes ``rank<R>.log`` into). Its stdout already goes there; the worker then sends its stderr to
+the same stream (see mpt.launchers.logs), so tracebacks stay in order."""
+
+
+HOROVOD_RENDEZVOUS = "MPT_HOROVOD_RENDEZVOUS"
+"""``host:port`` of the Horovod rendezvous `mpt launch` hosts, so that a script's ``hvd.init()``
+joins the job (see mpt.launchers.horovod_join)."""
+
+
+def horovod_rendezvous(env: Mapping[str, str]) -> str | None:
+    """Where `mpt launch` hosts Horovod's rendezvous; None where it does not (or horovodrun
+    started this process and set Horovod's variables itself)."""
+    if "HOROVOD_RANK" in env:
+        return None
+    return env.get(HOROVOD_RENDEZVOUS) or None
 
 
 def launcher_pid(env: Mapping[str, str]) -> int | None:

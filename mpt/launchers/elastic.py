@@ -27,6 +27,8 @@ from mpt.environments.settings import FAILURE_DIR, LAUNCHER_PID
 from mpt.fault import REQUEUE_EXIT_CODE, Beat, StallWatch, read_beats, suspects
 from mpt.fault.heartbeat import WAITING_PHASES
 from mpt.fault.preemption import PREEMPT_SIGNAL
+from mpt.launchers.horovod_join import HorovodRendezvous
+from mpt.launchers.local_rank import LOCAL_RANK_HINT
 from mpt.launchers.logs import LOG_LINE_PREFIX, rank_logs
 from mpt.launchers.notes import Note
 from mpt.launchers.spec import LaunchSpec
@@ -175,7 +177,12 @@ def describe(failure: Failure, spec: LaunchSpec, beats: dict[int, Beat]) -> tupl
             lines.append(f"mpt: rank {failure.rank} failed inside a collective with no local rank "
                          "to blame: a rank on another node probably failed first (see the other "
                          "nodes' `mpt launch`)")
-    return tuple(lines)
+    return (*lines, *local_rank_hint(spec, failure.exit_code))
+
+
+def local_rank_hint(spec: LaunchSpec, exit_code: int) -> tuple[str, ...]:
+    """The line that explains exit code 2 when mpt added ``--local_rank=N``."""
+    return (LOCAL_RANK_HINT,) if spec.local_rank_arg and exit_code == 2 else ()
 
 
 def run(spec: LaunchSpec, report: Callable[[str], None]) -> Outcome:
@@ -183,13 +190,13 @@ def run(spec: LaunchSpec, report: Callable[[str], None]) -> Outcome:
     heartbeat watch while it runs."""
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)  # mpt reports
     with tempfile.TemporaryDirectory(prefix="mpt-launch-") as scratch:
+        rendezvous = HorovodRendezvous.start(spec)  # a Horovod script's hvd.init() joins us
         # The elastic agent passes its own environment on to the workers.
-        os.environ.update(worker_env(spec, scratch))
+        os.environ.update({**worker_env(spec, scratch), **rendezvous.env()})
         watch = StallWatch(scratch, spec.heartbeat_timeout, report)
         preemption = PreemptionRelay()
         try:
-            elastic_launch(torch_launch_config(spec), sys.executable)(
-                "-u", "-m", "mpt.launchers.worker", str(spec.script), *spec.script_args)
+            elastic_launch(torch_launch_config(spec), sys.executable)(*spec.worker_args())
         except ChildFailedError as err:
             failure = root_cause(err.failures, Note.read_all(scratch))
             return Outcome(failure.exit_code, describe(failure, spec, read_beats(scratch)))
@@ -203,4 +210,5 @@ def run(spec: LaunchSpec, report: Callable[[str], None]) -> Outcome:
         finally:
             preemption.restore()
             watch.stop()
+            rendezvous.stop()
     return Outcome(0)

@@ -21,19 +21,28 @@ import sys
 import tempfile
 import threading
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
 
 import psutil
 
 from mpt._native import bind_to_parent
-from mpt.environments.settings import FAILURE_DIR
+from mpt.environments.settings import FAILURE_DIR, LOG_FILE
 from mpt.errors import MissingDependencyError, UsageError
 from mpt.fault import REQUEUE_EXIT_CODE, StallWatch
 from mpt.fault.preemption import PREEMPT_SIGNAL
+from mpt.launchers.horovodrun_output import (
+    RankOutput,
+    pump,
+    read_args,
+    start_pump,
+    through_worker,
+)
+from mpt.launchers.local_rank import LOCAL_RANK_HINT
+from mpt.launchers.logs import DEFAULT_TEE, parse_tee
 from mpt.launchers.notes import Note
-from mpt.launchers.spec import LaunchSpec
+from mpt.launchers.spec import LaunchSpec, thread_env
 
 CONTROLLERS = ("gloo", "mpi")
 """How horovodrun's processes talk: gloo (built here) or MPI (clusters with Open MPI)."""
@@ -120,13 +129,10 @@ def horovodrun_command(spec: LaunchSpec, hosts: list[tuple[str, int]],
                          "pass --max-restarts 0 with --backend horovod")
     command = ["horovodrun", "-np", str(spec.world.world_size),
                "-H", ",".join(f"{host}:{slots}" for host, slots in hosts), f"--{controller}"]
-    if spec.log_dir:  # one folder per rank, like torchrun's log files
-        command += ["--output-filename", str(spec.log_dir)]
     for option, flag in HOROVODRUN_FLAGS.items():
         if option in spec.backend_options:
             command += [flag, str(spec.backend_options[option])]
-    return [*command, "python", "-u", "-m", "mpt.launchers.worker", str(spec.script),
-            *spec.script_args]
+    return [*command, "python", *spec.worker_args()]
 
 
 def horovodrun_env(spec: LaunchSpec) -> dict[str, str]:
@@ -179,18 +185,46 @@ class _PreemptionRelay:
             signal.signal(sig, handler)
 
 
+@dataclass(frozen=True, slots=True)
+class HorovodrunResult:
+    """How a horovodrun job ended, as `mpt launch` reports it."""
+
+    code: int
+    """horovodrun's exit code, the failed rank's, or REQUEUE_EXIT_CODE after a clean preemption."""
+    rank: str = ""
+    """The rank that failed first ("" when none did or nobody said)."""
+    named_by_horovodrun: str = ""
+    """The process horovodrun's own report names, often a peer that failed after ``rank``."""
+
+    def lines(self, local_rank_arg: bool = False) -> list[str]:
+        """What `mpt launch` and `mpt horovodrun` print about it (nothing for a clean exit)."""
+        if self.code == REQUEUE_EXIT_CODE:
+            return [f"mpt: preempted: the ranks saved and exited {self.code} (requeue me)"]
+        if not self.code:
+            return []
+        who = f"rank {self.rank} " if self.rank else "horovodrun "
+        line = f"mpt: {who}exited with code {self.code}; the job was stopped"
+        if self.named_by_horovodrun not in ("", self.rank):
+            line += (f" (horovodrun's report names rank {self.named_by_horovodrun}, which "
+                     "stopped after it)")
+        return [line, *([LOCAL_RANK_HINT] if local_rank_arg and self.code == 2 else [])]
+
+
 def run_horovodrun(args: Sequence[str], env: dict[str, str], grace_period: float = 30,
-                   heartbeat_timeout: float = 0) -> tuple[int, str]:
-    """Run horovodrun with ``args``, ``env`` added; its exit code, or the failed rank's.
+                   heartbeat_timeout: float = 0,
+                   output: RankOutput | None = None) -> HorovodrunResult:
+    """Run horovodrun with ``args``, ``env`` added; how it ended.
 
     horovodrun itself exits 1 whatever a rank's code was. The rank that failed first is taken
     from the failure notes of ``mpt.launchers.worker`` (``worker.Note``) where they were
     written on this host, else from horovodrun's last words on stderr ("Process name: 1 Exit
-    code: 3"), which it passes through line by line. Returns
-    ``(code, rank)``; ``rank`` is "" when no rank failed or horovodrun did not say. Preempted
-    (SIGTERM or SIGUSR1) with every rank of this host saved, the code is REQUEUE_EXIT_CODE.
+    code: 3"). Preempted (SIGTERM or SIGUSR1) with every rank of this host saved, the code is
+    REQUEUE_EXIT_CODE. ``output`` places the ranks' lines (default: as horovodrun writes them).
     """
     launcher = os.getpid()
+    output = output or RankOutput(None)
+    if output.log_dir is not None:  # the workers merge stderr into stdout: one ordered stream
+        env = {**env, LOG_FILE: str(output.log_dir)}
 
     def die_with_us() -> None:  # in the child, before exec
         # A SIGKILLed `mpt launch` runs no cleanup; horovodrun stops its workers on SIGTERM.
@@ -200,16 +234,15 @@ def run_horovodrun(args: Sequence[str], env: dict[str, str], grace_period: float
     with tempfile.TemporaryDirectory(prefix="mpt-failures-") as failure_dir:
         process = subprocess.Popen([horovodrun_executable(), *args],
                                    env={**os.environ, **env, FAILURE_DIR: failure_dir},
-                                   stderr=subprocess.PIPE, text=True, bufsize=1,
-                                   preexec_fn=die_with_us)  # before our reader thread: fork-safe
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   bufsize=1, preexec_fn=die_with_us)  # before our threads
         tail: list[str] = []
         preemption = _PreemptionRelay(process, grace_period)
         watch = StallWatch(failure_dir, heartbeat_timeout, report=_print_err)
+        assert process.stdout is not None and process.stderr is not None
+        relay = start_pump(process.stdout, output, sys.stdout)
         try:
-            assert process.stderr is not None
-            for line in process.stderr:
-                sys.stderr.write(line)
-                tail = [*tail[-20:], line]
+            pump(process.stderr, output, sys.stderr, tail)
             code = process.wait()
         finally:
             preemption.restore()
@@ -217,25 +250,56 @@ def run_horovodrun(args: Sequence[str], env: dict[str, str], grace_period: float
             if process.poll() is None:  # interrupted: horovodrun stops its workers itself
                 process.terminate()
                 process.wait()
+            relay.join(timeout=5)
+            output.close()
         notes = sorted(n for n in Note.read_all(failure_dir).values() if n.exit_code)
     if preemption.received and notes and all(n.exit_code == REQUEUE_EXIT_CODE for n in notes):
-        return REQUEUE_EXIT_CODE, ""
+        return HorovodrunResult(REQUEUE_EXIT_CODE)
+    found = _FIRST_FAILURE.search("".join(tail))
+    named = found.group(1) if found and code else ""
     if code and notes and notes[0].rank >= 0:
         # horovodrun names the first process it saw exit, often a peer that failed because
         # the real culprit was already shutting Horovod down; the workers' notes (on this
         # host) say who failed first, and with which code.
-        return notes[0].exit_code, str(notes[0].rank)
-    found = _FIRST_FAILURE.search("".join(tail))
+        return HorovodrunResult(notes[0].exit_code, str(notes[0].rank), named)
     if code == 0 or found is None:
-        return code, ""
+        return HorovodrunResult(code)
     rank_code = int(found.group(2))
     # A signal shows as a negative code; the shell's convention is 128 + signal.
-    return (128 - rank_code if rank_code < 0 else rank_code or code), found.group(1)
+    return HorovodrunResult(128 - rank_code if rank_code < 0 else rank_code or code, named, named)
 
 
 def run(spec: LaunchSpec, hosts: list[tuple[str, int]],
-        controller: str = "gloo") -> tuple[int, str]:
-    """Run the whole job through horovodrun; ``(exit code, failed rank)`` as run_horovodrun."""
+        controller: str = "gloo") -> HorovodrunResult:
+    """Run the whole job through horovodrun; how it ended, as run_horovodrun."""
     args = horovodrun_command(spec, hosts, controller)[1:]
     args[args.index("python")] = sys.executable  # the printed "python" is this interpreter
-    return run_horovodrun(args, horovodrun_env(spec), spec.grace_period, spec.heartbeat_timeout)
+    output = RankOutput(spec.log_dir, spec.tee, spec.world.world_size)
+    return run_horovodrun(args, horovodrun_env(spec), spec.grace_period, spec.heartbeat_timeout,
+                          output)
+
+
+def run_passthrough(args: Sequence[str], settings: dict[str, str], *,
+                    log_dir: Path | None = None, tee: str | None = None,
+                    local_rank_arg: bool = False) -> HorovodrunResult:
+    """`mpt horovodrun ARGS`: horovodrun as the user wrote it, with what `mpt launch --backend
+    horovod` gives its workers: ``settings``, one OpenMP thread per process where a host runs
+    several, the worker shim (failure notes, ``--local_rank``), per-rank logs and tee."""
+    read = read_args(args)
+    if read.command is not None:
+        args = through_worker(args, read.command, local_rank_arg)
+    elif local_rank_arg:
+        raise UsageError("--local-rank-arg", True, "horovodrun's command is not `python SCRIPT "
+                         "...`, so mpt cannot pass --local_rank to it", "start the script as "
+                         "`python train.py ...`, or leave --local-rank-arg out")
+    ranks = DEFAULT_TEE
+    if tee is not None:
+        if log_dir is None:
+            raise UsageError("--tee", tee, "it needs --log-dir (without it every rank prints "
+                             "to the console)", "add --log-dir DIR, or leave --tee out")
+        if read.processes is None:
+            raise UsageError("--tee", tee, "horovodrun's -np is not given, so the ranks are "
+                             "unknown", "pass -np N to horovodrun")
+        ranks = parse_tee(tee, read.processes)
+    output = RankOutput(log_dir, ranks, read.processes)
+    return run_horovodrun(args, {**settings, **thread_env(read.per_host)}, output=output)

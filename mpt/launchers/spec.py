@@ -13,6 +13,7 @@ from mpt.checkpoint import check_resume
 from mpt.environments import World
 from mpt.environments.settings import settings_env
 from mpt.errors import UsageError
+from mpt.launchers.local_rank import LOCAL_RANK_ARG
 from mpt.launchers.logs import DEFAULT_TEE
 from mpt.precision import LossScaleConfig, check_precision, make_precision
 from mpt.scaling import check_lr_scaling, plan_batch
@@ -97,6 +98,8 @@ class LaunchSpec:
     """Optimizer steps between two metric records (MPT_LOG_EVERY)."""
     metrics_all_ranks: bool = False
     """Every rank writes metrics, not only rank 0 (MPT_METRICS_ALL_RANKS)."""
+    local_rank_arg: bool = False
+    """Pass ``--local_rank=<N>`` to the script, as ``torch.distributed.launch`` did."""
 
     @property
     def world(self) -> World:
@@ -143,10 +146,12 @@ class LaunchSpec:
             run_dir=self.run_dir and self.run_dir.absolute(), quiet=self.quiet,
             log_every=self.log_every, metrics_all_ranks=self.metrics_all_ranks,
             timeout=self.timeout, checkpoint_dir=self.checkpoint_dir, resume=self.resume)
-        if self.gpus > 1 and "OMP_NUM_THREADS" not in os.environ:
-            # N processes each using every core oversubscribe the CPU (torchrun does the same).
-            env["OMP_NUM_THREADS"] = "1"
-        return env
+        return {**env, **thread_env(self.gpus)}
+
+    def worker_args(self) -> list[str]:
+        """What each process runs after ``python``: the script through mpt's worker shim."""
+        flag = [LOCAL_RANK_ARG] if self.local_rank_arg else []
+        return ["-u", "-m", "mpt.launchers.worker", *flag, str(self.script), *self.script_args]
 
     def check_machine(self, cuda_devices: int) -> None:
         """Errors that depend on this machine: too few GPUs, a rendezvous port already taken."""
@@ -157,6 +162,14 @@ class LaunchSpec:
         if self.nr == 0 and not port_is_free(self.master_port):
             raise UsageError("--master-port", self.master_port, "the port is already in use on "
                              "this node", "pick another port, or stop the job that holds it")
+
+
+def thread_env(processes_per_node: int | None) -> dict[str, str]:
+    """One OpenMP thread per process where a node runs several, unless the user chose: N
+    processes each using every core oversubscribe the CPU (torchrun does the same)."""
+    if (processes_per_node or 0) > 1 and not os.environ.get("OMP_NUM_THREADS"):
+        return {"OMP_NUM_THREADS": "1"}
+    return {}
 
 
 def free_port() -> int:

@@ -16,8 +16,9 @@ from collections.abc import Callable
 from types import TracebackType
 
 from mpt.environments import detect_world
-from mpt.environments.settings import LOG_FILE, launch_dir
+from mpt.environments.settings import LOG_FILE, horovod_rendezvous, launch_dir
 from mpt.errors import MptError
+from mpt.launchers.local_rank import LOCAL_RANK_ARG, with_local_rank
 from mpt.launchers.notes import Note
 
 
@@ -60,7 +61,17 @@ def main() -> None:
         # same file description, so a traceback lands after the lines printed before it.
         sys.stderr.flush()
         os.dup2(1, 2)
+    rendezvous = horovod_rendezvous(os.environ)
+    if rendezvous:  # before the script imports horovod: its hvd.init() joins this job
+        from mpt.launchers.horovod_join import join_env
+
+        os.environ.update(join_env(detect_world(os.environ), rendezvous))
     script, *args = sys.argv[1:]
+    if script == LOCAL_RANK_ARG:
+        # Scripts of the torch.distributed.launch era (Apex's examples) read their GPU from
+        # argv; it put --local_rank=<N> before the script's own arguments, and so does this.
+        script, *args = args
+        args = with_local_rank(args, detect_world(os.environ).local_rank)
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python script.py` would
     failure_dir = launch_dir(os.environ)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from mpt.errors import UsageError
 from mpt.precision.amp_config import AmpConfig
 from mpt.precision.mixed import LossScaleConfig, MixedPrecision
 
@@ -31,6 +32,25 @@ def _cast(obj: Any, dtype: torch.dtype) -> Any:
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
         return type(obj)(_cast(v, dtype) for v in obj)
     return obj
+
+
+def _refuse_vanishing_eps(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer whose ``eps`` rounds to 0 in its low-precision parameters' dtype.
+
+    Without fp32 masters (O3) Adam's update divides by ``sqrt(v) + eps`` in fp16: with the
+    default eps of 1e-8, which is 0 in fp16, a parameter whose gradient is 0 divides 0 by 0 and
+    the model is NaN from the second step, silently.
+    """
+    for group in optimizer.param_groups:
+        eps = group.get("eps")
+        dtypes = {p.dtype for p in group["params"] if p.is_floating_point()}
+        for dtype in dtypes - {torch.float32, torch.float64}:
+            if isinstance(eps, float) and eps > 0 and torch.tensor(eps, dtype=dtype).item() == 0:
+                smallest = torch.finfo(dtype).tiny
+                raise UsageError("optimizer eps", eps, f"it is 0 in the {dtype} parameters this "
+                                 "opt level keeps without fp32 masters, so the update turns NaN",
+                                 f"pass eps of at least {smallest:.1e} (1e-4 is usual for pure "
+                                 f"{dtype}), or use O2, which steps fp32 masters")
 
 
 class ApexPrecision(MixedPrecision):
@@ -93,6 +113,7 @@ class ApexPrecision(MixedPrecision):
 
     def setup_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         if not self.config.master_weights:
+            _refuse_vanishing_eps(optimizer)
             return
         for group in optimizer.param_groups:
             for i, param in enumerate(group["params"]):
@@ -142,7 +163,7 @@ class ApexPrecision(MixedPrecision):
         finally:
             self._grads_moved.discard(id(optimizer))
         if stepped:
-            self._masters_to_model(optimizer)
+            self.masters_to_model(optimizer)
         return stepped
 
     def zero_model_grads(self) -> None:
@@ -159,7 +180,8 @@ class ApexPrecision(MixedPrecision):
             param.grad = None  # the masters own this step's gradient now
 
     @torch.no_grad()
-    def _masters_to_model(self, optimizer: torch.optim.Optimizer) -> None:
+    def masters_to_model(self, optimizer: torch.optim.Optimizer) -> None:
+        """Copy the stepped fp32 masters into the model's low-precision weights."""
         for master in self.master_params(optimizer):
             param = self._model_of.get(id(master))
             if param is not None:

@@ -45,6 +45,10 @@ class Precision:
         optimizer.step()
         return True
 
+    def update(self) -> None:
+        """Adjust the loss scale once per training iteration, after every optimizer stepped
+        (several models share one scale, as in torch's recipe for several optimizers)."""
+
     def setup_optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Adapt the optimizer to the format once, after the backend wrapped the model.
 

@@ -99,12 +99,16 @@ class MixedPrecision(Precision):
         self.scaler.step(optimizer)  # skips optimizer.step() itself when an inf/NaN was found
         # The scaler recorded its verdict while unscaling; GradScaler has no public getter for it.
         overflow = any(v.item() for v in self.scaler._found_inf_per_device(optimizer).values())
+        self.skipped_steps += int(overflow)
+        return not overflow
+
+    def update(self) -> None:
+        if self.scaler is None:
+            return
         if self.scaling.dynamic:
             self.scaler.update()
         else:
             self.scaler.update(new_scale=self.scaling.init_scale)
-        self.skipped_steps += int(overflow)
-        return not overflow
 
     @property
     def loss_scale(self) -> float:

@@ -87,15 +87,27 @@ def test_plain_horovodrun_is_detected_and_runs_the_horovod_backend(tmp_path):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert (report["rank"], report["world_size"], report["source"]) == (rank, 2, "horovod")
         assert report["backend"] == "horovod" and report["sum"] == 3.0
+        # torch.distributed works beside Horovod: dist.* and a default DistributedSampler
+        assert report["torch_sum"] == 3.0 and report["sampler"] == [rank, rank + 2, rank + 4]
 
 
-def test_mpt_horovodrun_passes_through_with_settings(tmp_path):
-    result = run_mpt("horovodrun", "--precision", "bf16-mixed", "-np", "2", "-H",
-                     "localhost:2", sys.executable, worker("report_world.py"), str(tmp_path))
+def test_mpt_horovodrun_gives_what_mpt_launch_gives(tmp_path):
+    # settings, one OpenMP thread per process, --local_rank, rank<R>.log files and the tee
+    logs = tmp_path / "logs"
+    result = run_mpt("horovodrun", "--precision", "bf16-mixed", "--log-dir", str(logs),
+                     "--tee", "1", "--local-rank-arg", "-np", "2", "-H", "localhost:2",
+                     sys.executable, worker("report_world.py"), str(tmp_path),
+                     env={"OMP_NUM_THREADS": ""})
     assert result.returncode == 0, result.stderr
     report = json.loads((tmp_path / "rank1.json").read_text())
     assert (report["backend"], report["precision"], report["sum"]) == ("horovod", "bf16-mixed",
                                                                         3.0)
+    assert report["omp"] == "1" and report["threads"] == 1
+    for rank in (0, 1):
+        assert f"report from rank {rank} --local_rank={rank}" in (
+            logs / f"rank{rank}.log").read_text()
+    assert "[rank1]: report from rank 1" in result.stdout
+    assert "rank 0" not in result.stdout and "<stdout>" not in result.stdout
 
 
 def test_bf16_parameters_and_bad_options_are_one_clear_error():

@@ -67,8 +67,9 @@ def test_bad_options_are_usage_errors():
         job_hosts(spec(nodes=2, nr=1), "h1,h2", None)  # horovodrun runs once, from one place
     with pytest.raises(UsageError, match="restarts nothing"):
         horovodrun_command(spec(max_restarts=2), [("localhost", 1)])
-    assert horovodrun_command(spec(log_dir=Path("logs")), [("localhost", 1)])[6:8] == [
-        "--output-filename", "logs"]
+    # mpt writes rank<R>.log itself (mpt.launchers.horovodrun_output), not horovodrun
+    assert "--output-filename" not in horovodrun_command(spec(log_dir=Path("logs")),
+                                                         [("localhost", 1)])
     with pytest.raises(UsageError, match="no such option"):
         spec(backend_options={"zero_stage": 2})
 
@@ -113,3 +114,51 @@ def test_without_horovod_the_backend_is_listed_with_how_to_build_it(monkeypatch)
 
     with pytest.raises(MissingDependencyError, match="make horovod-wheel"):
         Runtime(backend="horovod", env={})
+
+
+def test_mpt_horovodrun_reads_horovodruns_arguments_and_runs_the_script_through_the_shim():
+    from mpt.launchers.horovodrun_output import read_args, through_worker
+
+    args = ["-np", "4", "-H", "h1:2,h2:2", "--gloo", "python3", "-u", "train.py", "-u", "x"]
+    read = read_args(args)
+    assert (read.processes, read.per_host, read.command) == (4, 2, 5)
+    assert through_worker(args, 5, local_rank_arg=True) == [
+        "-np", "4", "-H", "h1:2,h2:2", "--gloo", "python3", "-u", "-m", "mpt.launchers.worker",
+        "--local-rank-arg", "train.py", "-u", "x"]
+    assert read_args(["-np", "2", "python", "-m", "pkg.train"]).command is None  # not a file
+    assert read_args(["--num-proc=3", "bash", "run.sh"]) == type(read)(3, 3, None)
+    assert read_args(["-np", "2", "--hostfile", "hosts", "python", "t.py"]).per_host is None
+
+
+def test_one_report_line_names_the_first_failure_and_what_horovodrun_said():
+    from mpt.launchers.horovodrun import HorovodrunResult
+    from mpt.launchers.local_rank import LOCAL_RANK_HINT
+
+    assert HorovodrunResult(0).lines() == []
+    assert HorovodrunResult(3, "1", "1").lines() == [
+        "mpt: rank 1 exited with code 3; the job was stopped"]
+    assert HorovodrunResult(3, "1", "0").lines() == [
+        "mpt: rank 1 exited with code 3; the job was stopped (horovodrun's report names rank 0, "
+        "which stopped after it)"]
+    assert HorovodrunResult(2, "0").lines(local_rank_arg=True)[1] == LOCAL_RANK_HINT
+    assert "requeue me" in HorovodrunResult(75).lines()[0]
+
+
+def test_horovodruns_lines_are_sorted_into_rank_logs_and_the_tee_ranks_reach_the_console(
+        tmp_path, capsys):
+    from mpt.launchers.horovodrun_output import RankOutput
+
+    (tmp_path / "rank0.log").write_text("an earlier job's")
+    (tmp_path / "horovodrun.log").write_text("an earlier job's")
+    output = RankOutput(tmp_path, frozenset({1}), world_size=2)
+    for line in ("[0]<stdout>:zero says\n", "[1]<stderr>:one warns\n",
+                 "Mon Nov 23 10:00:00 2026[1]<stdout>:one says\n", "Process 1 exit with 3.\n"):
+        output.write(line, sys.stderr)
+    output.close()
+    assert (tmp_path / "rank0.log").read_text() == "zero says\n"
+    assert (tmp_path / "rank1.log").read_text() == "one warns\none says\n"
+    assert (tmp_path / "horovodrun.log").read_text() == "Process 1 exit with 3.\n"
+    console = capsys.readouterr()
+    assert console.out == "[rank1]: one warns\n[rank1]: one says\n" and console.err == ""
+    (earlier,) = tmp_path.glob("previous-*")
+    assert sorted(p.name for p in earlier.iterdir()) == ["horovodrun.log", "rank0.log"]

@@ -70,18 +70,19 @@ def test_round_trip_restores_weights_moments_scaler_scheduler_rng_and_extras(tmp
     assert torch.equal(torch.get_rng_state(), want_rng)
 
 
-def test_the_directory_is_plain_safetensors_and_json_keyed_by_parameter_name(tmp_path):
+def test_the_directory_is_plain_safetensors_and_json_keyed_by_model_and_parameter_name(tmp_path):
     rt, model = trained_runtime()[:2]
     ckpt = Path(rt.save(tmp_path / "ckpt", step=3))
     assert sorted(p.name for p in ckpt.iterdir()) == [
         "manifest.json", "model.safetensors", "state.json", "state.safetensors"]
-    assert sorted(load_file(ckpt / "model.safetensors")) == sorted(model.state_dict())
+    assert sorted(load_file(ckpt / "model.safetensors")) == sorted(
+        f"model/{name}" for name in model.state_dict())
     state = load_file(ckpt / "state.safetensors")
-    assert "optimizer/state/0.weight/exp_avg" in state and "rng/0/torch" in state
+    assert "optimizer/model/state/0.weight/exp_avg" in state and "rng/0/torch" in state
     manifest = json.loads((ckpt / "manifest.json").read_text())
     assert {k: manifest[k] for k in ("format", "backend", "world_size", "precision", "step",
                                      "sharded", "parameters")} == {
-        "format": 1, "backend": "ddp", "world_size": 1, "precision": "fp32", "step": 3,
+        "format": 2, "backend": "ddp", "world_size": 1, "precision": "fp32", "step": 3,
         "sharded": False, "parameters": 4 * 8 + 8 + 8 * 2 + 2}
     assert (tmp_path / "ckpt" / "latest").read_text() == "step-000000003"
 
@@ -154,6 +155,18 @@ def test_keep_last_k_and_latest(tmp_path):
     assert rt.load(tmp_path / "ckpt")["step"] == 2
     with pytest.raises(mpt.UsageError, match="keep=0"):
         rt.save(tmp_path / "ckpt", step=9, keep=0)
+
+
+def test_a_commit_whose_latest_update_was_cut_off_is_still_the_one_loaded(tmp_path):
+    rt = trained_runtime()[0]
+    root = tmp_path / "ckpt"
+    for step in (1, 2, 3):
+        rt.save(root, step=step)
+    (root / "latest").write_text("step-000000001")  # a kill between step 3's rename and pointer
+    assert rt.load(root)["step"] == 3
+    rt.save(root, step=2)  # a run resumed from step 2 saves again: newest by time, not by step
+    (root / "latest").write_text("step-000000001")
+    assert rt.load(root)["step"] == 2
 
 
 def test_half_written_directories_are_never_taken_for_checkpoints(tmp_path):

@@ -98,7 +98,7 @@ def test_amp_before_initialize_is_a_usage_error():
     {"opt_level": "O1", "cast_model_type": torch.float16},
     {"opt_level": "O3", "master_weights": True},
     {"opt_level": "O2", "patch_torch_functions": True},
-    {"opt_level": "O2", "num_losses": 2},
+    {"opt_level": "O2", "num_losses": 0},
 ])
 def test_what_apex_refused_is_refused(kwargs):
     model, optimizer = model_and_optimizer()

@@ -74,7 +74,7 @@ def small_run(tmp_path: Path, **kwargs) -> mpt.Runtime:
 
 def train(rt: mpt.Runtime, steps: int) -> None:
     for _ in range(steps):
-        rt.backward(rt._model(torch.ones(2, 3)).sum())
+        rt.backward(rt.pairs.pairs[0].model(torch.ones(2, 3)).sum())
         rt.step()
 
 
@@ -87,7 +87,7 @@ def test_resume_auto_starts_afresh_then_resumes_the_latest(tmp_path):
     assert (tmp_path / "ck/step-000000003").is_dir()
     again = small_run(tmp_path)
     assert again.resume()["step"] == 3 and again.global_step == 3
-    assert torch.equal(again._model.weight, rt._model.weight)
+    assert torch.equal(again.pairs.pairs[0].model.weight, rt.pairs.pairs[0].model.weight)
 
 
 def test_resume_never_refuses_to_overwrite_and_a_path_must_hold_a_checkpoint(tmp_path):
@@ -147,7 +147,7 @@ def test_an_epoch_loop_resumes_from_the_loaders_epoch_mid_epoch(tmp_path):
         seen = []
         for epoch in range(loader.epoch, 3):
             for (x,) in loader:
-                rt.backward(rt._model(x).sum())
+                rt.backward(rt.pairs.pairs[0].model(x).sum())
                 rt.step()
                 seen.append((epoch, *x[:, 0].tolist()))
                 if rt.global_step == stop_at:

@@ -40,3 +40,19 @@ def test_notes_are_read_back_as_written(tmp_path):
     note.write(str(tmp_path), 123)
     (tmp_path / "124.tmp").write_text("1")  # a note still being written is not read
     assert Note.read_all(str(tmp_path)) == {123: note}
+
+
+def test_exit_code_2_under_local_rank_arg_says_how_to_do_without_it(tmp_path):
+    from pathlib import Path
+
+    from mpt.launchers import LaunchSpec
+    from mpt.launchers.elastic import Failure, describe
+    from mpt.launchers.local_rank import LOCAL_RANK_HINT
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    spec = LaunchSpec(script=Path(script), gpus=2, local_rank_arg=True)
+    failure = Failure(rank=0, local_rank=0, exit_code=2)
+    assert describe(failure, spec, {})[-1] == LOCAL_RANK_HINT
+    assert LOCAL_RANK_HINT not in describe(Failure(rank=0, local_rank=0, exit_code=1), spec, {})
+    assert spec.worker_args()[3:5] == ["--local-rank-arg", str(script)]

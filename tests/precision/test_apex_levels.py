@@ -41,6 +41,7 @@ def train_step(precision, model, optimizer, inf: bool = False) -> bool:
         loss = model(x).float().pow(2).mean()
     precision.scale_loss(loss).backward()
     stepped = precision.optimizer_step(optimizer)
+    precision.update()
     optimizer.zero_grad(set_to_none=True)
     return stepped
 
@@ -233,6 +234,20 @@ def test_o2_on_cuda_keeps_the_same_invariants():
             x[0, 0] = float("inf")
         precision.scale_loss(model(x).pow(2).mean()).backward()
         assert precision.optimizer_step(optimizer) is (step != 1)
+        precision.update()
         optimizer.zero_grad(set_to_none=True)
         assert_o2_invariants(precision, model, optimizer)
     assert precision.loss_scale == 512.0
+
+
+def test_o3_refuses_an_adam_eps_that_is_zero_in_fp16_and_trains_with_a_larger_one():
+    precision = make_precision("O3", "cpu", LossScaleConfig.parse("128"))
+    model = precision.convert_module(nn.Linear(4, 1))
+    with pytest.raises(UsageError, match=r"^optimizer eps=1e-08 is invalid: it is 0 in the "
+                                         r"torch.float16 parameters.*or use O2"):
+        precision.setup_optimizer(model, torch.optim.Adam(model.parameters()))
+    optimizer = torch.optim.Adam(model.parameters(), eps=1e-4)
+    precision.setup_optimizer(model, optimizer)
+    for _ in range(3):
+        assert train_step(precision, model, optimizer)
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -31,6 +31,7 @@ def test_overflow_skips_the_step_and_backs_off():
     before = [t.detach().clone() for t in model.parameters()]
     backward(p, model, inf=True)
     assert p.optimizer_step(opt) is False
+    p.update()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert p.loss_scale == 128.0 and p.skipped_steps == 1
     opt.zero_grad()
@@ -45,6 +46,7 @@ def test_scale_grows_after_the_growth_interval():
     for _ in range(6):
         backward(p, model)
         p.optimizer_step(opt)
+        p.update()
         opt.zero_grad()
         scales.append(p.loss_scale)
     assert scales == [8.0, 8.0, 16.0, 16.0, 16.0, 32.0]
@@ -54,11 +56,14 @@ def test_static_scale_never_moves_but_still_skips_overflow():
     p = make_precision("fp16-mixed", "cpu", LossScaleConfig.parse("64"))
     model, opt = model_and_opt()
     backward(p, model, inf=True)
-    assert p.optimizer_step(opt) is False and p.loss_scale == 64.0
+    assert p.optimizer_step(opt) is False
+    p.update()
+    assert p.loss_scale == 64.0
     for _ in range(3):
         opt.zero_grad()
         backward(p, model)
         assert p.optimizer_step(opt) is True
+        p.update()
     assert p.loss_scale == 64.0 and p.skipped_steps == 1
 
 
@@ -91,6 +96,7 @@ def test_state_dict_round_trip():
     model, opt = model_and_opt()
     backward(p, model, inf=True)
     p.optimizer_step(opt)
+    p.update()
     state = p.state_dict()
     q = MixedPrecision("cpu", torch.float16)
     q.load_state_dict(state)

@@ -1,0 +1,108 @@
+"""Horovod scripts under a plain `mpt launch`: ``hvd.init()`` joins the job.
+
+horovodrun is not the only way into a Horovod job. Over gloo, ``hvd.init()`` meets its peers
+through an HTTP key-value store (Horovod's rendezvous server) named by
+``HOROVOD_GLOO_RENDEZVOUS_ADDR``/``_PORT``, and learns its place from ``HOROVOD_RANK``,
+``HOROVOD_SIZE``, ``HOROVOD_LOCAL_*`` and ``HOROVOD_CROSS_*``. `mpt launch` (any backend but
+horovod, which runs horovodrun itself) hosts Horovod's own server on node 0 and exports where it
+listens; each worker turns that into its Horovod variables before the script runs (see
+``mpt.launchers.worker``). Without it, a Horovod script started by `mpt launch --gpus 2` ran as
+two one-process Horovod jobs and said nothing.
+
+The server is only started where Horovod imports. On one node it listens on a free port; on
+several, node 0 listens on ``--master-port + 1``, the port every node can work out alone.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from mpt.environments import World
+from mpt.environments.settings import HOROVOD_RENDEZVOUS
+from mpt.errors import UsageError
+from mpt.launchers.spec import LaunchSpec, port_is_free
+
+NODE_NAME = "node{nr}"
+"""Horovod's ``HOROVOD_HOSTNAME`` for node ``nr``: it only names the node's local rendezvous."""
+
+
+def _server_classes() -> tuple[Any, Any, Any] | None:
+    """Horovod's rendezvous server, request handler and slot record; None without Horovod."""
+    try:
+        from horovod.runner.common.util.hosts import SlotInfo
+        from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
+    except ImportError:
+        return None
+    return RendezvousHTTPServer, RendezvousHandler, SlotInfo
+
+
+def rendezvous_port(spec: LaunchSpec) -> int:
+    """The port of a multi-node job's rendezvous on node 0 (0: one node picks a free one)."""
+    return 0 if spec.nodes == 1 else spec.master_port + 1
+
+
+def check_port(spec: LaunchSpec) -> None:
+    """Node 0 of a multi-node job needs ``--master-port + 1`` free where Horovod is installed."""
+    port = rendezvous_port(spec)
+    if port and spec.nr == 0 and _server_classes() is not None and not port_is_free(port):
+        raise UsageError("--master-port", spec.master_port, f"port {port} (--master-port + 1, "
+                         "where node 0 hosts Horovod's rendezvous for scripts that call "
+                         "hvd.init()) is in use on this node", "pick another --master-port")
+
+
+@dataclass
+class HorovodRendezvous:
+    """Horovod's rendezvous server for one `mpt launch` (node 0), or only its address."""
+
+    address: str
+    """``host:port`` every worker's ``hvd.init()`` meets at ("" without Horovod)."""
+    server: Any = None
+    """The running server (node 0 only)."""
+    thread: threading.Thread | None = None
+
+    @classmethod
+    def start(cls, spec: LaunchSpec) -> HorovodRendezvous:
+        """Serve the job's rendezvous on node 0; the other nodes only need its address."""
+        classes = _server_classes()
+        if classes is None:
+            return cls(address="")
+        port = rendezvous_port(spec)
+        if spec.nr != 0:
+            return cls(address=f"{spec.master_addr}:{port}")
+        server_class, handler, slot = classes
+        server = server_class(("", port), handler, False)
+        world = spec.world
+        server.init([slot(hostname=NODE_NAME.format(nr=nr), rank=rank, local_rank=local,
+                          cross_rank=nr, size=world.world_size, local_size=world.gpus,
+                          cross_size=world.nodes)
+                     for nr, local, rank in world.all_processes()])
+        thread = threading.Thread(target=server.serve_forever, name="horovod-rendezvous",
+                                  daemon=True)
+        thread.start()
+        return cls(address=f"{spec.master_addr}:{server.server_address[1]}", server=server,
+                   thread=thread)
+
+    def env(self) -> dict[str, str]:
+        """What the workers inherit: where the rendezvous is, for ``join_env``."""
+        return {HOROVOD_RENDEZVOUS: self.address} if self.address else {}
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+
+def join_env(world: World, address: str) -> dict[str, str]:
+    """Horovod's variables that make this worker's ``hvd.init()`` join the job at ``address``."""
+    host, _, port = address.rpartition(":")
+    return {
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": host, "HOROVOD_GLOO_RENDEZVOUS_PORT": port,
+        "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo",
+        "HOROVOD_HOSTNAME": NODE_NAME.format(nr=world.nr),
+        "HOROVOD_RANK": str(world.rank), "HOROVOD_SIZE": str(world.world_size),
+        "HOROVOD_LOCAL_RANK": str(world.local_rank), "HOROVOD_LOCAL_SIZE": str(world.gpus),
+        "HOROVOD_CROSS_RANK": str(world.nr), "HOROVOD_CROSS_SIZE": str(world.nodes),
+    }
