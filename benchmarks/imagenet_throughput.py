@@ -6,12 +6,13 @@
     .venv/bin/mpt launch --gpus 8 --precision bf16-mixed benchmarks/imagenet_throughput.py \\
         --arch resnet50 --image-size 224 --batch-size 64                  # a GPU node
 
-The workload of ``examples/imagenet.py`` (channels_last input and weights, SGD with Nesterov
-momentum, clipping) on random images, so no data loading is timed: what differs between the
-two sides is only what mpt adds to a step. Protocol (rounds of A/B segments, the slower rank's
-step time, medians) as in ``ab_rounds.py``; images/s = per-rank batch x processes / median step
-time. The ratio is mpt/raw step time (goal <= 1.02). Defaults fit a 2-core CPU (resnet18 at
-64 px, batch 16); on GPUs pass the ImageNet sizes. A benchmark: it prints, it never fails.
+The workload of ``examples/imagenet.py`` (channels_last input, here also channels_last
+weights, SGD with Nesterov momentum, clipping) on random images, so no data loading is timed:
+what differs between the two sides is only what mpt adds to a step. Protocol (rounds of A/B
+segments, the slower rank's step time, medians) as in ``ab_rounds.py``; images/s = per-rank
+batch x processes / median step time. The ratio is mpt/raw step time (goal <= 1.02). Defaults
+fit a 2-core CPU (resnet18 at 64 px, batch 16); on GPUs pass the ImageNet sizes. A benchmark:
+it prints, it never fails.
 """
 
 from __future__ import annotations

@@ -260,8 +260,8 @@ def main() -> None:
 
     # channels_last (NHWC) is set on the input batches: convolutions then keep their outputs in
     # it, so every activation is NHWC, the layout tensor cores and oneDNN run fastest. The
-    # weights stay contiguous (a per-call transpose of small tensors): Horovod broadcasts and
-    # allreduces contiguous tensors only, and autograd gives gradients the weights' layout.
+    # weights stay contiguous (a per-call transpose of small tensors): DeepSpeed 0.19's
+    # deepspeed.initialize refuses channels_last weights (it broadcasts each as a byte view).
     model = with_mixed_dtype_batchnorm(
         torchvision.models.get_model(args.arch, weights=None, num_classes=classes))
     # A 1x1 kernel's gradient is equally contiguous with strides (C, 1, C, C) or (C, 1, 1, 1);
@@ -279,7 +279,8 @@ def main() -> None:
     eval_every = args.eval_every or len(loader)
     sizes = len(train), len(held_out)  # type: ignore[arg-type]
     rt.print(f"rank 0 of {rt.world_size}: backend {rt.backend.name}, precision "
-             f"{rt.precision.name}, {args.arch} on {sizes[0]} training / {sizes[1]} held-out images of {classes} classes at {args.image_size} px, "
+             f"{rt.precision.name}, {args.arch} on {sizes[0]} training / {sizes[1]} held-out "
+             f"images of {classes} classes at {args.image_size} px, "
              f"{len(loader)} steps per epoch, {total} steps, lr {rt.scale_lr(args.lr):g}")
     rt.progress(total=total)
 
