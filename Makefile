@@ -18,11 +18,19 @@ export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch-extensions
 # version with backends/horovod/cxx20.patch, then installed from this git-ignored wheel cache.
 HOROVOD        := horovod==0.28.1
 PYTAG          := $(shell $(PYTHON) -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
-HOROVOD_WHEELS := .cache/wheels/$(subst ==,-,$(HOROVOD))-$(subst ==,-,$(firstword $(TORCH)))-$(PYTAG)
 # A CUDA build of torch makes Horovod's CMake look for cudart: name the toolkit the machine has
 # (empty without one: Horovod then builds for CPUs only). See the script for why nvcc is asked;
 # HOROVOD_CUDA_HOME makes Horovod's CMake use that toolkit's nvcc, not a wrapper on PATH.
 CUDA_TOOLKIT   := $(shell backends/horovod/cuda-home)
+# With a toolkit, Horovod compiles its CUDA kernels for these GPU architectures (compute
+# capabilities; the last also as PTX, which newer GPUs compile when they load it) instead of
+# every one its nvcc knows (12 for CUDA 13.0): the architectures torch 2.14.1+cu130 is built
+# for, less 8.6 (8.x GPUs run 8.0 code). docs/horovod.md lists the GPUs and what it saves.
+# Override it (`make HOROVOD_BUILD_CUDA_CC_LIST=90`); empty: every architecture nvcc knows.
+HOROVOD_BUILD_CUDA_CC_LIST ?= 75,80,90,100,120
+comma := ,
+HOROVOD_WHEELS := .cache/wheels/$(subst ==,-,$(HOROVOD))-$(subst ==,-,$(firstword $(TORCH)))-$(PYTAG)$(if \
+                    $(CUDA_TOOLKIT),-sm_$(or $(subst $(comma),_,$(HOROVOD_BUILD_CUDA_CC_LIST)),all))
 HOROVOD_BUILT  := $(HOROVOD_WHEELS)/.built
 
 # `make examples`: every example there is (examples/pix2pix.py joins once it exists), briefly, on
@@ -41,9 +49,13 @@ ARGS_pix2pix   := examples/pix2pix.py --steps 20
 
 .PHONY: demo test bench examples clean horovod-wheel
 
+# Horovod is force-reinstalled from the wheel cache (a wheel rebuilt for other GPU architectures
+# has the version of the one installed), then installed again for its dependencies.
 $(STAMP): setup.py CMakeLists.txt $(wildcard backends/csrc/*) $(HOROVOD_BUILT)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet $(TORCH) setuptools wheel
+	$(BIN)/pip install --quiet --only-binary horovod --find-links $(HOROVOD_WHEELS) \
+	  --force-reinstall --no-deps "$(HOROVOD)"
 	$(BIN)/pip install --quiet --only-binary horovod --find-links $(HOROVOD_WHEELS) "$(HOROVOD)"
 	$(BIN)/pip install --quiet --no-build-isolation -e ".[test,examples,deepspeed]"
 	DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.accelerator import get_accelerator; \
@@ -52,6 +64,8 @@ $(STAMP): setup.py CMakeLists.txt $(wildcard backends/csrc/*) $(HOROVOD_BUILT)
 
 # Horovod with PyTorch and gloo (no MPI/NCCL here; see docs/horovod.md for GPU clusters). The
 # build needs torch installed first (--no-build-isolation), hence the venv + torch lines.
+# Horovod's setup.py compiles with -j8 only while MAKEFLAGS is empty, and a variable given on
+# make's command line lands in MAKEFLAGS: emptied, so that the override does not build serially.
 $(HOROVOD_BUILT): backends/horovod/cxx20.patch backends/horovod/cuda-home
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet $(TORCH) setuptools wheel
@@ -59,7 +73,9 @@ $(HOROVOD_BUILT): backends/horovod/cxx20.patch backends/horovod/cuda-home
 	$(BIN)/pip download --quiet --no-binary :all: --no-deps -d .cache/horovod-src "$(HOROVOD)"
 	tar -xzf .cache/horovod-src/horovod-*.tar.gz -C .cache/horovod-src
 	cd .cache/horovod-src/horovod-*/ && patch -p1 < $(CURDIR)/backends/horovod/cxx20.patch
-	$(if $(CUDA_TOOLKIT),CUDA_HOME=$(CUDA_TOOLKIT) HOROVOD_CUDA_HOME=$(CUDA_TOOLKIT)) \
+	env -u HOROVOD_BUILD_CUDA_CC_LIST MAKEFLAGS= $(if $(CUDA_TOOLKIT),CUDA_HOME=$(CUDA_TOOLKIT) \
+	  HOROVOD_CUDA_HOME=$(CUDA_TOOLKIT) $(if $(HOROVOD_BUILD_CUDA_CC_LIST),\
+	  HOROVOD_BUILD_CUDA_CC_LIST=$(HOROVOD_BUILD_CUDA_CC_LIST))) \
 	  HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
 	  HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
 	  $(BIN)/pip wheel --quiet --no-build-isolation --no-deps -w $(HOROVOD_WHEELS) .cache/horovod-src/horovod-*/
