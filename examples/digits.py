@@ -15,6 +15,7 @@ the script never names them.
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 from sklearn.datasets import load_digits
@@ -38,6 +39,8 @@ def datasets(seed: int) -> tuple[TensorDataset, TensorDataset]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=0,
+                        help="stop after this many optimizer steps (default: --epochs)")
     parser.add_argument("--batch-size", type=int, default=32, help="per process")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
@@ -54,11 +57,15 @@ def main() -> None:
     loader = rt.setup_dataloader(DataLoader(train, batch_size=args.batch_size, shuffle=True))
     rt.print(f"rank 0 of {rt.world_size}: backend {rt.backend.name}, precision "
              f"{rt.precision.name}, {len(train)} training digits, {len(loader)} steps per epoch")
-    rt.progress(total=args.epochs * len(loader))  # the progress bar's ETA
+    steps = args.steps or args.epochs * len(loader)
+    epochs = math.ceil(steps / len(loader))
+    rt.progress(total=steps)  # the progress bar's ETA
 
     loss_fn = nn.CrossEntropyLoss()
-    rt.resume()  # with a checkpoint directory: the latest checkpoint in it, if any
-    for epoch in range(loader.epoch, args.epochs):  # a resumed loader finishes its epoch first
+    step = rt.resume()["step"]  # with a checkpoint directory: its latest checkpoint, if any
+    for epoch in range(loader.epoch, epochs):  # a resumed loader finishes its epoch first
+        if step >= steps:
+            break
         total = torch.zeros(2, device=rt.device)
         for x, y in loader:
             with rt.autocast():
@@ -68,9 +75,12 @@ def main() -> None:
             rt.step()
             n = torch.tensor(len(y), device=rt.device)
             total += torch.stack([loss.detach().float() * n, n])
+            step += 1
+            if step == steps:  # --steps: stop mid-epoch
+                break
         rt.all_reduce(total, op="sum")
         rt.log(epoch=epoch + 1, train_loss=total[0] / total[1])  # with `mpt launch --run-dir`
-        if epoch % 5 == 4 or epoch == args.epochs - 1:
+        if epoch % 5 == 4 or epoch == epochs - 1:
             rt.print(f"epoch {epoch + 1:3d}  train loss {total[0] / total[1]:.4f}")
         if rt.checkpoint_dir is not None:
             rt.save(keep=2)

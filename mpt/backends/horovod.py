@@ -16,7 +16,7 @@ from __future__ import annotations
 import atexit
 import gc
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from types import ModuleType
 from typing import Any, ClassVar
 
@@ -29,10 +29,10 @@ from mpt.errors import MissingDependencyError, UsageError
 from mpt.parse import one_of, parse_size
 from mpt.precision import PrecisionSpec
 
-INSTALL = ("run `make horovod-wheel` (Horovod 0.28.1 patched for C++17, built with "
+INSTALL = ("run `make horovod-wheel` (Horovod 0.28.1 patched for C++20, built with "
            "HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1) and pip install the wheel it leaves in "
            ".cache/wheels; see docs/horovod.md")
-"""How to get a Horovod that works with this torch: its sdist needs a C++17 patch to build."""
+"""How to get a Horovod that works with this torch: its sdist needs a C++20 patch to build."""
 
 OPS = ("average", "sum", "adasum")
 COMPRESSIONS = ("none", "fp16")
@@ -57,6 +57,38 @@ def _refuse_bf16(what: str, tensor: torch.Tensor) -> None:
         raise UsageError(what, "torch.bfloat16", "Horovod cannot allreduce bf16 tensors",
                          "keep parameters in fp32 and use --precision bf16-mixed (autocast "
                          "computes in bf16, gradients stay fp32)")
+
+
+def _contiguous_during(slots: Iterable[tuple[MutableMapping[Any, Any], Any]],
+                       collective: Callable[[], object]) -> None:
+    """Run ``collective`` with every tensor at ``slots`` (mapping, key) contiguous: Horovod
+    refuses others ("Tensor is required to be contiguous"), such as channels_last conv weights
+    and the optimizer state made like them. Such a tensor is swapped for a contiguous copy,
+    which is copied back into it afterwards, so it keeps its layout."""
+    swapped = []
+    for mapping, key in slots:
+        value = mapping[key]
+        if isinstance(value, torch.Tensor) and not value.is_contiguous():
+            mapping[key] = value.contiguous()
+            swapped.append((mapping, key, value))
+    try:
+        collective()
+    finally:
+        for mapping, key, original in swapped:
+            original.copy_(mapping[key])
+            mapping[key] = original
+
+
+def _broadcast_parameters(hvd: ModuleType, state: dict[str, torch.Tensor]) -> None:
+    """``hvd.broadcast_parameters`` from rank 0 of a state dict, tensors of any layout."""
+    _contiguous_during([(state, name) for name in state],
+                       lambda: hvd.broadcast_parameters(state, root_rank=0))
+
+
+def _broadcast_optimizer_state(hvd: ModuleType, optimizer: torch.optim.Optimizer) -> None:
+    """``hvd.broadcast_optimizer_state`` from rank 0, state tensors of any layout."""
+    _contiguous_during([(state, key) for state in optimizer.state.values() for key in state],
+                       lambda: hvd.broadcast_optimizer_state(optimizer, root_rank=0))
 
 
 class HorovodBackend(Backend):
@@ -167,7 +199,7 @@ class HorovodBackend(Backend):
         for name, param in model.named_parameters():
             _refuse_bf16(f"parameter {name}", param)
         if optimizer is None:
-            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+            _broadcast_parameters(hvd, model.state_dict())
             return model, None
         self._broadcast(model, optimizer)
         # Names match the same gradient across ranks in Horovod's queue; the index keeps two
@@ -182,9 +214,9 @@ class HorovodBackend(Backend):
     def _broadcast(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Make every rank start from rank 0's weights and optimizer state."""
         hvd = self._require()
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        _broadcast_parameters(hvd, model.state_dict())
         if optimizer.state_dict()["state"]:
-            hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+            _broadcast_optimizer_state(hvd, optimizer)
             return
         # A fresh optimizer has no state yet. hvd.broadcast_optimizer_state would create it by
         # stepping on zero gradients, which counts a step (Adam's bias correction) and applies
@@ -218,7 +250,8 @@ class HorovodBackend(Backend):
         for param, name in self._grad_names[id(optimizer)].items():
             if param.grad is None:  # unused by this step's graph, on every rank alike: as
                 continue  # under ddp it keeps no gradient (Adam does not move it)
-            sent, context = compression.compress(param.grad)
+            # a contiguous copy of a channels_last gradient is reduced, then copied back
+            sent, context = compression.compress(param.grad.contiguous())
             pending.append((param, sent, context,
                             hvd.allreduce_async_(sent, name=name, op=ops[self.op])))
         for param, sent, context, handle in pending:
@@ -244,13 +277,13 @@ class HorovodBackend(Backend):
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         super().load_model_state_dict(model, state)
-        self._require().broadcast_parameters(model.state_dict(), root_rank=0)
+        _broadcast_parameters(self._require(), model.state_dict())
 
     def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                                   state: dict[str, Any]) -> None:
         super().load_optimizer_state_dict(model, optimizer, state)
         if optimizer.state_dict()["state"]:
-            self._require().broadcast_optimizer_state(optimizer, root_rank=0)
+            _broadcast_optimizer_state(self._require(), optimizer)
 
     # -- collectives --------------------------------------------------------------------------
     def broadcast_tensor_(self, tensor: torch.Tensor, src: int = 0) -> None:

@@ -63,6 +63,23 @@ def test_horovod_trains_like_ddp_and_checkpoints_move_between_them(tmp_path, fre
         close(r["loaded"], list(ddp0["model_state"].values()), tol=0)
 
 
+def test_channels_last_weights_gradients_and_optimizer_state_broadcast_and_reduce(tmp_path):
+    # Horovod refuses non-contiguous tensors: the backend sends contiguous copies
+    result = run_mpt(*HVD, worker("hvd_channels_last.py"), str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    rank0, rank1 = load_ranks(tmp_path)
+    assert not torch.equal(rank0["before"][0], rank1["before"][0])  # the broadcast had work
+    for key in ("setup", "momentum", "trained"):  # rank 0's weights and state, then in step
+        for p0, p1 in zip(rank0[key], rank1[key], strict=True):
+            assert torch.equal(p0, p1), key
+    close(rank0["setup"], rank0["before"], tol=0)
+    close(rank0["trained"], rank0["replay"])  # the averaged gradients of the global batch
+    assert not torch.equal(rank0["trained"][0], rank0["setup"][0])
+    for rank in (rank0, rank1):
+        close(rank["loaded"], rank0["trained"], tol=0)
+    assert rank0["channels_last"] == rank1["channels_last"] == [True, True]  # layouts kept
+
+
 def test_a_failing_rank_fails_the_job_with_its_code_and_nothing_is_left(tmp_path):
     result = run_mpt(*HVD, worker("exit_code.py"), str(tmp_path), timeout=60)
     assert result.returncode == 3, result.stderr
