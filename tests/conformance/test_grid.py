@@ -1,0 +1,126 @@
+"""The conformance grid's fast subset, and checks of the instrument itself.
+
+`make conformance` (tests/conformance/grid.py) runs every backend x precision x world size x
+accumulation; here: each backend once in mixed precision at 2 ranks with accumulation 2, pairs
+that must be refused before start, and the judging rules on plain-torch runs (no launch).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
+sys.path.insert(0, str(Path(__file__).parent))
+from conformance_model import GLOBAL_BATCH, RECIPE_OF, STEPS, plain_run
+from grid import make_reference, run_cell
+from judge import (
+    PLANTED,
+    PRECISIONS,
+    Cell,
+    Run,
+    judge_refusal,
+    judge_run,
+    measure_baseline,
+    worst_of_dtype,
+)
+
+MIXED = [p for p in PRECISIONS if RECIPE_OF[p] != "fp32"]
+
+
+# -- the instrument, without launching anything ---------------------------------------------------
+
+def schedule(micro_batches: int) -> list[list[list[int]]]:
+    """A shuffled epoch cut into STEPS steps of ``micro_batches`` micro-batches each."""
+    order = torch.randperm(STEPS * GLOBAL_BATCH, generator=torch.Generator().manual_seed(3))
+    size = GLOBAL_BATCH // micro_batches
+    return [[order[(s * micro_batches + k) * size:(s * micro_batches + k + 1) * size].tolist()
+             for k in range(micro_batches)] for s in range(STEPS)]
+
+
+def as_run(plain, micro) -> Run:
+    return Run(losses=plain.losses, schedule=micro, params=plain.params,
+               stepped=[True] * STEPS, off_boundary_steps=0)
+
+
+@pytest.fixture(scope="module")
+def plain_2x2():
+    micro = schedule(4)
+    return micro, as_run(plain_run("fp32", micro), micro), measure_baseline(micro)
+
+
+@pytest.mark.parametrize("precision", MIXED)
+def test_tolerances_pass_correct_mixed_training_and_fail_its_usual_bugs(plain_2x2, precision):
+    """The plain recipe of the precision passes; the same recipe with a planted bug (a gradient
+    summed over the 4 micro-batches instead of averaged, halved, 10 % too small, one update in
+    ten lost) fails; so does fp32 presented as mixed precision."""
+    micro, reference, baseline = plain_2x2
+    cell = Cell("plain", precision, 2, 2)
+    limits = worst_of_dtype(baseline, precision)
+
+    def verdict(run: Run) -> str:
+        outcome = judge_run(cell, run, reference, limits, 0.0)
+        return outcome.verdict + " " + outcome.detail
+
+    assert verdict(as_run(plain_run(RECIPE_OF[precision], micro), micro)).startswith("P ")
+    for bug, wrong in PLANTED.items():
+        got = verdict(as_run(plain_run(RECIPE_OF[precision], micro, **wrong), micro))
+        assert got.startswith("F deviates"), (bug, got)
+    assert "not applied" in verdict(reference)
+
+
+def test_the_reference_loop_matches_plain_fp32_in_any_order_of_micro_batches():
+    one, four = schedule(1), schedule(4)
+    a, b = plain_run("fp32", one), plain_run("fp32", four)
+    assert a.losses != b.losses  # batch norm sees other batches: a different job
+    assert a.losses[-1] < 0.6 * a.losses[0] and b.losses[-1] < 0.6 * b.losses[0]
+
+
+def refusal(stderr: str, started: int, tmp_path: Path, seconds: float = 1.0) -> str:
+    for k in range(started):
+        (tmp_path / f"started-{k}").touch()
+    result = subprocess.CompletedProcess([], 2, "", stderr)
+    outcome = judge_refusal(Cell("horovod", "O2-bf16", 2, 2), result, tmp_path, seconds)
+    return outcome.verdict + " " + outcome.detail
+
+
+def test_a_refusal_is_one_line_before_start_naming_backend_and_precision(tmp_path):
+    line = "mpt: --precision O2-bf16 is invalid for backend horovod: no bf16 tensors\n"
+    assert refusal(line, 0, tmp_path).startswith("R ")
+    assert "started" in refusal(line, 2, tmp_path)
+    assert "traceback" in refusal("Traceback (most recent call last):\n" + line, 0, tmp_path)
+    assert "2 lines" in refusal("a note\n" + line, 0, tmp_path)
+    assert "does not name" in refusal("mpt: refused\n", 0, tmp_path)
+    assert "took" in refusal(line, 0, tmp_path, seconds=60.0)
+
+
+# -- the fast subset of the grid: real launches ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def reference_2x2():
+    reference = make_reference(2, 2)
+    assert reference.outcome.verdict == "P", reference.outcome.detail  # vs plain torch fp32
+    return reference
+
+
+@pytest.mark.parametrize(("backend", "precision"), [
+    ("ddp", "bf16-mixed"), ("apex", "O2"), ("horovod", "fp16-mixed"),
+    ("deepspeed", "bf16-mixed")])
+def test_each_backend_trains_a_mixed_precision_like_ddp_fp32(reference_2x2, backend, precision):
+    outcome, _ = run_cell(Cell(backend, precision, 2, 2), reference_2x2)
+    assert outcome.verdict == "P", outcome.detail
+
+
+REFUSED = [("horovod", "O2-bf16")]  # Horovod has no bf16 tensors to allreduce
+if not torch.cuda.is_available():
+    REFUSED.append(("deepspeed", "fp16-mixed"))  # DeepSpeed refuses fp16 on a CPU
+
+
+@pytest.mark.parametrize(("backend", "precision"), REFUSED)
+def test_a_pair_that_cannot_train_is_refused_before_start(backend, precision):
+    outcome, _ = run_cell(Cell(backend, precision, 2, 2), None)
+    assert outcome.verdict == "R", outcome.detail

@@ -1,0 +1,48 @@
+"""One conformance cell: the fixed job of conformance_model.py, trained through mpt.
+
+usage: mpt launch --gpus WS --backend B --precision P conformance_job.py OUT_DIR ACCUMULATE
+Each process first writes OUT_DIR/started-<pid> (a refusal must come before any of them), then
+trains STEPS optimizer steps of GLOBAL_BATCH samples in ACCUMULATE micro-batches per rank and
+writes OUT_DIR/rank<R>.json: per micro-batch its loss and sample indices, and what each
+``rt.step()`` returned. Rank 0 also writes the final weights (fp32) to OUT_DIR/weights.safetensors.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+out, accumulate = Path(sys.argv[1]), int(sys.argv[2])
+(out / f"started-{os.getpid()}").touch()  # before mpt is imported
+
+from conformance_model import GLOBAL_BATCH, Images, loss_fn, make_model, make_optimizer  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+import mpt  # noqa: E402
+
+rt = mpt.Runtime(accumulate=accumulate, quiet=True)
+model = make_model()
+names = [name for name, _ in model.named_parameters()]
+model, optimizer = rt.setup(model, make_optimizer(model.parameters()))
+micro = GLOBAL_BATCH // (rt.world_size * accumulate)
+loader = rt.setup_dataloader(DataLoader(Images(), batch_size=micro, shuffle=True,
+                                        drop_last=True))
+losses, indices, stepped = [], [], []
+for x, y, index in loader:
+    with rt.autocast():
+        loss = loss_fn(model(x), y)
+    rt.backward(loss)
+    stepped.append(rt.step())
+    losses.append(loss.item())
+    indices.append(index.tolist())
+
+state = rt.backend.model_state_dict(model)  # collective: full weights on every rank
+if rt.rank == 0:
+    save_file({name: state[name].detach().float().cpu().contiguous() for name in names},
+              str(out / "weights.safetensors"))
+(out / f"rank{rt.rank}.json").write_text(json.dumps({
+    "rank": rt.rank, "world_size": rt.world_size, "accumulate": rt.accumulate,
+    "backend": rt.backend.name, "precision": rt.precision.name,
+    "losses": losses, "indices": indices, "stepped": stepped}))
+rt.close()
