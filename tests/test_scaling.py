@@ -17,7 +17,7 @@ from mpt.scaling import BatchPlan, lr_factor, plan_batch
     (256, 4, {}, 64, 1),                        # nothing given: no accumulation
     (256, 4, {"accumulate": 4}, 16, 4),         # accumulation given: micro-batch follows
     (256, 4, {"batch_size": 16, "accumulate": 4}, 16, 4),  # both, consistent
-    ("8", 1, {"batch_size": 8}, 8, 1),          # as it arrives from MPT_GLOBAL_BATCH_SIZE
+    ("8", 1, {"batch_size": 8}, 8, 1),          # as it arrives from the launch flag
 ])
 def test_global_batch_splits_into_ranks_micro_batches_and_accumulation(total, world, kwargs,
                                                                       batch, accumulate):

@@ -19,7 +19,7 @@ BACKENDS = [("ddp", []), ("apex", []), ("horovod", []),
             *[("deepspeed", ["--zero-stage", str(stage)]) for stage in (1,)]]
 
 
-@pytest.mark.parametrize("gpus", [1, 2])
+@pytest.mark.parametrize("gpus", [pytest.param(1, marks=pytest.mark.slow), 2])
 @pytest.mark.parametrize(("backend", "options"), BACKENDS,
                          ids=[f"{b}{o[-1] if o else ''}" for b, o in BACKENDS])
 def test_a_dcgan_loop_trains_like_plain_torch(tmp_path, free_port, backend, options, gpus):
