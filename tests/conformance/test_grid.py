@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -81,10 +82,11 @@ def test_the_reference_loop_matches_plain_fp32_in_any_order_of_micro_batches():
 
 
 def refusal(stderr: str, started: int, tmp_path: Path, seconds: float = 1.0) -> str:
+    out = Path(tempfile.mkdtemp(dir=tmp_path))  # the cell's own output folder
     for k in range(started):
-        (tmp_path / f"started-{k}").touch()
+        (out / f"started-{k}").touch()
     result = subprocess.CompletedProcess([], 2, "", stderr)
-    outcome = judge_refusal(Cell("horovod", "O2-bf16", 2, 2), result, tmp_path, seconds)
+    outcome = judge_refusal(Cell("horovod", "O2-bf16", 2, 2), result, out, seconds)
     return outcome.verdict + " " + outcome.detail
 
 
@@ -95,7 +97,8 @@ def test_a_refusal_is_one_line_before_start_naming_backend_and_precision(tmp_pat
     assert "traceback" in refusal("Traceback (most recent call last):\n" + line, 0, tmp_path)
     assert "2 lines" in refusal("a note\n" + line, 0, tmp_path)
     assert "does not name" in refusal("mpt: refused\n", 0, tmp_path)
-    assert "took" in refusal(line, 0, tmp_path, seconds=60.0)
+    # judged by the marker files, not the clock: a refusal took 35 s on a loaded machine
+    assert refusal(line, 0, tmp_path, seconds=60.0).startswith("R ")
 
 
 # -- the fast subset of the grid: real launches ------------------------------------------------
