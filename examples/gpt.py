@@ -39,7 +39,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
 import mpt
-from mpt.environments.settings import read_settings
+from mpt.run_config import VARIABLE as LAUNCH_SETTINGS
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 
@@ -282,7 +282,7 @@ def main() -> None:
 
     torch.manual_seed(args.seed)  # same initial weights on every rank
     # bf16-mixed unless a launcher handed over a precision (`mpt launch` always does).
-    launched = "precision" in read_settings(os.environ)
+    launched = LAUNCH_SETTINGS in os.environ
     rt = mpt.Runtime(precision=None if launched else "bf16-mixed", seed=args.seed,
                      checkpoint_dir=args.save or None)
     model = GPT(GPTConfig(vocab=len(tok.chars), block=args.block, layers=args.layers,
