@@ -89,16 +89,14 @@ def _run_option(setting: dataclasses.Field[Any]) -> inspect.Parameter:
                                  metavar=metavar, help=help_text)])
 
 
-def _backend_flags() -> dict[str, tuple[str, BackendOption]]:
-    """Parameter name -> (option name, option) of every built-in backend option with a flag."""
+def _backend_flags() -> dict[str, tuple[str, str, BackendOption]]:
+    """Parameter name -> (backend, option name, option) of every built-in backend option with a
+    flag."""
     from mpt.backends import BUILTIN
 
-    found: dict[str, tuple[str, BackendOption]] = {}
-    for backend in BUILTIN.values():
-        for name, option in backend.options.items():
-            if option.flag is not None:
-                found[option.flag.removeprefix("--").replace("-", "_")] = (name, option)
-    return found
+    return {option.flag.removeprefix("--").replace("-", "_"): (backend, name, option)
+            for backend, cls in BUILTIN.items() for name, option in cls.options.items()
+            if option.flag is not None}
 
 
 def _backend_flag(parameter: str, backend: str, option: BackendOption) -> inspect.Parameter:
@@ -116,26 +114,23 @@ def _with_run_options(command: Callable[..., None]) -> Callable[..., None]:
     """``command`` with one option per ``RunConfig`` setting where its ``run`` parameter was,
     and one flag per backend option that declares one where its ``backend_flags`` was; it
     receives their values, as given, in ``run`` and ``backend_flags`` (options by name)."""
-    from mpt.backends import BUILTIN
-
     settings = dataclasses.fields(RunConfig)
     flags = _backend_flags()
-    owner = {param: next(b for b, cls in BUILTIN.items() if cls.options.get(name) is option)
-             for param, (name, option) in flags.items()}
     signature = inspect.signature(command, eval_str=True)
     parameters: list[inspect.Parameter] = []
     for parameter in signature.parameters.values():
         if parameter.name == "run":
             parameters += [_run_option(s) for s in settings]
         elif parameter.name == "backend_flags":
-            parameters += [_backend_flag(p, owner[p], option) for p, (_, option) in flags.items()]
+            parameters += [_backend_flag(p, backend, option)
+                           for p, (backend, _, option) in flags.items()]
         else:
             parameters.append(parameter)
 
     @functools.wraps(command)
     def with_run_options(**values: Any) -> None:
         run = {s.name: values.pop(s.name) for s in settings}
-        given = {flags[p][0]: values.pop(p) for p in flags}
+        given = {flags[p][1]: values.pop(p) for p in flags}
         command(run=run, backend_flags={k: v for k, v in given.items() if v not in (None, False)},
                 **values)
 
