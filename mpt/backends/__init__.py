@@ -15,6 +15,7 @@ from mpt.backends.apex import ApexBackend
 from mpt.backends.base import Availability, Backend
 from mpt.backends.ddp import DDPBackend
 from mpt.backends.deepspeed import DeepSpeedBackend
+from mpt.backends.fsdp import FSDPBackend
 from mpt.backends.horovod import HorovodBackend  # imports horovod only when used
 from mpt.errors import MissingDependencyError, UsageError
 from mpt.precision import LossScaleConfig, check_precision, describe
@@ -24,6 +25,7 @@ BUILTIN: dict[str, type[Backend]] = {DDPBackend.name: DDPBackend,
 """deepspeed is listed even where it is not installed: it imports deepspeed only when used."""
 BUILTIN[ApexBackend.name] = ApexBackend
 BUILTIN[HorovodBackend.name] = HorovodBackend
+BUILTIN[FSDPBackend.name] = FSDPBackend
 ENTRY_POINT_GROUP = "mpt.backends"
 
 _registry: dict[str, type[Backend]] = dict(BUILTIN)
@@ -94,5 +96,5 @@ def resolve_precision(backend: str, precision: str | None, *, device_type: str,
     return name
 
 
-__all__ = ["Availability", "Backend", "DDPBackend", "DeepSpeedBackend", "broken", "get_backend",
-           "register", "registered", "resolve_precision"]
+__all__ = ["Availability", "Backend", "DDPBackend", "DeepSpeedBackend", "FSDPBackend", "broken",
+           "get_backend", "register", "registered", "resolve_precision"]

@@ -1,12 +1,14 @@
 """Save under one backend, load under another: every backend as saver and as loader, at world
-sizes 1 and 2, on real gloo jobs (9 `mpt launch` jobs of workers/ckpt_resume.py, ~80 s on 2 cores).
+sizes 1 and 2, on real gloo jobs (12 `mpt launch` jobs of workers/ckpt_resume.py, ~110 s on 2
+cores).
 
 A full save-under-A, load-under-B matrix would take ~40 jobs; two chains cover every backend on
 both sides instead. Each link loads the previous link's checkpoint, continues to the end and
 saves mid-epoch for the next; every link must land on the uninterrupted run's curve.
 
 fp32, against ddp(2) trained 15 steps without a stop:
-    ddp(2) @8 -> ZeRO-1(1) @10 -> ZeRO-3(2) @11 -> horovod(1) @13 -> ZeRO-2(2) @14 -> apex(2)
+    ddp(2) @8 -> ZeRO-1(1) @9 -> ZeRO-3(2) @10 -> fsdp(1) @11 -> horovod(1) @12 -> fsdp(2) @13
+    -> ZeRO-2(2) @14 -> apex(2), and ZeRO-3(2) @10 -> ddp(1)
 Apex O2 (fp16 model, fp32 masters in the precision state, dynamic loss scale), against apex(2)
 O2 trained 15 steps without a stop:
     apex O2(2) @8 -> ddp O2(1) @11 -> horovod O2(2)
@@ -33,10 +35,13 @@ pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"needs {' and '.join(MISS
 # link -> (backend, world size, launch options, the link it loads, step it saves at)
 FP32 = {
     "ddp": ("ddp", 2, (), None, 8),
-    "zero1": ("deepspeed", 1, ("--zero-stage", "1"), "ddp", 10),
-    "zero3": ("deepspeed", 2, ("--zero-stage", "3"), "zero1", 11),
-    "horovod": ("horovod", 1, (), "zero3", 13),
-    "zero2": ("deepspeed", 2, ("--zero-stage", "2"), "horovod", 14),
+    "zero1": ("deepspeed", 1, ("--zero-stage", "1"), "ddp", 9),
+    "zero3": ("deepspeed", 2, ("--zero-stage", "3"), "zero1", 10),
+    "fsdp1": ("fsdp", 1, (), "zero3", 11),
+    "ddp1": ("ddp", 1, (), "zero3", 0),
+    "horovod": ("horovod", 1, (), "fsdp1", 12),
+    "fsdp2": ("fsdp", 2, (), "horovod", 13),
+    "zero2": ("deepspeed", 2, ("--zero-stage", "2"), "fsdp2", 14),
     "apex": ("apex", 2, (), "zero2", 0),
 }
 O2 = ("--precision", "O2")

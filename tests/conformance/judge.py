@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from conformance_model import RECIPE_OF, RECIPES, initial_params, plain_run
 
-BACKENDS = ("ddp", "apex", "horovod", "deepspeed")
+BACKENDS = ("ddp", "apex", "horovod", "deepspeed", "fsdp")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "O0", "O1", "O2", "O3", "O2-bf16")
 SHAPES = ((1, 1), (1, 2), (2, 1), (2, 2))
 """(world size, accumulation) pairs: the four letters of a table cell, in this order."""

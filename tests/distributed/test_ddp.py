@@ -16,8 +16,9 @@ from conftest import run_mpt, worker
 STEPS, MICRO = 6, 4
 
 
-def launch_equivalence(tmp_path: Path, port: int, accumulate: int, gpus: int = 2) -> list[dict]:
-    result = run_mpt("launch", "--gpus", str(gpus), "--master-port", str(port),
+def launch_equivalence(tmp_path: Path, port: int, accumulate: int, *options: str,
+                       gpus: int = 2) -> list[dict]:
+    result = run_mpt("launch", "--gpus", str(gpus), "--master-port", str(port), *options,
                      worker("equivalence.py"), str(tmp_path), str(STEPS), str(MICRO),
                      str(accumulate))
     assert result.returncode == 0, result.stderr

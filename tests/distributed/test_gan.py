@@ -15,7 +15,7 @@ from conftest import run_mpt, worker
 from gan_common import reference
 
 STEPS, BATCH = 5, 8
-BACKENDS = [("ddp", []), ("apex", []), ("horovod", []),
+BACKENDS = [("ddp", []), ("apex", []), ("horovod", []), ("fsdp", []),
             *[("deepspeed", ["--zero-stage", str(stage)]) for stage in (1,)]]
 
 

@@ -44,7 +44,8 @@ for x, y in global_batches(steps, per_step):
         rt.backward(loss)
         stepped.append(rt.step())
 
-params = [p.detach().cpu() for p in rt.backend.unwrap(model).parameters()]
+full = rt.backend.model_state_dict(model)  # sharding backends keep a piece in the module
+params = [full[name].detach().cpu() for name, _ in rt.backend.unwrap(model).named_parameters()]
 torch.save({"params": params, "allreduces": allreduces[0], "stepped": stepped,
             "rank": rt.rank, "world_size": rt.world_size}, out / f"rank{rt.rank}.pt")
 rt.close()

@@ -1,0 +1,216 @@
+"""torch's fully sharded data parallel, FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+Each rank keeps 1/N of every parameter, gradient and optimizer state as a ``DTensor`` shard;
+a sharded module all-gathers its parameters just before its forward (and again for its backward)
+and reduce-scatters the gradients after it. The process group and the collectives offered to
+scripts are DDP's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mpt.backends.base import Availability, BackendOption
+from mpt.backends.ddp import DDPBackend
+from mpt.errors import UsageError
+from mpt.parse import parse_bool, parse_text
+from mpt.precision import PrecisionSpec
+
+MIN_UNIT_PARAMETERS = 1_000_000
+"""Without ``--fsdp-wrap``, a submodule holding at least this many parameters that no smaller
+unit took becomes its own unit (FSDP1's size-based policy): one unit's parameters are gathered
+at a time, so peak memory is the shards plus the largest unit, not the whole model."""
+
+
+def parse_class_names(argument: str, value: Any) -> frozenset[str]:
+    """Module class names, comma-separated (``Block,Embedding``) or as a list from code."""
+    names = value.split(",") if isinstance(value, str) else list(value)
+    cleaned = frozenset(parse_text(argument, name).strip() for name in names)
+    if not all(cleaned):
+        raise UsageError(argument, value, "an empty class name",
+                         "pass module class names separated by commas, e.g. Block")
+    return cleaned
+
+
+class FSDPBackend(DDPBackend):
+    """Parameters, gradients and optimizer state sharded over the ranks by ``fully_shard``.
+
+    The units: every submodule whose class ``--fsdp-wrap`` names, else every submodule with at
+    least ``MIN_UNIT_PARAMETERS`` parameters of its own, then the whole model for the rest.
+    Precisions keep fp32 shards (the optimizer's masters): autocast computes in fp16/bf16 and
+    gradients are reduce-scattered in fp32, as under ddp; fp16's scaler sees one shard of the
+    gradients per rank and DTensor reduces its overflow verdict over the ranks, so every rank
+    skips the same steps.
+    """
+
+    name = "fsdp"
+    options: ClassVar[dict[str, BackendOption]] = {
+        "wrap": BackendOption(help="module classes that become FSDP units, comma-separated "
+                                   "(default: each submodule of at least "
+                                   f"{MIN_UNIT_PARAMETERS:,} parameters)",
+                              parse=parse_class_names, flag="--fsdp-wrap"),
+        "reshard_after_forward": BackendOption(
+            help="yes (default): free gathered parameters after each unit's forward and gather "
+                 "them again for its backward; no: keep them, one all-gather less per unit",
+            # a value, not a switch: the default is on
+            parse=lambda argument, value: parse_bool(argument, value), default=True,
+            flag="--fsdp-reshard-after-forward"),
+        "cpu_offload": BackendOption(
+            help="keep the shards, their gradients and the optimizer step in CPU memory",
+            parse=parse_bool, default=False, flag="--fsdp-cpu-offload"),
+    }
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._mesh: Any = None
+
+    @classmethod
+    def availability(cls) -> Availability:
+        found = super().availability()
+        try:
+            from torch.distributed.fsdp import fully_shard  # noqa: F401
+        except ImportError as exc:
+            return Availability(available=False, version=torch.__version__,
+                                reason=f"this torch has no fully_shard ({exc})",
+                                install="pip install torch==2.13.0")
+        return found
+
+    @classmethod
+    def precision_refusal(cls, spec: PrecisionSpec, device_type: str,
+                          options: Mapping[str, Any]) -> tuple[str, str] | None:
+        if spec.params != torch.float32 or spec.master != torch.float32:
+            # A model cast before sharding would make the shards fp16/bf16 with masters kept
+            # outside them, which FSDP cannot gather or reduce as one parameter.
+            return (f"keeps the fp32 shards as the weights the optimizer steps; {spec.name} "
+                    "casts the model itself",
+                    "use --precision bf16-mixed or fp16-mixed (autocast on the fp32 shards)")
+        return None
+
+    # -- life cycle ---------------------------------------------------------------------------
+    def init_process_group(self) -> None:
+        if self.world.is_distributed or dist.is_initialized():
+            super().init_process_group()
+            return
+        # fully_shard needs a process group even for one process (a checkpoint of 2 ranks
+        # resumes at 1); an in-process store needs no port and no launcher variables.
+        dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
+                                store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=self.timeout)
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+              ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+        if optimizer is None:  # nothing to train: rank 0's weights everywhere, not sharded
+            self.broadcast_module_(model)
+            return model, None
+        if optimizer.state:
+            raise UsageError("optimizer", type(optimizer).__name__, "it already holds state, "
+                             "which fully_shard would leave on the unsharded parameters",
+                             "set it up before its first step, and restore state with rt.load")
+        if self._mesh is None:
+            self._mesh = init_device_mesh(self.device.type, (self.world.world_size,))
+        # fully_shard swaps each parameter for a DTensor shard: remember the optimizer's by name.
+        name_of = {param: name for name, param in model.named_parameters()}
+        unknown = [p for g in optimizer.param_groups for p in g["params"] if p not in name_of]
+        if unknown:
+            raise UsageError("optimizer", type(optimizer).__name__, f"it holds {len(unknown)} "
+                             "tensors that are not parameters of the model set up with it",
+                             "build it over model.parameters()")
+        offload: OffloadPolicy = (CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+                                  if self.option_values["cpu_offload"] else OffloadPolicy())
+        settings = dict(mesh=self._mesh, offload_policy=offload,
+                        reshard_after_forward=self.option_values["reshard_after_forward"])
+        for unit in self._units(model):
+            fully_shard(unit, **settings)
+        fully_shard(model, **settings)
+        sharded = dict(model.named_parameters())
+        for group in optimizer.param_groups:
+            group["params"] = [sharded[name_of[param]] for param in group["params"]]
+        return model, optimizer
+
+    def _units(self, model: nn.Module) -> list[nn.Module]:
+        """The submodules sharded apart from the root, innermost first (fully_shard's order)."""
+        wrap: frozenset[str] | None = self.option_values["wrap"]
+        if wrap is not None:
+            units = [m for m in model.modules() if m is not model and type(m).__name__ in wrap]
+            if not units:
+                classes = sorted({type(m).__name__ for m in model.modules()})
+                raise UsageError("--fsdp-wrap", ",".join(sorted(wrap)), "the model has no "
+                                 "submodule of these classes", "name classes the model uses "
+                                 f"({', '.join(classes[:8])})")
+            return units[::-1]
+        units: list[nn.Module] = []
+        taken: set[int] = set()
+
+        def visit(module: nn.Module) -> int:
+            """Parameters under ``module`` that no unit below it took."""
+            free = sum(visit(child) for child in module.children())
+            free += sum(p.numel() for p in module.parameters(recurse=False) if id(p) not in taken)
+            if module is not model and free >= MIN_UNIT_PARAMETERS:
+                units.append(module)
+                taken.update(id(p) for p in module.parameters())
+                return 0
+            return free
+
+        visit(model)
+        return units
+
+    def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
+        # Off: backward keeps unsharded gradients and reduce-scatters nothing until the last
+        # micro-batch of the step.
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(model, FSDPModule):
+            model.set_requires_gradient_sync(enabled)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model  # fully_shard changes the module in place; names stay the user's
+
+    def clip_grad_norm_(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        # torch's clip works on DTensor gradients: the norm of each rank's shards is reduced
+        # over the ranks before any gradient is scaled.
+        norm = super().clip_grad_norm_(model, optimizer, max_norm, norm_type)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    # -- state for checkpoints ----------------------------------------------------------------
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+
+    def optimizer_state_dict(self, model: nn.Module,
+                             optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
+
+        # Keyed by parameter name already: the layout of mpt.checkpoint.named.
+        return get_optimizer_state_dict(model, optimizer,
+                                        options=StateDictOptions(full_state_dict=True))
+
+    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                                  state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        set_optimizer_state_dict(model, optimizer, state,
+                                 options=StateDictOptions(full_state_dict=True))
+
