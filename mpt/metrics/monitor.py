@@ -176,9 +176,11 @@ class Monitor:
             "lr": float(optimizer.param_groups[0]["lr"]),
             "loss_scale": self.precision.loss_scale,
             "skipped_steps": self.precision.skipped_steps,
-            "step_time_s": seconds / steps,
+            # No rate at the first step after a start or a resume: its window opened at its
+            # own end, so that set-up time counts in no rate.
+            "step_time_s": seconds / steps if steps else None,
             "samples_per_s": (self.samples_per_step * steps / seconds
-                              if self.samples_per_step else None),
+                              if self.samples_per_step and steps else None),
             **memory_metrics(self.device),
         }
         if self._pending is not None:  # the GPU is more than a record behind: wait for it

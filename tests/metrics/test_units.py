@@ -125,21 +125,26 @@ def test_watch_redraws_a_growing_run_until_interrupted(tmp_path, monkeypatch):
 
 
 def test_a_resumed_run_records_on_from_the_checkpoints_step(tmp_path):
-    def run(run_dir, load):
+    def run(run_dir, load, save_at=4):
         torch.manual_seed(0)
         rt = mpt.Runtime(env={}, run_dir=run_dir, quiet=True, log_every=2)
         model = nn.Linear(4, 1)
         model, _ = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
         if load:
-            assert rt.load(tmp_path / "ckpt")["step"] == 4
-        for _ in range(4):
+            assert rt.load(tmp_path / "ckpt")["step"] == save_at
+        for step in range(1, 5):
             rt.backward(nn.functional.mse_loss(model(torch.randn(8, 4)), torch.zeros(8, 1)))
             rt.step()
-        if not load:
-            rt.save(tmp_path / "ckpt", step=4)
+            if not load and step == save_at:
+                rt.save(tmp_path / "ckpt", step=step)
         rt.close()
-        return [json.loads(line)["step"] for line in
-                (run_dir / "metrics.jsonl").read_text().splitlines()[1:]]
+        return [(r["step"], r["step_time_s"]) for r in map(json.loads, (
+            run_dir / "metrics.jsonl").read_text().splitlines()[1:])]
 
-    assert run(tmp_path / "first", load=False) == [2, 4]
-    assert run(tmp_path / "resumed", load=True) == [6, 8]
+    assert [step for step, _ in run(tmp_path / "first", load=False)] == [2, 4]
+    assert [step for step, _ in run(tmp_path / "resumed", load=True)] == [6, 8]
+    # resumed at an odd step, its first step is a record: no rate yet (its window is empty)
+    run(tmp_path / "odd", load=False, save_at=3)
+    records = run(tmp_path / "resumed-odd", load=True, save_at=3)
+    assert [step for step, _ in records] == [4, 6]
+    assert records[0][1] is None and records[1][1] > 0
