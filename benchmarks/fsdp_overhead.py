@@ -52,7 +52,7 @@ def main() -> None:
     args = parse_args()
     steady_malloc()
     torch.manual_seed(0)  # same initial weights on every rank and on both sides
-    rt = mpt.Runtime(backend="fsdp", backend_options={"wrap": "Linear"})
+    rt = mpt.Runtime(backend="fsdp", backend_options={"wrap": "Linear"}, quiet=True)
     if rt.world_size < 2:
         raise SystemExit("run this through `mpt launch --gpus 2 --backend fsdp`")
     precision, device_type = rt.precision.name, rt.device.type

@@ -79,6 +79,9 @@ class RunConfig:
     checkpoint_dir: str | None = _setting(
         None, "Where rt.save() writes and rt.resume() looks (a path or fsspec URL).",
         metavar="DIR")
+    async_save: bool = _setting(
+        False, "rt.save() returns once the state is copied to host memory; a thread writes and "
+        "commits it while training goes on.", parse=parse_bool)
     resume: str | None = _setting(
         None, "rt.resume(): auto (the latest checkpoint of --checkpoint-dir, if any; the "
         "default), never, or a checkpoint's path.", metavar="FROM")

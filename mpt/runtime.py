@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 from mpt import checkpoint
 from mpt._native import bind_to_parent
 from mpt.backends import Backend, get_backend, resolve_precision
+from mpt.checkpoint.background import BackgroundWriter
 from mpt.data import DistributedLoader
 from mpt.environments import World, detect_world, device_name
 from mpt.environments.settings import launch_dir, launcher_pid
@@ -92,6 +93,8 @@ class Runtime:
             (`mpt launch --metrics-all-ranks`).
         checkpoint_dir: where ``save`` writes and ``resume`` looks by default, and where a
             preempted run saves (`mpt launch --checkpoint-dir`); a path or fsspec URL.
+        async_save: ``save`` returns once the state is in host memory and a thread writes it
+            (`mpt launch --async-save`; ``save(async_save=...)`` decides per call).
         resume: what ``resume`` loads: ``"auto"`` (the latest checkpoint of ``checkpoint_dir``,
             if any; the default), ``"never"``, or one checkpoint's path (`mpt launch --resume`).
         env: the environment to read (``os.environ`` by default).
@@ -107,7 +110,8 @@ class Runtime:
                  lr_scaling: str | None = None,
                  run_dir: str | os.PathLike[str] | None = None, quiet: bool | None = None,
                  log_every: int | None = None, metrics_all_ranks: bool | None = None,
-                 checkpoint_dir: str | os.PathLike[str] | None = None, resume: str | None = None,
+                 checkpoint_dir: str | os.PathLike[str] | None = None,
+                 async_save: bool | None = None, resume: str | None = None,
                  env: Mapping[str, str] | None = None) -> None:
         env = os.environ if env is None else env
         _die_with_launcher(launcher_pid(env))
@@ -122,7 +126,7 @@ class Runtime:
             run_dir=None if run_dir is None else os.fspath(run_dir), quiet=quiet,
             log_every=log_every, metrics_all_ranks=metrics_all_ranks,
             checkpoint_dir=None if checkpoint_dir is None else os.fspath(checkpoint_dir),
-            resume=resume)
+            async_save=async_save, resume=resume)
         """Every run setting, as this process trains with it."""
         config = self.config
         self.world: World = detect_world(env)
@@ -153,6 +157,8 @@ class Runtime:
         self.seed = seed
         self.checkpoint_dir = config.checkpoint_dir
         """Default root of ``save`` and ``resume`` (None: pass a path to them)."""
+        self._writer = BackgroundWriter()  # asynchronous saves: one in flight at a time
+        self._unsettled = False  # an asynchronous save since the ranks last met after one
         self.resume_from = config.resume or "auto"
         """``auto``, ``never`` or a checkpoint path: what ``resume`` loads."""
         self.global_step = 0
@@ -373,8 +379,8 @@ class Runtime:
 
     def _stop_preempted(self) -> None:
         """Save where every rank agreed to stop, then exit with the code that asks for a requeue."""
-        if self.checkpoint_dir is not None:
-            where = self.save(step=self.global_step)
+        if self.checkpoint_dir is not None:  # committed before the process exits
+            where = self.save(step=self.global_step, async_save=False)
             self.print(f"mpt: preempted: saved step {self.global_step} to {where}; exiting with "
                        f"{REQUEUE_EXIT_CODE} (requeue)")
         else:
@@ -414,7 +420,8 @@ class Runtime:
     # -- checkpoints --------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str] | None = None, *, step: int | None = None,
              epoch: int | None = None, scheduler: Schedulers = None,
-             keep: int | None = None, sharded: bool | None = None, **extra: Any) -> str:
+             keep: int | None = None, sharded: bool | None = None,
+             async_save: bool | None = None, **extra: Any) -> str:
         """Checkpoint the run into ``path/step-<step>/`` and point ``path/latest`` at it.
 
         ``path`` defaults to ``checkpoint_dir``, ``step`` to ``global_step``, ``scheduler`` to
@@ -430,17 +437,35 @@ class Runtime:
         torch.distributed.checkpoint (default: when they pass 2 GiB). ``path`` may be an fsspec
         URL (``s3://...``). Returns the checkpoint directory's URL.
 
+        ``async_save`` (default: the run's ``async_save`` setting, `mpt launch --async-save`):
+        return once the state is copied to host memory and let a thread write and commit it
+        while training goes on (with ``sharded``, each rank's shard is written before the
+        return). The commit stays atomic: until it, ``latest`` names the previous checkpoint.
+        The next ``save``, ``load`` and ``close`` wait for it, and raise its error if the write
+        failed; ``rt.wait_for_save()`` waits on demand.
+
         ``model=``/``optimizer=`` (Fabric's habit) may name objects ``setup`` returned: they are
         saved anyway, by name.
         """
         extra = self._drop_set_up(extra)
+        in_background = self.config.async_save if async_save is None else async_save
         self._mark("checkpoint")
+        self._writer.wait()  # one checkpoint in flight: the previous one is committed first
         where = checkpoint.save_checkpoint(
             self._root(path, "save"), self._training_state(scheduler),
             step=self.global_step if step is None else step, epoch=epoch, extra=extra, keep=keep,
-            sharded=sharded)
+            sharded=sharded, background=self._writer if in_background else None)
+        self._unsettled = self._unsettled or in_background
         self._mark("script")
         return where
+
+    def wait_for_save(self) -> None:
+        """Block until every rank's asynchronous save is committed (collective; a no-op when
+        none was made since the last wait); raise the error of one that failed."""
+        self._writer.wait()
+        if self._unsettled:
+            self.backend.barrier()  # rank 0 commits: the others wait for it here
+            self._unsettled = False
 
     def load(self, path: str | os.PathLike[str], *,
              scheduler: Schedulers = None) -> dict[str, Any]:
@@ -453,6 +478,7 @@ class Runtime:
         (when known), **extra}``. Call ``setup_dataloader`` before, so loaders resume mid-epoch.
         """
         self._mark("checkpoint")
+        self.wait_for_save()  # a checkpoint being written is committed before anything loads
         info = checkpoint.load_checkpoint(path, self._training_state(scheduler))
         self.global_step = info["step"]
         self.monitor.resume_at(info["step"])  # metrics and progress go on from the saved step
@@ -528,13 +554,17 @@ class Runtime:
 
     # -- teardown -----------------------------------------------------------------------------
     def close(self) -> None:
-        """Finish the metrics files and the progress bar, and leave the process group."""
+        """Commit the checkpoint being written, finish the metrics files and the progress
+        bar, and leave the process group."""
         self._mark("closing")
-        self._preemption.close()
-        self.monitor.close()
-        self.backend.shutdown()
-        if self._heartbeat is not None:
-            self._heartbeat.close()
+        try:
+            self._writer.close()  # raises if its write failed: the rest is closed anyway
+        finally:
+            self._preemption.close()
+            self.monitor.close()
+            self.backend.shutdown()
+            if self._heartbeat is not None:
+                self._heartbeat.close()
 
     def __enter__(self) -> Runtime:
         return self

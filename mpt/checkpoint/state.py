@@ -39,6 +39,7 @@ from mpt.errors import UsageError
 if TYPE_CHECKING:
 
     from mpt.backends.base import Backend
+    from mpt.checkpoint.background import BackgroundWriter
     from mpt.data import DistributedLoader
     from mpt.pairs import Pair
 
@@ -70,8 +71,14 @@ class TrainingState:
 
 def save_checkpoint(path: str | os.PathLike[str], parts: TrainingState, *, step: int,
                     epoch: int | None = None, extra: dict[str, Any] | None = None,
-                    keep: int | None = None, sharded: bool | None = None) -> str:
-    """Collective: write a checkpoint under root ``path``; return its directory's URL."""
+                    keep: int | None = None, sharded: bool | None = None,
+                    background: BackgroundWriter | None = None) -> str:
+    """Collective: write a checkpoint under root ``path``; return its directory's URL.
+
+    ``background``: return once every tensor is copied to host memory (and, ``sharded``, each
+    rank's shard is written) and let this writer write, commit and prune rank 0's files while
+    training goes on; the URL is the checkpoint's once it is committed.
+    """
     backend, world = parts.backend, parts.backend.world
     if keep is not None and keep < 1:
         raise UsageError("keep", keep, "at least the new checkpoint must be kept",
@@ -124,16 +131,26 @@ def save_checkpoint(path: str | os.PathLike[str], parts: TrainingState, *, step:
             STATE_TENSORS: tensors, STATE_JSON: json.dumps(state).encode()}
         if not sharded:
             blobs[MODEL_FILE] = model_tensors
-        write_directory(root, staging, final, blobs, keep=keep, manifest=dict(
+        if background is not None:  # the next steps change weights and moments in place
+            blobs = {name: blob if isinstance(blob, bytes) else background.stage(name, blob)
+                     for name, blob in blobs.items()}
+        manifest = dict(
             backend=backend.name, world_size=world.world_size,
             precision=backend.precision.name, step=step,
             epoch=epoch if epoch is not None or not parts.loaders else next(
                 (lo.epoch for lo in parts.loaders if lo.name == "train"), parts.loaders[0].epoch),
             sharded=sharded, loss_scale=backend.precision.loss_scale,
             parameters=sum(p.numel() for pair in parts.pairs
-                           for p in backend.unwrap(pair.model).parameters())))
-    backend.barrier()  # nobody goes on (or loads) before the checkpoint is committed
+                           for p in backend.unwrap(pair.model).parameters()))
+        if background is None:
+            write_directory(root, staging, final, blobs, keep=keep, manifest=manifest)
+        else:
+            background.submit(lambda: write_directory(root, staging, final, blobs, keep=keep,
+                                                      manifest=manifest))
+    if background is None:
+        backend.barrier()  # nobody goes on (or loads) before the checkpoint is committed
     return root.child(final).url
+
 
 
 def write_directory(root: io.Location, staging: str, final: str,

@@ -1,7 +1,8 @@
 """Resume across world sizes on real 2-rank gloo jobs: world size 2 -> 1 -> 2, full and sharded.
 
 Three `mpt launch` jobs chained (~40 s on 2 cores): A (2 ranks) trains 15 steps and saves at
-step 8, mid-epoch, in both the full and the sharded (torch.distributed.checkpoint) variant;
+step 8, mid-epoch, in both the full and the sharded (torch.distributed.checkpoint) variant,
+asynchronously (`--async-save`: training goes on while a thread writes);
 B (1 rank) resumes from each of A's saves and saves again at step 11, mid-epoch; C (2 ranks)
 resumes from each of B's. Every resumed run must reproduce A's losses and final weights, see the
 very samples A saw at each step, and draw the random numbers its saving rank would have drawn.
@@ -40,7 +41,7 @@ def _launch(ranks: int, out: Path, tag: str, save_at: int, *checkpoints: Path,
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     out = tmp_path_factory.mktemp("resume")
-    _launch(2, out, "a", A_SAVES)
+    _launch(2, out, "a", A_SAVES, options=("--async-save",))  # B's saves are synchronous
     _launch(1, out, "b", B_SAVES, out / "ckpt-a" / "full", out / "ckpt-a" / "sharded")
     _launch(2, out, "c", 0, out / "ckpt-b" / "full", out / "ckpt-b" / "sharded")
     return {p.name.rsplit("-rank", 1)[0]: [json.loads(q.read_text()) for q in
@@ -55,6 +56,7 @@ RESUMED = {"b-0": ("full", 2, 1), "b-1": ("sharded", 2, 1),
 @pytest.mark.parametrize("run", sorted(RESUMED))
 def test_resuming_at_another_world_size_continues_the_loss_curve(runs, run):
     original, resumed = runs["a"][0], runs[run][0]
+    assert original["async_save"] and not resumed["async_save"]
     saved_at = A_SAVES if run.startswith("b") else B_SAVES
     assert resumed["world_size"] == RESUMED[run][2] and len(runs[run]) == RESUMED[run][2]
     assert resumed["info"] == {"step": saved_at, "epoch": saved_at // STEPS_PER_EPOCH,

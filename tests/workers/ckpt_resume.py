@@ -85,6 +85,7 @@ def train(step: int, log: dict, save: bool) -> None:
 runs = [(tag, None)] if not checkpoints else [(f"{tag}-{i}", c) for i, c in enumerate(checkpoints)]
 for i, (run, ckpt) in enumerate(runs):
     log: dict = {"loss": {}, "idx": {}, "scale": {}, "world_size": rt.world_size,
+                 "async_save": rt.config.async_save,
                  "backend": rt.backend.name, "precision": rt.precision.name}
     start = 0
     if ckpt is not None:
