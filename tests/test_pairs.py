@@ -66,6 +66,28 @@ def test_one_shared_scale_backs_off_once_per_iteration_and_only_the_overflowed_s
     assert rt.precision.loss_scale == scale / 2 and rt.global_step == 1
 
 
+@pytest.mark.parametrize("precision", ["fp32", "fp16-mixed"])
+def test_clipping_one_optimizer_touches_only_its_gradients_at_their_true_size(precision):
+    rt = mpt.Runtime(env={}, precision=precision, loss_scale=1024.0)
+    g, _ = rt.setup(*pair(0), name="G")
+    d, opt_d = rt.setup(*pair(1), name="D")
+    plain_g, plain_d = pair(0)[0], pair(1)[0]
+    x = torch.randn(3, 4)
+    with rt.autocast():
+        loss = d(g(x).expand(3, 4)).float().pow(2).mean()  # D's loss through G, as a GAN's
+    rt.backward(loss)
+    plain_d(plain_g(x).expand(3, 4)).pow(2).mean().backward()
+    norm = rt.clip_grad_norm_(1e-3, optimizer=opt_d)
+    want = nn.utils.clip_grad_norm_(plain_d.parameters(), 1e-3)
+    assert norm.item() == pytest.approx(want.item(), rel=1e-2)  # fp16 forward: 1e-2
+    scale = rt.precision.loss_scale
+    # G's gradients are still scaled and unclipped (G clips, unscaled, at its own step)
+    for mine, plain in zip(g.parameters(), plain_g.parameters(), strict=True):
+        torch.testing.assert_close(mine.grad / scale, plain.grad, rtol=1e-2, atol=1e-6)
+    for mine, plain in zip(d.parameters(), plain_d.parameters(), strict=True):
+        torch.testing.assert_close(mine.grad, plain.grad, rtol=1e-2, atol=1e-6)
+
+
 def test_accumulation_is_counted_per_optimizer():
     rt = mpt.Runtime(accumulate=2, env={})
     g, opt_g = rt.setup(*pair(0), name="G")

@@ -209,6 +209,21 @@ class Backend(ABC):
         """Restore what ``optimizer_state_dict`` returned, on every rank."""
         optimizer.load_state_dict(from_named(state, self.parameter_names(model, optimizer)))
 
+    shards_state: ClassVar[bool] = False
+    """Whether each rank holds only its pieces of the weights and optimizer state: sharded
+    checkpoints then write and read just those (``local_*_state_dict``) and never gather."""
+
+    def local_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """This rank's pieces of the weights, as ``DTensor`` shards keyed like
+        ``model_state_dict``, where ``shards_state``; the full weights elsewhere. The
+        ``load_model_state_dict`` of a backend that shards takes either."""
+        return self.model_state_dict(model)
+
+    def local_optimizer_state_dict(self, model: nn.Module,
+                                   optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """``optimizer_state_dict`` with this rank's pieces, as ``local_model_state_dict``."""
+        return self.optimizer_state_dict(model, optimizer)
+
     # -- collectives the runtime offers to scripts --------------------------------------------
     def broadcast_module_(self, module: nn.Module) -> None:
         """Give every rank rank 0's parameters and buffers (models set up without optimizer)."""

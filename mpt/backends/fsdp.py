@@ -183,34 +183,58 @@ class FSDPBackend(DDPBackend):
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     # -- state for checkpoints ----------------------------------------------------------------
-    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    # torch.distributed.checkpoint's state_dict API, imported when used (it adds ~0.4 s to
+    # every `mpt` command otherwise).
+    shards_state = True
 
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(model, options=_options(full=True))
+
+    def local_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(model)  # the DTensor shards themselves, no copy
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+        set_model_state_dict(model, state, options=_options(full=not _holds_shards(state)))
 
     def optimizer_state_dict(self, model: nn.Module,
                              optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_optimizer_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         # Keyed by parameter name already: the layout of mpt.checkpoint.named.
-        return get_optimizer_state_dict(model, optimizer,
-                                        options=StateDictOptions(full_state_dict=True))
+        return get_optimizer_state_dict(model, optimizer, options=_options(full=True))
+
+    def local_optimizer_state_dict(self, model: nn.Module,
+                                   optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        # A fresh optimizer gets its state made here (torch steps it once at lr 0): a
+        # checkpoint's pieces are then read straight into it.
+        return get_optimizer_state_dict(model, optimizer)
 
     def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                                   state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_optimizer_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-        set_optimizer_state_dict(model, optimizer, state,
-                                 options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(model, optimizer, state, options=_options(
+            full=not _holds_shards(state["state"])))
 
+
+def _options(*, full: bool) -> Any:
+    """Whole tensors on every rank (what a checkpoint that is not sharded holds), or shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=full)
+
+
+def _holds_shards(state: dict[str, Any]) -> bool:
+    """Whether ``state`` (by name, one level of nesting) came from a sharded checkpoint."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(v, DTensor) for value in state.values()
+               for v in (value.values() if isinstance(value, dict) else [value]))

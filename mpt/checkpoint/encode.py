@@ -22,7 +22,7 @@ _TENSOR, _TUPLE, _ITEMS = "__tensor__", "__tuple__", "__items__"
 def encode(obj: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:
     """JSON-able ``obj``; its tensors are added to ``tensors`` under keys starting with ``key``."""
     if isinstance(obj, torch.Tensor):
-        tensors[key] = obj.detach()  # written before save returns: no snapshot copy needed
+        tensors[key] = obj.detach()  # not copied: an asynchronous save copies what it keeps
         return {_TENSOR: key}
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj

@@ -22,18 +22,24 @@ from torch.distributed.checkpoint.hf_storage import (
 
 
 def save(tensors: dict[str, torch.Tensor], directory: str) -> None:
-    """Collective: write ``tensors`` (identical on every rank) as per-rank shards."""
+    """Collective: write ``tensors`` (whole and identical on every rank, or each rank's
+    ``DTensor`` shards, which it writes itself) as per-rank shard files."""
     writer = HuggingFaceStorageWriter(directory, save_distributed=dist.is_initialized())
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": yes
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         dcp.save(tensors, storage_writer=writer, no_dist=not dist.is_initialized())
 
 
-def load(directory: str) -> dict[str, torch.Tensor]:
-    """Collective: every tensor the shards in ``directory`` hold, full size, on the CPU."""
+def load(directory: str, into: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Collective: every tensor the shards in ``directory`` hold, by key.
+
+    A key of ``into`` is read in place into that tensor, a ``DTensor`` read only where its
+    shards lie (resharded from any world size); every other tensor is read whole, on the CPU.
+    """
     reader = HuggingFaceStorageReader(directory)
     metadata = reader.read_metadata()
-    tensors = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+    tensors = {key: into[key] if key in into else torch.empty(tuple(meta.size),
+                                                              dtype=meta.properties.dtype)
                for key, meta in metadata.state_dict_metadata.items()}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")

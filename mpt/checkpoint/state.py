@@ -84,8 +84,15 @@ def save_checkpoint(path: str | os.PathLike[str], parts: TrainingState, *, step:
         raise UsageError("keep", keep, "at least the new checkpoint must be kept",
                          "pass keep=1 or more, or None to keep every checkpoint")
     root = io.Location.parse(path)
+    # A backend whose ranks hold pieces of the state writes just those, each rank its own,
+    # unless told not to or the root is remote (each rank writes local files).
+    pieces = backend.shards_state and sharded is not False and root.local
+    if pieces:
+        sharded = True
+    model_of = backend.local_model_state_dict if pieces else backend.model_state_dict
+    optimizer_of = backend.local_optimizer_state_dict if pieces else backend.optimizer_state_dict
     model_tensors = {f"{pair.name}/{key}": t.detach() for pair in parts.pairs
-                     for key, t in backend.model_state_dict(pair.model).items()}
+                     for key, t in model_of(pair.model).items()}
     # every rank's RNG, so each rank of a resumed run draws what it would have drawn
     rngs = [backend.broadcast_object(rng_state() if world.rank == r else None, src=r)
             for r in range(world.world_size)]
@@ -93,7 +100,7 @@ def save_checkpoint(path: str | os.PathLike[str], parts: TrainingState, *, step:
     tensors: dict[str, torch.Tensor] = {}
     state = {
         "models": [pair.name for pair in parts.pairs],
-        "optimizers": {pair.name: encode(backend.optimizer_state_dict(pair.model, pair.optimizer),
+        "optimizers": {pair.name: encode(optimizer_of(pair.model, pair.optimizer),
                                          f"optimizer/{pair.name}", tensors)
                        for pair in parts.pairs if pair.optimizer is not None},
         "precision": encode(backend.precision.state_dict(), "precision", tensors),
@@ -232,7 +239,7 @@ def load_checkpoint(path: str | os.PathLike[str], parts: TrainingState) -> dict[
                                               if n.startswith(f"{SHARDED_DIR}/")):
             raise CheckpointError(shards.url, "it holds files the manifest does not list",
                                   "remove them, or load another checkpoint")
-        loaded = dcp_storage.load(shards.path)
+        loaded = dcp_storage.load(shards.path, _pieces(parts) if backend.shards_state else {})
         model_state = {k.removeprefix("model/"): v for k, v in loaded.items()
                        if k.startswith("model/")}
         tensors.update({k: v for k, v in loaded.items() if not k.startswith("model/")})
@@ -268,6 +275,21 @@ def load_checkpoint(path: str | os.PathLike[str], parts: TrainingState) -> dict[
         set_rng_state(rngs[world.rank])
     epoch = {} if manifest.epoch is None else {"epoch": manifest.epoch}
     return {"step": manifest.step, **epoch, **decode(state["extra"], tensors)}
+
+
+def _pieces(parts: TrainingState) -> dict[str, torch.Tensor]:
+    """Where a rank that holds pieces of the state reads a sharded checkpoint: into those
+    pieces (``DTensor`` shards, by checkpoint key), so that it reads no more than its share."""
+    from torch.distributed.tensor import DTensor
+
+    backend, found = parts.backend, {}
+    for pair in parts.pairs:
+        found.update({f"model/{pair.name}/{key}": t
+                      for key, t in backend.local_model_state_dict(pair.model).items()})
+        if pair.optimizer is not None:
+            encode(backend.local_optimizer_state_dict(pair.model, pair.optimizer),
+                   f"optimizer/{pair.name}", found)
+    return {key: t for key, t in found.items() if isinstance(t, DTensor)}
 
 
 def _check_names(where: str, what: str, saved: list[str], wanted: list[str]) -> None:

@@ -17,7 +17,7 @@ from types import TracebackType
 
 from mpt.environments import detect_world
 from mpt.environments.settings import LOG_FILE, horovod_rendezvous, launch_dir
-from mpt.errors import MptError
+from mpt.errors import MptError, UsageError
 from mpt.launchers.local_rank import LOCAL_RANK_ARG, with_local_rank
 from mpt.launchers.notes import Note
 
@@ -82,6 +82,10 @@ def main() -> None:
     except SystemExit as exc:
         code = _exit_code(exc)
         raise
+    except UsageError as exc:  # bad input (a refused setting, a wrong call): one line, as the CLI
+        print(f"mpt: error: {exc}", file=sys.stderr, flush=True)
+        code = 2
+        sys.exit(2)
     except Exception as exc:
         # Report it as `python script.py` would: without this shim's and runpy's frames.
         exc.with_traceback(_from_script(exc.__traceback__, script))

@@ -1,5 +1,5 @@
 """Save under one backend, load under another: every backend as saver and as loader, at world
-sizes 1 and 2, on real gloo jobs (12 `mpt launch` jobs of workers/ckpt_resume.py, ~110 s on 2
+sizes 1 and 2, on real gloo jobs (13 `mpt launch` jobs of workers/ckpt_resume.py, ~120 s on 2
 cores).
 
 A full save-under-A, load-under-B matrix would take ~40 jobs; two chains cover every backend on
@@ -7,8 +7,11 @@ both sides instead. Each link loads the previous link's checkpoint, continues to
 saves mid-epoch for the next; every link must land on the uninterrupted run's curve.
 
 fp32, against ddp(2) trained 15 steps without a stop:
-    ddp(2) @8 -> ZeRO-1(1) @9 -> ZeRO-3(2) @10 -> fsdp(1) @11 -> horovod(1) @12 -> fsdp(2) @13
-    -> ZeRO-2(2) @14 -> apex(2), and ZeRO-3(2) @10 -> ddp(1)
+    ddp(2) @8 -> ZeRO-1(1) @9 -> ZeRO-3(2) @10 -> fsdp(1) @11 -> fsdp(2) @12 -> horovod(1) @13
+    -> ZeRO-2(2) @14 -> apex(2); and ZeRO-3(2) @10 -> ddp(1), fsdp(2) @12 -> ZeRO-3(2).
+fsdp's saves hold each rank's pieces (the sharded variant, by default for a backend that
+shards), so fsdp(2) reads the pieces fsdp(1) wrote, resharded, and horovod and ZeRO-3 read
+fsdp(2)'s.
 Apex O2 (fp16 model, fp32 masters in the precision state, dynamic loss scale), against apex(2)
 O2 trained 15 steps without a stop:
     apex O2(2) @8 -> ddp O2(1) @11 -> horovod O2(2)
@@ -39,9 +42,10 @@ FP32 = {
     "zero3": ("deepspeed", 2, ("--zero-stage", "3"), "zero1", 10),
     "fsdp1": ("fsdp", 1, (), "zero3", 11),
     "ddp1": ("ddp", 1, (), "zero3", 0),
-    "horovod": ("horovod", 1, (), "fsdp1", 12),
-    "fsdp2": ("fsdp", 2, (), "horovod", 13),
-    "zero2": ("deepspeed", 2, ("--zero-stage", "2"), "fsdp2", 14),
+    "fsdp2": ("fsdp", 2, (), "fsdp1", 12),
+    "zero3-back": ("deepspeed", 2, ("--zero-stage", "3"), "fsdp2", 0),
+    "horovod": ("horovod", 1, (), "fsdp2", 13),
+    "zero2": ("deepspeed", 2, ("--zero-stage", "2"), "horovod", 14),
     "apex": ("apex", 2, (), "zero2", 0),
 }
 O2 = ("--precision", "O2")

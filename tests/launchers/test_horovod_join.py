@@ -4,6 +4,9 @@ That a Horovod script really joins is shown by tests/upstream (Horovod's MNIST u
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -50,3 +53,17 @@ def test_node0_serves_on_master_port_plus_one_and_refuses_it_busy():
     one = HorovodRendezvous.start(LaunchSpec(script=spec.script, gpus=2))  # a free port
     one.stop()
     assert int(one.address.rpartition(":")[2]) > 0
+
+
+def test_horovod_under_a_launcher_it_cannot_join_refuses_instead_of_two_separate_jobs(
+        tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import mpt\nmpt.Runtime(backend='horovod')\nprint('trained alone')\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(find_free_port()), str(script)],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode != 0 and "trained alone" not in result.stdout
+    assert ("--backend=horovod is invalid: Horovod sees rank 0 of 1, but torchelastic started "
+            "rank 1 of 2: Horovod cannot join this launcher's job. Fix: start it with `mpt "
+            "launch` (any backend), `mpt horovodrun` or horovodrun") in result.stderr
