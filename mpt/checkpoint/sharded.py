@@ -21,10 +21,30 @@ from torch.distributed.checkpoint.hf_storage import (
 )
 
 
+FILE_BYTES = 256 * 2**20
+"""Tensors go into files of about this many bytes (whole tensors; a rank's file of a DTensor
+holds its piece). safetensors builds each file in memory before writing it, and mpt hashes each
+whole, so the largest file, not a rank's share, is what a save or a load adds to its memory."""
+
+
+def file_numbers(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Each key's file (from 1): consecutive tensors fill a file up to ``FILE_BYTES`` (counting
+    a DTensor whole, the same on every rank), a larger tensor gets one of its own."""
+    numbers, number, filled = {}, 1, 0
+    for key, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        if filled and filled + size > FILE_BYTES:
+            number, filled = number + 1, 0
+        numbers[key] = number
+        filled += size
+    return numbers
+
+
 def save(tensors: dict[str, torch.Tensor], directory: str) -> None:
     """Collective: write ``tensors`` (whole and identical on every rank, or each rank's
     ``DTensor`` shards, which it writes itself) as per-rank shard files."""
-    writer = HuggingFaceStorageWriter(directory, save_distributed=dist.is_initialized())
+    writer = HuggingFaceStorageWriter(directory, fqn_to_index_mapping=file_numbers(tensors),
+                                      save_distributed=dist.is_initialized())
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": yes
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         dcp.save(tensors, storage_writer=writer, no_dist=not dist.is_initialized())
