@@ -22,6 +22,7 @@ from mpt.backends.base import BackendOption
 from mpt.checkpoint.commands import app as checkpoint_app
 from mpt.config import ConfigurableCommand, load_into_context
 from mpt.errors import MptError, UsageError
+from mpt.estimate import OPTIMIZER_STATES
 from mpt.parse import parse_int, parse_number
 from mpt.run_config import RunConfig, flag_of
 
@@ -353,6 +354,63 @@ def backends() -> None:
     for name, reason in sorted(broken().items()):
         table.add_row(name, "no", "", "", reason)
     out.print(table)
+
+
+@app.command("estimate-memory")
+def estimate_memory(
+    model: Annotated[str, typer.Argument(help="FILE.py:FUNCTION or package.module:FUNCTION: "
+                                         "builds the model (it runs on the meta device).")],
+    world_size: Annotated[int, typer.Option(help="Processes the job shards over.")] = 2,
+    precision: Annotated[str, typer.Option(help="As `mpt launch --precision`.")] = "fp32",
+    optimizer: Annotated[str, typer.Option(
+        help=f"Its state per parameter: {', '.join(OPTIMIZER_STATES)}.")] = "adam",
+    input_shape: Annotated[str | None, typer.Option(
+        help="One rank's batch, e.g. 8,3,224,224, for the activations (default: none).")] = None,
+    input_dtype: Annotated[str, typer.Option(help="float32, or int64 for token ids.")
+                           ] = "float32",
+) -> None:
+    """Per-rank bytes of parameters, gradients, optimizer state and activations under every
+    backend and the options that change them, for a model built on the meta device."""
+    import torch
+
+    from mpt.backends import registered
+    from mpt.estimate import activation_bytes, example_input, load_model, meta_model
+    from mpt.parse import one_of
+    from mpt.precision import describe
+
+    if world_size < 1:
+        raise UsageError("--world-size", world_size, "it must be at least 1", "pass 1 or more")
+    states = OPTIMIZER_STATES[one_of(*OPTIMIZER_STATES)("--optimizer", optimizer)]
+    spec = describe(precision)
+    net = meta_model(load_model(model))
+    activations = 0
+    if input_shape is not None:
+        dtype = {"float32": torch.float32, "int64": torch.int64}[
+            one_of("float32", "int64")("--input-dtype", input_dtype)]
+        try:
+            shape = [int(n) for n in input_shape.split(",")]
+        except ValueError:
+            raise UsageError("--input-shape", input_shape, "it is not a list of sizes",
+                             "pass sizes separated by commas, e.g. 8,3,224,224") from None
+        activations = activation_bytes(net, example_input(shape, dtype))
+    gib = 2.0**30
+    table = Table(title=f"per-rank memory, {world_size} ranks, {precision}, {optimizer} "
+                  f"({sum(p.numel() for p in net.parameters()):,} parameters), GiB")
+    table.add_column("backend and options", no_wrap=True)
+    for column in ("parameters", "gradients", "optimizer", "activations", "device", "host"):
+        table.add_column(column, justify="right", min_width=len(column))
+    for _, cls in sorted(registered().items()):
+        if cls.precision_refusal(spec, "cuda", {}) is not None:
+            continue  # refused before start: nothing to estimate
+        for row in cls.estimate_memory(net, spec, states, world_size, {}):
+            table.add_row(row.label, *(f"{b / gib:.2f}" for b in (
+                row.parameters, row.gradients, row.optimizer, activations,
+                row.device + activations, row.host)))
+    Console(width=max(out.width, 120)).print(table)  # the labels need the width
+    out.print("device: the sum of the four; host: what offloading moves to host memory. "
+              "Not counted: communication buffers, the allocator's slack and the process "
+              "itself (a few hundred MiB at least); activations as saved for backward in the "
+              "model's own dtype (autocast keeps some in 16 bits: fewer bytes).")
 
 
 @app.command()

@@ -14,6 +14,7 @@ from torch import nn
 from mpt.checkpoint.named import from_named, to_named
 from mpt.environments import World
 from mpt.errors import UsageError
+from mpt.estimate import MemoryEstimate
 from mpt.parse import parse_bool, parse_text
 from mpt.precision import Precision, PrecisionSpec
 
@@ -51,6 +52,12 @@ class Availability:
     """Why it cannot run, when it cannot."""
     install: str = ""
     """The command that makes it available."""
+
+
+def _sizes(model: nn.Module) -> tuple[int, int]:
+    """Parameters of ``model``, and those that train."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
 
 
 class Backend(ABC):
@@ -117,6 +124,19 @@ class Backend(ABC):
         """The precision the backend's own configuration asks for when ``--precision`` is not
         given (a DeepSpeed config that enables fp16); None: fp32."""
         return None
+
+    @classmethod
+    def estimate_memory(cls, model: nn.Module, spec: PrecisionSpec, optimizer_states: int,
+                        world_size: int, options: Mapping[str, Any]) -> list[MemoryEstimate]:
+        """Bytes per rank of ``model`` (built on the meta device) trained in ``spec`` with an
+        optimizer keeping ``optimizer_states`` fp32 values per parameter, one row per choice of
+        the backend's options worth comparing. The default: a whole replica on every rank."""
+        weights, trained = _sizes(model)
+        masters = 4 * trained if spec.master != spec.params else 0
+        return [MemoryEstimate(
+            label=cls.name, parameters=weights * spec.params.itemsize,
+            gradients=trained * spec.params.itemsize,
+            optimizer=4 * optimizer_states * trained + masters)]
 
     @classmethod
     def availability(cls) -> Availability:

@@ -47,6 +47,7 @@ from mpt.backends.deepspeed_config import (
 from mpt.checkpoint.named import from_named
 from mpt.environments import World
 from mpt.errors import MissingDependencyError, UsageError
+from mpt.estimate import MemoryEstimate
 from mpt.precision import LossScaleConfig, Precision, PrecisionSpec
 
 if TYPE_CHECKING:  # it imports deepspeed, which is imported only once a run asks for it
@@ -162,6 +163,33 @@ class DeepSpeedBackend(DDPBackend):
         """DeepSpeed trains fp32 and, through its own fp16/bf16 modes (model cast, fp32 masters
         in the engine), the autocast precisions; see ``deepspeed_config.precision_refusal``."""
         return precision_refusal(load_user_config(options.get("config")), spec, device_type)
+
+    @classmethod
+    def estimate_memory(cls, model: nn.Module, spec: PrecisionSpec, optimizer_states: int,
+                        world_size: int, options: Mapping[str, Any]) -> list[MemoryEstimate]:
+        """Weights and gradients in the mode's dtype; the optimizer's state plus DeepSpeed's
+        fp32 master copy (kept from stage 1 on even in fp32, and in 16-bit modes at stage 0);
+        stage 1 partitions the optimizer's share, 2 the gradients too, 3 the weights too."""
+        width = 4 if mode_of(spec) is None else 2
+        weights = sum(p.numel() for p in model.parameters())
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        rows = []
+        for stage, offload in ((0, ""), (1, ""), (2, ""), (3, ""), (2, "optimizer"),
+                               (3, "optimizer,parameters")):
+            masters = 4 * trained if stage > 0 or width == 2 else 0
+            parts = [width * weights, width * trained, 4 * optimizer_states * trained + masters]
+            for index in range(3 - stage, 3):
+                parts[index] //= world_size  # optimizer from stage 1, gradients 2, weights 3
+            host = 0
+            if "optimizer" in offload:
+                host, parts[2] = parts[2], 0
+            if "parameters" in offload:
+                host, parts[0] = host + parts[0], 0
+            label = f"deepspeed --zero-stage {stage}" + (f" --offload {offload}" if offload
+                                                         else "")
+            rows.append(MemoryEstimate(label=label, parameters=parts[0], gradients=parts[1],
+                                       optimizer=parts[2], host=host))
+        return rows
 
     @classmethod
     def default_precision(cls, options: Mapping[str, Any]) -> str | None:

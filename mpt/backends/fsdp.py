@@ -18,6 +18,7 @@ from torch import nn
 from mpt.backends.base import Availability, BackendOption
 from mpt.backends.ddp import DDPBackend
 from mpt.errors import UsageError
+from mpt.estimate import MemoryEstimate
 from mpt.parse import parse_bool, parse_text
 from mpt.precision import PrecisionSpec
 
@@ -35,6 +36,44 @@ def parse_class_names(argument: str, value: Any) -> frozenset[str]:
         raise UsageError(argument, value, "an empty class name",
                          "pass module class names separated by commas, e.g. Block")
     return cleaned
+
+
+def units(model: nn.Module, wrap: frozenset[str] | None) -> list[nn.Module]:
+    """The submodules sharded apart from the root, innermost first (fully_shard's order): those
+    of the classes ``wrap`` names, else each that holds ``MIN_UNIT_PARAMETERS`` no unit below
+    it took."""
+    if wrap is not None:
+        found = [m for m in model.modules() if m is not model and type(m).__name__ in wrap]
+        if not found:
+            classes = sorted({type(m).__name__ for m in model.modules()})
+            raise UsageError("--fsdp-wrap", ",".join(sorted(wrap)), "the model has no "
+                             "submodule of these classes", "name classes the model uses "
+                             f"({', '.join(classes[:8])})")
+        return found[::-1]
+    found, taken = [], set()
+
+    def visit(module: nn.Module) -> int:
+        """Parameters under ``module`` that no unit below it took."""
+        free = sum(visit(child) for child in module.children())
+        free += sum(p.numel() for p in module.parameters(recurse=False) if id(p) not in taken)
+        if module is not model and free >= MIN_UNIT_PARAMETERS:
+            found.append(module)
+            taken.update(id(p) for p in module.parameters())
+            return 0
+        return free
+
+    visit(model)
+    return found
+
+
+def largest_unit(model: nn.Module, wrap: frozenset[str] | None) -> int:
+    """Parameters of the largest unit, the root's own included: what one gather holds whole."""
+    sizes, taken = [], set()
+    for unit in [*units(model, wrap), model]:
+        own = [p for p in unit.parameters() if id(p) not in taken]
+        taken.update(id(p) for p in own)
+        sizes.append(sum(p.numel() for p in own))
+    return max(sizes)
 
 
 class FSDPBackend(DDPBackend):
@@ -91,6 +130,22 @@ class FSDPBackend(DDPBackend):
                     "use --precision bf16-mixed or fp16-mixed (autocast on the fp32 shards)")
         return None
 
+    @classmethod
+    def estimate_memory(cls, model: nn.Module, spec: PrecisionSpec, optimizer_states: int,
+                        world_size: int, options: Mapping[str, Any]) -> list[MemoryEstimate]:
+        """fp32 shards of weights, gradients and optimizer state, 1/N each, plus the largest
+        unit's weights and gradients whole while it runs; offloaded, only that unit stays."""
+        values = cls.check_options(options)
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        weights = sum(p.numel() for p in model.parameters())
+        unit = 4 * largest_unit(model, values["wrap"])
+        shards = (4 * weights // world_size, 4 * trained // world_size,
+                  4 * optimizer_states * trained // world_size)
+        return [MemoryEstimate(label="fsdp", parameters=shards[0] + unit,
+                               gradients=shards[1] + unit, optimizer=shards[2]),
+                MemoryEstimate(label="fsdp --fsdp-cpu-offload", parameters=unit,
+                               gradients=unit, optimizer=0, host=sum(shards))]
+
     # -- life cycle ---------------------------------------------------------------------------
     def init_process_group(self) -> None:
         if self.world.is_distributed or dist.is_initialized():
@@ -127,40 +182,13 @@ class FSDPBackend(DDPBackend):
                                   if self.option_values["cpu_offload"] else OffloadPolicy())
         settings = dict(mesh=self._mesh, offload_policy=offload,
                         reshard_after_forward=self.option_values["reshard_after_forward"])
-        for unit in self._units(model):
+        for unit in units(model, self.option_values["wrap"]):
             fully_shard(unit, **settings)
         fully_shard(model, **settings)
         sharded = dict(model.named_parameters())
         for group in optimizer.param_groups:
             group["params"] = [sharded[name_of[param]] for param in group["params"]]
         return model, optimizer
-
-    def _units(self, model: nn.Module) -> list[nn.Module]:
-        """The submodules sharded apart from the root, innermost first (fully_shard's order)."""
-        wrap: frozenset[str] | None = self.option_values["wrap"]
-        if wrap is not None:
-            units = [m for m in model.modules() if m is not model and type(m).__name__ in wrap]
-            if not units:
-                classes = sorted({type(m).__name__ for m in model.modules()})
-                raise UsageError("--fsdp-wrap", ",".join(sorted(wrap)), "the model has no "
-                                 "submodule of these classes", "name classes the model uses "
-                                 f"({', '.join(classes[:8])})")
-            return units[::-1]
-        units: list[nn.Module] = []
-        taken: set[int] = set()
-
-        def visit(module: nn.Module) -> int:
-            """Parameters under ``module`` that no unit below it took."""
-            free = sum(visit(child) for child in module.children())
-            free += sum(p.numel() for p in module.parameters(recurse=False) if id(p) not in taken)
-            if module is not model and free >= MIN_UNIT_PARAMETERS:
-                units.append(module)
-                taken.update(id(p) for p in module.parameters())
-                return 0
-            return free
-
-        visit(model)
-        return units
 
     def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
         # Off: backward keeps unsharded gradients and reduce-scatters nothing until the last

@@ -20,7 +20,6 @@ from torch.distributed.checkpoint.hf_storage import (
     HuggingFaceStorageWriter,
 )
 
-
 FILE_BYTES = 256 * 2**20
 """Tensors go into files of about this many bytes (whole tensors; a rank's file of a DTensor
 holds its piece). safetensors builds each file in memory before writing it, and mpt hashes each

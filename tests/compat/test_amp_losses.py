@@ -118,3 +118,38 @@ def test_a_loss_id_beyond_num_losses_and_a_foreign_optimizer_are_refused():
         pass
     with pytest.raises(UsageError, match="num_losses"):
         amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}})
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+@pytest.mark.parametrize("delay", [False, True])
+def test_two_scaled_losses_on_one_scaler_before_one_step_give_the_unscaled_gradients(
+        opt_level, delay):
+    """Without ``num_losses``: both losses share loss scaler 0, as in scripts that never
+    declared several (the second scale_loss must not leave the first's gradients scaled)."""
+    _, d = nets()
+    d_ref = copy.deepcopy(d)
+    opt = torch.optim.SGD(d.parameters(), lr=0.1)
+    d, opt = amp.initialize(d, opt, opt_level=opt_level, loss_scale=1024.0, verbosity=0)
+    torch.manual_seed(1)
+    a, b = torch.randn(5, 6), torch.randn(5, 6)
+
+    def two_losses(model):
+        with torch.autocast("cpu", dtype=torch.float16, enabled=opt_level == "O1"):
+            return model(a).float().pow(2).mean(), model(b).float().abs().mean()
+
+    first, second = two_losses(d)
+    with amp.scale_loss(first, opt, delay_unscale=delay) as scaled:
+        scaled.backward()
+    with amp.scale_loss(second, opt) as scaled:
+        scaled.backward()
+    if opt_level == "O2":
+        d_ref = d_ref.half()
+        d_ref.register_forward_pre_hook(lambda _m, x: tuple(t.half() for t in x))
+    r_first, r_second = two_losses(d_ref)
+    params = list(d_ref.parameters())
+    pairs = zip(torch.autograd.grad(r_first, params), torch.autograd.grad(r_second, params),
+                strict=True)
+    want = [(x + y).float() if delay else x.float() + y.float() for x, y in pairs]
+    got = [p.grad.float() for group in opt.param_groups for p in group["params"]]
+    for mine, theirs in zip(got, want, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7)

@@ -1,0 +1,105 @@
+"""Per-rank memory of a training job, estimated before it runs (`mpt estimate-memory`).
+
+The model is built on the meta device (no weights allocated, no matter its size); the bytes of
+parameters, gradients and optimizer state each backend keeps per rank come from the backend
+itself (``Backend.estimate_memory``), activations from one forward on meta tensors that counts
+what autograd saves for the backward. What is not counted: the framework's own buffers
+(communication buckets, DeepSpeed's flat staging buffers), the allocator's slack and the
+process's code, a few hundred MiB at least; docs/benchmarks.md compares the estimate with
+measured runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import runpy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mpt.errors import UsageError
+
+OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd-momentum": 1, "rmsprop": 1,
+                    "adagrad": 1}
+"""fp32 values each optimizer keeps per parameter (Adam: two moments)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryEstimate:
+    """What one rank holds for one choice of backend and options, in bytes."""
+
+    label: str
+    """The backend and the options the row assumes (``deepspeed --zero-stage 2``)."""
+    parameters: int
+    """Weights on the device, including a sharding backend's gathered unit."""
+    gradients: int
+    """Gradients on the device."""
+    optimizer: int
+    """Optimizer state on the device: its moments and any fp32 master weights."""
+    host: int = 0
+    """What offloading keeps in host memory instead."""
+
+    @property
+    def device(self) -> int:
+        """Parameters, gradients and optimizer state on the device."""
+        return self.parameters + self.gradients + self.optimizer
+
+
+def load_model(spec: str) -> Callable[[], nn.Module]:
+    """``FILE.py:FUNCTION`` or ``package.module:FUNCTION``: a function that builds the model."""
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise UsageError("MODEL", spec, "it does not name a function",
+                         "pass FILE.py:FUNCTION or package.module:FUNCTION")
+    try:
+        if where.endswith(".py"):
+            if not Path(where).is_file():
+                raise FileNotFoundError(where)
+            namespace = runpy.run_path(where, run_name="mpt_estimate")
+        else:
+            namespace = vars(importlib.import_module(where))
+    except (ImportError, FileNotFoundError) as exc:
+        raise UsageError("MODEL", spec, f"{where} cannot be loaded ({exc})",
+                         "pass an existing file or an importable module") from None
+    function = namespace.get(name)
+    if not callable(function):
+        raise UsageError("MODEL", spec, f"{where} has no function {name!r}",
+                         f"name a function of {where} that returns the model")
+    return function
+
+
+def meta_model(build: Callable[[], nn.Module]) -> nn.Module:
+    """The model ``build`` returns, with every tensor on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        model = build()
+    if not isinstance(model, nn.Module):
+        raise UsageError("MODEL", type(model).__name__, "the function did not return an "
+                         "nn.Module", "return the model (not a tuple) from the function")
+    return model
+
+
+def activation_bytes(model: nn.Module, example: torch.Tensor) -> int:
+    """Bytes autograd saves for the backward in one forward of ``example`` (meta tensors)."""
+    parameters = {id(p) for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        # Weights, and views of them (a Linear saves its weight transposed), are counted as
+        # parameters already; ``_base`` is the tensor a view was taken of (torch's view docs).
+        base = tensor if tensor._base is None else tensor._base
+        if id(base) not in parameters:
+            saved[id(tensor)] = tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        output = model(example)  # kept alive until the sum: ids of saved tensors stay unique
+        total = sum(saved.values())
+    del output
+    return total
+
+
+def example_input(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(tuple(shape), dtype=dtype, device="meta")
