@@ -3,6 +3,8 @@
     .venv/bin/mpt launch --gpus 2 --backend fsdp benchmarks/sharded_memory.py
     .venv/bin/mpt launch --gpus 2 --backend fsdp benchmarks/sharded_memory.py --layers 16 \
         --width 4096                               # 268 M parameters: 4 GiB of fp32 Adam state
+    .venv/bin/mpt launch --gpus 2 --backend fsdp benchmarks/sharded_memory.py --layers 16 \
+        --width 4096 --meta                        # built on the meta device
     .venv/bin/mpt launch --gpus 2 --backend deepspeed --zero-stage 3 \
         benchmarks/sharded_memory.py
 
@@ -73,13 +75,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--dir", default=None, help="where to save (default: a temp dir)")
+    parser.add_argument("--meta", action="store_true", help="build the model on the meta "
+                        "device (fsdp initialises it one unit at a time)")
     args = parser.parse_args()
 
     sampler = RssSampler()
     start = sampler.now()
     rt = mpt.Runtime(quiet=True)
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)])
+    with torch.device("meta" if args.meta else "cpu"):
+        model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)])
     params = sum(p.numel() for p in model.parameters())
     full_state = 16 * params  # weights, gradients, two Adam moments, fp32
     share = full_state / rt.world_size

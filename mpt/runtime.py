@@ -221,6 +221,11 @@ class Runtime:
               name: str | None = None) -> tuple[nn.Module, torch.optim.Optimizer] | nn.Module:
         """Move the model to this rank's device and wrap it and its optimizer for the backend.
 
+        ``--backend fsdp`` also takes a model built on the meta device (``with
+        torch.device("meta"):``): it materialises it one unit at a time, each initialised by
+        its modules' ``reset_parameters`` from rank 0's random state, then sharded, so the
+        whole model never exists on a rank.
+
         Call it once per model: a GAN sets up its generator and its discriminator, each with
         its optimizer; an EMA copy or a frozen teacher comes without one (then only the model
         is returned, placed and equal on every rank). ``name`` keys the pair in checkpoints
@@ -231,7 +236,7 @@ class Runtime:
         """
         name = self.pairs.check_new(name, model, optimizer)
         original_model, original_optimizer = model, optimizer
-        model = self.precision.convert_module(model.to(self.device))
+        model = self.precision.convert_module(self.backend.place(model))
         wrapped, wrapped_optimizer = self.backend.setup(model, optimizer)
         pair = self.pairs.add(Pair(name=name, model=wrapped, optimizer=wrapped_optimizer),
                               original_model, original_optimizer)

@@ -54,6 +54,12 @@ class Availability:
     """The command that makes it available."""
 
 
+def on_meta(module: nn.Module, recurse: bool = True) -> bool:
+    """Whether ``module`` (or, ``recurse=False``, its own tensors) is on the meta device."""
+    return any(t.is_meta for t in (*module.parameters(recurse=recurse),
+                                   *module.buffers(recurse=recurse)))
+
+
 def _sizes(model: nn.Module) -> tuple[int, int]:
     """Parameters of ``model``, and those that train."""
     params = list(model.parameters())
@@ -156,6 +162,18 @@ class Backend(ABC):
         Called once per model. A model without an optimizer (an EMA copy, a frozen teacher)
         trains nothing: it is made equal on every rank and left unwrapped.
         """
+
+    def place(self, model: nn.Module) -> nn.Module:
+        """Move ``model`` to this rank's device, before ``setup``.
+
+        A model on the meta device has no weights to move: only a backend that materialises it
+        piece by piece (fsdp) takes one.
+        """
+        if on_meta(model):
+            raise UsageError("model", type(model).__name__, f"it is on the meta device, and "
+                             f"--backend {self.name} needs its weights", "build it on the CPU, "
+                             "or use --backend fsdp, which initialises it one unit at a time")
+        return model.to(self.device)
 
     def shutdown(self) -> None:
         """Leave the process group."""

@@ -8,14 +8,15 @@ scripts are DDP's.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from mpt.backends.base import Availability, BackendOption
+from mpt.backends.base import Availability, BackendOption, on_meta
 from mpt.backends.ddp import DDPBackend
 from mpt.errors import UsageError
 from mpt.estimate import MemoryEstimate
@@ -42,27 +43,26 @@ def units(model: nn.Module, wrap: frozenset[str] | None) -> list[nn.Module]:
     """The submodules sharded apart from the root, innermost first (fully_shard's order): those
     of the classes ``wrap`` names, else each that holds ``MIN_UNIT_PARAMETERS`` no unit below
     it took."""
-    if wrap is not None:
-        found = [m for m in model.modules() if m is not model and type(m).__name__ in wrap]
-        if not found:
-            classes = sorted({type(m).__name__ for m in model.modules()})
-            raise UsageError("--fsdp-wrap", ",".join(sorted(wrap)), "the model has no "
-                             "submodule of these classes", "name classes the model uses "
-                             f"({', '.join(classes[:8])})")
-        return found[::-1]
     found, taken = [], set()
 
     def visit(module: nn.Module) -> int:
-        """Parameters under ``module`` that no unit below it took."""
+        """Parameters under ``module`` that no unit below it took; children first, in order
+        (fully_shard's order, and the order in which a meta model's units are initialised)."""
         free = sum(visit(child) for child in module.children())
         free += sum(p.numel() for p in module.parameters(recurse=False) if id(p) not in taken)
-        if module is not model and free >= MIN_UNIT_PARAMETERS:
+        if module is not model and (type(module).__name__ in wrap if wrap is not None
+                                    else free >= MIN_UNIT_PARAMETERS):
             found.append(module)
             taken.update(id(p) for p in module.parameters())
             return 0
         return free
 
     visit(model)
+    if wrap is not None and not found:
+        classes = sorted({type(m).__name__ for m in model.modules()})
+        raise UsageError("--fsdp-wrap", ",".join(sorted(wrap)), "the model has no submodule "
+                         "of these classes", f"name classes the model uses "
+                         f"({', '.join(classes[:8])})")
     return found
 
 
@@ -162,7 +162,12 @@ class FSDPBackend(DDPBackend):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
+        meta = on_meta(model)
         if optimizer is None:  # nothing to train: rank 0's weights everywhere, not sharded
+            if meta:
+                raise UsageError("model", type(model).__name__, "a model without optimizer is "
+                                 "not sharded, and this one is on the meta device",
+                                 "build it on the CPU")
             self.broadcast_module_(model)
             return model, None
         if optimizer.state:
@@ -182,13 +187,61 @@ class FSDPBackend(DDPBackend):
                                   if self.option_values["cpu_offload"] else OffloadPolicy())
         settings = dict(mesh=self._mesh, offload_policy=offload,
                         reshard_after_forward=self.option_values["reshard_after_forward"])
-        for unit in units(model, self.option_values["wrap"]):
-            fully_shard(unit, **settings)
-        fully_shard(model, **settings)
+        with self._materialising(model) if meta else contextlib.nullcontext():
+            for unit in [*units(model, self.option_values["wrap"]), model]:
+                if meta:
+                    self._materialise(unit)
+                fully_shard(unit, **settings)
         sharded = dict(model.named_parameters())
         for group in optimizer.param_groups:
             group["params"] = [sharded[name_of[param]] for param in group["params"]]
         return model, optimizer
+
+    def place(self, model: nn.Module) -> nn.Module:
+        return model if on_meta(model) else super().place(model)  # materialised in setup
+
+    @contextlib.contextmanager
+    def _materialising(self, model: nn.Module) -> Iterator[None]:
+        """Initialise from rank 0's CPU random state, so every rank draws the same weights (and
+        the same as a model built on the CPU after the same seed); other ranks keep their own
+        state afterwards."""
+        missing = [name or type(model).__name__ for name, m in model.named_modules()
+                   if on_meta(m, recurse=False) and not hasattr(m, "reset_parameters")]
+        tied = len(list(model.named_parameters(remove_duplicate=False))) != len(
+            list(model.named_parameters()))
+        if tied:  # materialised module by module, a tie would silently come apart
+            raise UsageError("model", type(model).__name__, "it ties weights between modules, "
+                             "which materialising it on the meta device would untie",
+                             "build it on the CPU")
+        if missing:
+            raise UsageError("model", ", ".join(missing[:3]), "these modules on the meta device "
+                             "have weights or buffers but no reset_parameters() to initialise "
+                             "them", "give them a reset_parameters(), or build the model on "
+                             "the CPU")
+        own = torch.get_rng_state()
+        torch.set_rng_state(self.broadcast_object(own if self.world.rank == 0 else None))
+        try:
+            yield
+        finally:
+            if self.world.rank != 0:
+                torch.set_rng_state(own)
+
+    def _materialise(self, unit: nn.Module) -> None:
+        """The weights of ``unit`` that no unit inside it took, whole, initialised on the CPU
+        by their modules' ``reset_parameters`` (in module order, as construction does), then
+        moved where they train; ``fully_shard`` then keeps this rank's piece only."""
+        target = torch.device("cpu") if self.option_values["cpu_offload"] else self.device
+        for module in unit.modules():
+            if not on_meta(module, recurse=False):
+                continue
+            module.to_empty(device="cpu", recurse=False)
+            with torch.no_grad():
+                module.reset_parameters()
+            for name, param in list(module.named_parameters(recurse=False)):
+                setattr(module, name, nn.Parameter(param.to(target),
+                                                   requires_grad=param.requires_grad))
+            for name, buffer in list(module.named_buffers(recurse=False)):
+                setattr(module, name, buffer.to(target))
 
     def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
         # Off: backward keeps unsharded gradients and reduce-scatters nothing until the last

@@ -17,10 +17,10 @@ STEPS, MICRO = 6, 4
 
 
 def launch_equivalence(tmp_path: Path, port: int, accumulate: int, *options: str,
-                       gpus: int = 2) -> list[dict]:
+                       gpus: int = 2, meta: bool = False) -> list[dict]:
     result = run_mpt("launch", "--gpus", str(gpus), "--master-port", str(port), *options,
                      worker("equivalence.py"), str(tmp_path), str(STEPS), str(MICRO),
-                     str(accumulate))
+                     str(accumulate), *(["meta"] if meta else []))
     assert result.returncode == 0, result.stderr
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(gpus)]
 

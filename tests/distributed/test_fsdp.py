@@ -26,9 +26,13 @@ def launch_checks(tmp_path: Path, port: int, mode: str, *options: str) -> list[d
     return [json.loads((tmp_path / f"{mode}-rank{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.mark.parametrize("accumulate", [1, 3])
-def test_fsdp_matches_one_process_on_the_concatenated_batches(tmp_path, free_port, accumulate):
-    ranks = launch_equivalence(tmp_path, free_port, accumulate, "--backend", "fsdp")
+@pytest.mark.parametrize(("accumulate", "meta"), [(1, False), (3, True)])
+def test_fsdp_matches_one_process_on_the_concatenated_batches(tmp_path, free_port, accumulate,
+                                                              meta):
+    """``meta``: the model is built on the meta device; each unit is initialised as the CPU
+    would have (rank 0's random state, reset_parameters in module order), then sharded."""
+    ranks = launch_equivalence(tmp_path, free_port, accumulate, "--backend", "fsdp",
+                               "--fsdp-wrap", "Linear", meta=meta)
     reference = reference_params(STEPS, 2 * accumulate * MICRO)
     for r in ranks:
         for got, want in zip(r["params"], reference, strict=True):
@@ -71,6 +75,15 @@ def test_each_rank_writes_and_reads_back_only_its_own_pieces(tmp_path, free_port
     for shard, rank in zip(shards, ranks, strict=True):
         assert abs(shard.stat().st_size - rank["local_bytes"]) < 0.05 * rank["local_bytes"]
     assert not (checkpoint / "model.safetensors").exists()  # nothing gathered on rank 0
+
+
+def test_other_backends_refuse_a_model_on_the_meta_device_in_one_line(tmp_path, free_port):
+    result = run_mpt("launch", "--gpus", "1", "--master-port", str(free_port),
+                     worker("equivalence.py"), str(tmp_path), "1", "4", "1", "meta")
+    assert result.returncode == 2
+    assert ("mpt: error: model=Sequential is invalid: it is on the meta device, and --backend "
+            "ddp needs its weights. Fix: build it on the CPU, or use --backend fsdp"
+            ) in result.stderr
 
 
 def test_a_precision_that_casts_the_model_is_refused_before_start(tmp_path, free_port):

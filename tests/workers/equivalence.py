@@ -1,6 +1,6 @@
 """Train through mpt on slices of the global batches; save this rank's final parameters.
 
-usage: equivalence.py OUT_DIR STEPS MICRO_BATCH [ACCUMULATE]
+usage: equivalence.py OUT_DIR STEPS MICRO_BATCH [ACCUMULATE [meta]]
 Each rank runs ACCUMULATE micro-batches of MICRO_BATCH rows per step, so a step consumes
 world_size * ACCUMULATE * MICRO_BATCH rows of the global batch. A DDP comm hook counts the
 allreduces actually sent.
@@ -18,8 +18,10 @@ import mpt
 
 out, steps, micro = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 accumulate = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+meta = sys.argv[5:] == ["meta"]  # build it on the meta device (fsdp materialises it)
 rt = mpt.Runtime(accumulate=accumulate)
-model = make_model()
+with torch.device("meta" if meta else "cpu"):
+    model = make_model()
 model, optimizer = rt.setup(model, make_optimizer(model))
 
 allreduces = [0]
