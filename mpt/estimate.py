@@ -48,6 +48,12 @@ class MemoryEstimate:
         return self.parameters + self.gradients + self.optimizer
 
 
+def parameter_counts(model: nn.Module) -> tuple[int, int]:
+    """Parameters of ``model``, and those of them that train."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+
+
 def load_model(spec: str) -> Callable[[], nn.Module]:
     """``FILE.py:FUNCTION`` or ``package.module:FUNCTION``: a function that builds the model."""
     where, _, name = spec.rpartition(":")

@@ -14,7 +14,7 @@ from torch import nn
 from mpt.checkpoint.named import from_named, to_named
 from mpt.environments import World
 from mpt.errors import UsageError
-from mpt.estimate import MemoryEstimate
+from mpt.estimate import MemoryEstimate, parameter_counts
 from mpt.parse import parse_bool, parse_text
 from mpt.precision import Precision, PrecisionSpec
 
@@ -58,12 +58,6 @@ def on_meta(module: nn.Module, recurse: bool = True) -> bool:
     """Whether ``module`` (or, ``recurse=False``, its own tensors) is on the meta device."""
     return any(t.is_meta for t in (*module.parameters(recurse=recurse),
                                    *module.buffers(recurse=recurse)))
-
-
-def _sizes(model: nn.Module) -> tuple[int, int]:
-    """Parameters of ``model``, and those that train."""
-    params = list(model.parameters())
-    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
 
 
 class Backend(ABC):
@@ -137,7 +131,7 @@ class Backend(ABC):
         """Bytes per rank of ``model`` (built on the meta device) trained in ``spec`` with an
         optimizer keeping ``optimizer_states`` fp32 values per parameter, one row per choice of
         the backend's options worth comparing. The default: a whole replica on every rank."""
-        weights, trained = _sizes(model)
+        weights, trained = parameter_counts(model)
         masters = 4 * trained if spec.master != spec.params else 0
         return [MemoryEstimate(
             label=cls.name, parameters=weights * spec.params.itemsize,

@@ -47,7 +47,7 @@ from mpt.backends.deepspeed_config import (
 from mpt.checkpoint.named import from_named
 from mpt.environments import World
 from mpt.errors import MissingDependencyError, UsageError
-from mpt.estimate import MemoryEstimate
+from mpt.estimate import MemoryEstimate, parameter_counts
 from mpt.precision import LossScaleConfig, Precision, PrecisionSpec
 
 if TYPE_CHECKING:  # it imports deepspeed, which is imported only once a run asks for it
@@ -171,8 +171,7 @@ class DeepSpeedBackend(DDPBackend):
         fp32 master copy (kept from stage 1 on even in fp32, and in 16-bit modes at stage 0);
         stage 1 partitions the optimizer's share, 2 the gradients too, 3 the weights too."""
         width = 4 if mode_of(spec) is None else 2
-        weights = sum(p.numel() for p in model.parameters())
-        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        weights, trained = parameter_counts(model)
         rows = []
         for stage, offload in ((0, ""), (1, ""), (2, ""), (3, ""), (2, "optimizer"),
                                (3, "optimizer,parameters")):

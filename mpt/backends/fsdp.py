@@ -8,6 +8,7 @@ scripts are DDP's.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
@@ -19,7 +20,7 @@ from torch import nn
 from mpt.backends.base import Availability, BackendOption, on_meta
 from mpt.backends.ddp import DDPBackend
 from mpt.errors import UsageError
-from mpt.estimate import MemoryEstimate
+from mpt.estimate import MemoryEstimate, parameter_counts
 from mpt.parse import parse_bool, parse_text
 from mpt.precision import PrecisionSpec
 
@@ -61,7 +62,7 @@ def units(model: nn.Module, wrap: frozenset[str] | None) -> list[nn.Module]:
     if wrap is not None and not found:
         classes = sorted({type(m).__name__ for m in model.modules()})
         raise UsageError("--fsdp-wrap", ",".join(sorted(wrap)), "the model has no submodule "
-                         "of these classes", f"name classes the model uses "
+                         "of these classes", "name classes the model uses "
                          f"({', '.join(classes[:8])})")
     return found
 
@@ -136,8 +137,7 @@ class FSDPBackend(DDPBackend):
         """fp32 shards of weights, gradients and optimizer state, 1/N each, plus the largest
         unit's weights and gradients whole while it runs; offloaded, only that unit stays."""
         values = cls.check_options(options)
-        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        weights = sum(p.numel() for p in model.parameters())
+        weights, trained = parameter_counts(model)
         unit = 4 * largest_unit(model, values["wrap"])
         shards = (4 * weights // world_size, 4 * trained // world_size,
                   4 * optimizer_states * trained // world_size)
@@ -156,6 +156,7 @@ class FSDPBackend(DDPBackend):
         dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
                                 store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=self.timeout)
+        atexit.register(self.shutdown)  # as DDP does, for scripts that never call rt.close()
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
               ) -> tuple[nn.Module, torch.optim.Optimizer | None]:

@@ -159,7 +159,6 @@ def save_checkpoint(path: str | os.PathLike[str], parts: TrainingState, *, step:
     return root.child(final).url
 
 
-
 def write_directory(root: io.Location, staging: str, final: str,
                     blobs: dict[str, bytes | dict[str, torch.Tensor]], *,
                     manifest: dict[str, Any], keep: int | None = None) -> None:
