@@ -40,8 +40,10 @@ def test_fsdp_matches_one_process_on_the_concatenated_batches(tmp_path, free_por
     assert ranks[0]["stepped"] == ([False] * (accumulate - 1) + [True]) * STEPS
 
 
-def test_each_rank_holds_half_and_clipping_sees_the_whole_gradient(tmp_path, free_port):
-    ranks = launch_checks(tmp_path, free_port, "clip", "--fsdp-wrap", "Linear")
+@pytest.mark.parametrize("offload", [pytest.param((), id="on-device"), pytest.param(
+    ("--fsdp-cpu-offload",), id="cpu-offload", marks=pytest.mark.slow)])
+def test_each_rank_holds_half_and_clipping_sees_the_whole_gradient(tmp_path, free_port, offload):
+    ranks = launch_checks(tmp_path, free_port, "clip", "--fsdp-wrap", "Linear", *offload)
     # every Linear is a unit of its own, the model the root of the rest
     assert ranks[0]["units"] == ["", "0", "2"]
     assert sum(r["local_numel"] for r in ranks) == ranks[0]["numel"]
