@@ -184,7 +184,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory
     return get
 
 
-backends = pytest.mark.parametrize("backend", list(BACKENDS))
+# DeepSpeed goes through the same launcher and checkpoint paths as ddp: its cases run in
+# `make conformance` (marked slow), ddp's in `make test`.
+backends = pytest.mark.parametrize("backend", [
+    pytest.param(name, marks=pytest.mark.slow) if name == "deepspeed" else name
+    for name in BACKENDS])
 
 
 # -- the cases -------------------------------------------------------------------------------
@@ -248,8 +252,9 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_latest(tmp_path, fi
 
 
 @pytest.mark.parametrize(("backend", "sig"), [
-    ("ddp", signal.SIGTERM), ("deepspeed", signal.SIGTERM), ("ddp", signal.SIGUSR1)],
-    ids=["ddp-SIGTERM", "deepspeed-SIGTERM", "ddp-SIGUSR1"])
+    pytest.param("ddp", signal.SIGTERM, id="ddp-SIGTERM"),
+    pytest.param("deepspeed", signal.SIGTERM, id="deepspeed-SIGTERM", marks=pytest.mark.slow),
+    pytest.param("ddp", signal.SIGUSR1, id="ddp-SIGUSR1")])
 def test_preemption_saves_one_step_on_every_rank_and_resumes_bitwise(
         tmp_path, figures, reference, backend, sig):
     ck = tmp_path / "ck"
