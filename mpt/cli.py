@@ -278,7 +278,7 @@ def _print_plan(spec: LaunchSpec, cuda_devices: int) -> None:
     from mpt.environments import device_name
 
     table = Table(title=f"{spec.script} on {spec.world.world_size} process(es): backend "
-                  f"{spec.backend}, precision {spec.run_precision}, rendezvous "
+                  f"{spec.backend}, precision {spec.run.precision}, rendezvous "
                   f"{spec.master_addr}:{spec.master_port}")
     for column in ("node", "local rank", "global rank", "device"):
         table.add_column(column, justify="right" if column != "device" else "left")

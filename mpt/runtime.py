@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from mpt import checkpoint
 from mpt._native import bind_to_parent
-from mpt.backends import Backend, get_backend, resolve_precision
+from mpt.backends import Backend, checked_precision, get_backend
 from mpt.checkpoint.background import BackgroundWriter
 from mpt.data import DistributedLoader
 from mpt.environments import World, detect_world, device_name
@@ -28,7 +28,7 @@ from mpt.errors import UsageError
 from mpt.fault import REQUEUE_EXIT_CODE, Heartbeat, Preemption
 from mpt.metrics import MetricsConfig, Monitor
 from mpt.pairs import Pair, Pairs
-from mpt.precision import LossScaleConfig, Precision, make_precision
+from mpt.precision import LossScaleConfig, Precision
 from mpt.run_config import RunConfig
 from mpt.scaling import BatchPlan, lr_factor, plan_batch
 
@@ -145,11 +145,9 @@ class Runtime:
         scale = (loss_scale if isinstance(loss_scale, LossScaleConfig)
                  else LossScaleConfig.parse(config.loss_scale))
         # The check `mpt launch` made, again for scripts other launchers started.
-        precision_name = resolve_precision(
+        self.precision: Precision = checked_precision(
             config.backend, config.precision, device_type=self.device.type, loss_scale=scale,
             precision_options=config.precision_options, backend_options=config.backend_options)
-        self.precision: Precision = make_precision(precision_name, self.device.type, scale,
-                                                   config.precision_options)
         self.backend: Backend = get_backend(config.backend)(
             world=self.world, device=self.device, precision=self.precision,
             accumulate=self.accumulate, timeout=timedelta(seconds=config.timeout or 1800.0),

@@ -18,7 +18,7 @@ from mpt.backends.deepspeed import DeepSpeedBackend
 from mpt.backends.fsdp import FSDPBackend
 from mpt.backends.horovod import HorovodBackend  # imports horovod only when used
 from mpt.errors import MissingDependencyError, UsageError
-from mpt.precision import LossScaleConfig, check_precision, describe
+from mpt.precision import LossScaleConfig, Precision, make_precision
 
 BUILTIN: dict[str, type[Backend]] = {DDPBackend.name: DDPBackend,
                                      DeepSpeedBackend.name: DeepSpeedBackend}
@@ -79,22 +79,34 @@ def get_backend(name: str) -> type[Backend]:
     return backends[name]
 
 
+def checked_precision(backend: str, precision: str | None, *, device_type: str,
+                      loss_scale: LossScaleConfig | None = None,
+                      precision_options: Mapping[str, Any] | None = None,
+                      backend_options: Mapping[str, Any] | None = None) -> Precision:
+    """The precision a run of ``backend`` trains in, made for ``device_type``: ``precision``,
+    else the one the backend's own config asks for, else fp32; refused (UsageError) where the
+    backend would train it wrong.
+
+    The one check `mpt launch`, `mpt horovodrun` and the Runtime make, before any process or
+    any model exists; the Runtime trains with what it returns.
+    """
+    cls = get_backend(backend)
+    options = backend_options or {}
+    made = make_precision(precision or cls.default_precision(options) or "fp32", device_type,
+                          loss_scale, precision_options)
+    cls.check_precision(made.spec, device_type, options)
+    return made
+
+
 def resolve_precision(backend: str, precision: str | None, *, device_type: str,
                       loss_scale: LossScaleConfig | None = None,
                       precision_options: Mapping[str, Any] | None = None,
                       backend_options: Mapping[str, Any] | None = None) -> str:
-    """The precision a run of ``backend`` uses: ``precision``, else the one the backend's own
-    config asks for, else fp32; refused (UsageError) where the backend would train it wrong.
-
-    The one check `mpt launch`, `mpt horovodrun` and the Runtime make, before any process or
-    any model exists.
-    """
-    cls = get_backend(backend)
-    options = backend_options or {}
-    name = check_precision(precision or cls.default_precision(options) or "fp32")
-    cls.check_precision(describe(name, loss_scale, precision_options), device_type, options)
-    return name
+    """The name of ``checked_precision``'s precision: what launchers hand their workers."""
+    return checked_precision(backend, precision, device_type=device_type, loss_scale=loss_scale,
+                             precision_options=precision_options,
+                             backend_options=backend_options).name
 
 
 __all__ = ["Availability", "Backend", "DDPBackend", "DeepSpeedBackend", "FSDPBackend", "broken",
-           "get_backend", "register", "registered", "resolve_precision"]
+           "checked_precision", "get_backend", "register", "registered", "resolve_precision"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import atexit
 import gc
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -44,8 +44,19 @@ class DDPBackend(Backend):
                                  ("mpi", dist.is_mpi_available())) if ok]
         return Availability(available=True, version=f"{torch.__version__} ({', '.join(comms)})")
 
+    group_alone: ClassVar[bool] = False
+    """Whether a world of one still gets a process group (fully_shard and DeepSpeed need one,
+    DDP does not)."""
+
     def init_process_group(self) -> None:
-        if not self.world.is_distributed or dist.is_initialized():
+        if dist.is_initialized():
+            return
+        if not self.world.is_distributed:
+            if self.group_alone:  # an in-process store: no port, no launcher variables
+                dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
+                                        store=dist.HashStore(), rank=0, world_size=1,
+                                        timeout=self.timeout)
+                atexit.register(self.shutdown)  # for scripts that never call rt.close()
             return
         if self.world.master_addr is None:
             raise UsageError("MASTER_ADDR", "<unset>", f"the {self.world.source} launcher did not "

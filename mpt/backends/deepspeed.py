@@ -20,7 +20,6 @@ and the optimizer did there:
 
 from __future__ import annotations
 
-import atexit
 import importlib.metadata
 import os
 from collections.abc import Mapping
@@ -212,20 +211,15 @@ class DeepSpeedBackend(DDPBackend):
         return Availability(available=True, version=f"{version} ({device})")
 
     # -- life cycle ---------------------------------------------------------------------------
+    group_alone = True  # DeepSpeed needs a process group even for one process
+
     def init_process_group(self) -> None:
-        if self.world.is_distributed or dist.is_initialized():
-            super().init_process_group()
+        super().init_process_group()
+        if self.world.is_distributed:
             # ZeRO reduces over DeepSpeed's clone of the world group, which it makes without a
             # timeout (torch's 30 min): made here first, with --timeout, a hung peer fails.
             groups = importlib.import_module("deepspeed.utils.groups")
             groups._WORLD_GROUP = groups._WORLD_GROUP or dist.new_group(timeout=self.timeout)
-            return
-        # DeepSpeed needs a process group even for one process; an in-process store needs no
-        # port and no launcher variables.
-        dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
-                                store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=self.timeout)
-        atexit.register(self.shutdown)  # as DDP does, for scripts that never call rt.close()
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
               ) -> tuple[nn.Module, torch.optim.Optimizer | None]:

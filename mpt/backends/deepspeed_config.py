@@ -145,14 +145,13 @@ MODES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 model and steps fp32 master weights inside the engine."""
 
 _MIXED = {"fp16": "fp16-mixed", "bf16": "bf16-mixed"}
+_SECTIONS = {"fp16": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
+"""A config's precision sections, by the mode each turns on (bfloat16: bf16's older name)."""
 
 
 def config_mode(config: Mapping[str, Any]) -> str | None:
     """The precision mode a DeepSpeed config enables (``fp16``, ``bf16``), None if neither."""
-    for key in ("fp16", "bf16", "bfloat16"):  # bfloat16: DeepSpeed's older name of bf16
-        if _enabled(config, key):
-            return "bf16" if key == "bfloat16" else key
-    return None
+    return next((mode for key, mode in _SECTIONS.items() if _enabled(config, key)), None)
 
 
 def mode_of(spec: PrecisionSpec) -> str | None:
@@ -173,11 +172,11 @@ def precision_refusal(user: Mapping[str, Any], spec: PrecisionSpec,
                 f"for {spec.name}")
     if mode == "fp16" and no_fp16:
         return ("has no fp16 on CPU", "use --precision bf16-mixed, or run on GPUs")
-    for key in ("fp16", "bf16", "bfloat16"):
+    for key, which in _SECTIONS.items():
         section = user.get(key)
         if not (isinstance(section, Mapping) and "enabled" in section):
             continue
-        on, which = bool(section["enabled"]), "bf16" if key == "bfloat16" else key
+        on = bool(section["enabled"])
         if on != (mode == which):
             wanted = _MIXED[which] if on else "fp32"
             return (f"is given a DeepSpeed config that {'enables' if on else 'disables'} {key}",

@@ -8,13 +8,11 @@ scripts are DDP's.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from mpt.backends.base import Availability, BackendOption, on_meta
@@ -147,16 +145,7 @@ class FSDPBackend(DDPBackend):
                                gradients=unit, optimizer=0, host=sum(shards))]
 
     # -- life cycle ---------------------------------------------------------------------------
-    def init_process_group(self) -> None:
-        if self.world.is_distributed or dist.is_initialized():
-            super().init_process_group()
-            return
-        # fully_shard needs a process group even for one process (a checkpoint of 2 ranks
-        # resumes at 1); an in-process store needs no port and no launcher variables.
-        dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
-                                store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=self.timeout)
-        atexit.register(self.shutdown)  # as DDP does, for scripts that never call rt.close()
+    group_alone = True  # fully_shard needs a group at 1 rank too (a 2-rank checkpoint resumes)
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
               ) -> tuple[nn.Module, torch.optim.Optimizer | None]:

@@ -33,8 +33,9 @@ class BackgroundWriter:
         for about one memcpy of the state. The price: host memory for one copy of it.
         """
         assert not self.busy, "stage() while a write is in flight"
-        staged = {}
+        staged, on_gpu = {}, False
         for key, tensor in tensors.items():
+            on_gpu = on_gpu or tensor.is_cuda
             name = f"{blob}/{key}"
             buffer = self._staged.get(name)
             if (buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype):
@@ -42,7 +43,7 @@ class BackgroundWriter:
                                      pin_memory=tensor.is_cuda)
                 self._staged[name] = buffer
             staged[key] = buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
-        if torch.cuda.is_available():
+        if on_gpu:
             torch.cuda.synchronize()  # the non-blocking copies have landed
         return staged
 

@@ -57,7 +57,8 @@ class LaunchSpec:
     master_port: int = 29500
     """Port of the rendezvous on node 0."""
     run: RunConfig = field(default_factory=RunConfig)
-    """What every worker trains with: backend, precision, ... (exported as MPT_RUN_CONFIG)."""
+    """What every worker trains with: backend, precision, ... (exported as MPT_RUN_CONFIG); its
+    precision is the resolved one once the spec exists (a DeepSpeed config's, or fp32)."""
     log_dir: Path | None = None
     """Where each rank's stdout/stderr is also written, one file per rank."""
     tee: frozenset[int] = DEFAULT_TEE
@@ -82,7 +83,13 @@ class LaunchSpec:
 
     def __post_init__(self) -> None:
         self.world  # noqa: B018 - World validates nodes, gpus, nr and the port: those errors first
-        self.run_precision  # noqa: B018 - refuses a pair the backend would train wrong
+        # Refuses a pair the backend would train wrong; the workers get the name it resolved.
+        run = self.run
+        resolved = resolve_precision(
+            run.backend, run.precision, loss_scale=LossScaleConfig.parse(run.loss_scale),
+            precision_options=run.precision_options, backend_options=run.backend_options,
+            device_type="cuda" if torch.cuda.is_available() else "cpu")
+        object.__setattr__(self, "run", dataclasses.replace(run, precision=resolved))
         if self.run.global_batch_size is not None:  # the script's batch size is checked later
             plan_batch(self.run.global_batch_size, self.world.world_size)
         if not self.script.is_file():
@@ -107,21 +114,10 @@ class LaunchSpec:
     def backend(self) -> str:
         return self.run.backend
 
-    @property
-    def run_precision(self) -> str:
-        """The precision the workers use, checked against the backend on this machine's device
-        type (see ``mpt.backends.resolve_precision``)."""
-        run = self.run
-        return resolve_precision(
-            run.backend, run.precision, loss_scale=LossScaleConfig.parse(run.loss_scale),
-            precision_options=run.precision_options, backend_options=run.backend_options,
-            device_type="cuda" if torch.cuda.is_available() else "cpu")
-
     def worker_env(self) -> dict[str, str]:
         """What every worker inherits, whichever launcher starts it: the run's settings (its
-        ``mpt.Runtime`` reads them) with the precision resolved, and one thread per process."""
-        run = dataclasses.replace(self.run, precision=self.run_precision)
-        return {**run.to_env(), **thread_env(self.gpus)}
+        ``mpt.Runtime`` reads them) and one thread per process."""
+        return {**self.run.to_env(), **thread_env(self.gpus)}
 
     def worker_args(self) -> list[str]:
         """What each process runs after ``python``: the script through mpt's worker shim."""

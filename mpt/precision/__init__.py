@@ -66,7 +66,7 @@ def make_precision(name: str, device_type: str, loss_scale: LossScaleConfig | No
 
 
 def describe(name: str, loss_scale: LossScaleConfig | None = None,
-               options: Mapping[str, Any] | None = None) -> PrecisionSpec:
+             options: Mapping[str, Any] | None = None) -> PrecisionSpec:
     """What precision ``name`` with these settings does, checked, without a device or a model
     (`mpt launch` asks before any process starts)."""
     return make_precision(name, "cpu", loss_scale, options).spec
