@@ -245,15 +245,20 @@ class Backend(ABC):
     """Whether each rank holds only its pieces of the weights and optimizer state: sharded
     checkpoints then write and read just those (``local_*_state_dict``) and never gather."""
 
-    def local_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """This rank's pieces of the weights, as ``DTensor`` shards keyed like
-        ``model_state_dict``, where ``shards_state``; the full weights elsewhere. The
+    def local_model_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """This rank's pieces of the weights, keyed like ``model_state_dict``, where
+        ``shards_state``: ``DTensor`` shards, or ``mpt.checkpoint.flat.FlatPiece`` ranges of the
+        flattened tensors (collective). The full weights elsewhere. The
         ``load_model_state_dict`` of a backend that shards takes either."""
         return self.model_state_dict(model)
 
-    def local_optimizer_state_dict(self, model: nn.Module,
-                                   optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """``optimizer_state_dict`` with this rank's pieces, as ``local_model_state_dict``."""
+    def local_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                                   *, create: bool = False) -> dict[str, Any]:
+        """``optimizer_state_dict`` with this rank's pieces, as ``local_model_state_dict``.
+
+        ``create``: an optimizer that has not stepped yet gets its state made first (zeros),
+        for a load to read pieces into; without it, such an optimizer has no state to save.
+        """
         return self.optimizer_state_dict(model, optimizer)
 
     # -- collectives the runtime offers to scripts --------------------------------------------
@@ -283,3 +288,10 @@ class Backend(ABC):
         """Start summing the small CPU ``tensor`` over all ranks in place, off the training
         stream; return the function that waits for the sum. The runtime's per-step decisions
         (preemption) go through it, so no rank ever waits for the device to learn them."""
+
+
+def holds(kind: type, state: dict[str, Any]) -> bool:
+    """Whether ``state`` (by name, one level of nesting) holds pieces of type ``kind``: what a
+    sharded checkpoint was read into, in place, instead of whole tensors."""
+    return any(isinstance(v, kind) for value in state.values()
+               for v in (value.values() if isinstance(value, dict) else [value]))

@@ -15,7 +15,9 @@ and the optimizer did there:
   ``.grad`` tensors, clipped at once as under ``ddp``.
 - Checkpoints: full fp32 weights and per-parameter optimizer state, gathered from the shards by
   DeepSpeed's ``safe_get_full_*`` functions (collective: every rank calls), in mpt's by-name
-  format, so a ZeRO checkpoint loads under any backend, stage and world size.
+  format, so a ZeRO checkpoint loads under any backend, stage and world size. At stage 3 a
+  sharded checkpoint (the default there) gathers nothing: each rank writes and reads its own
+  partitions (``safe_get_local_*``) as whole rows of each tensor, resharded at load.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mpt.backends.base import Availability, BackendOption
+from mpt.backends.base import Availability, BackendOption, holds
 from mpt.backends.ddp import DDPBackend
 from mpt.backends.deepspeed_config import (
     build_config,
@@ -43,6 +45,7 @@ from mpt.backends.deepspeed_config import (
     parse_stage,
     precision_refusal,
 )
+from mpt.checkpoint.flat import FlatPiece
 from mpt.checkpoint.named import from_named
 from mpt.environments import World
 from mpt.errors import MissingDependencyError, UsageError
@@ -365,6 +368,22 @@ class DeepSpeedBackend(DDPBackend):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if id(model) in self._engines else model
 
+    @property
+    def shards_state(self) -> bool:  # type: ignore[override]
+        """At stage 3 each rank holds its partition of every parameter and its state."""
+        return bool(self._engines) and self.config["zero_optimization"]["stage"] == 3
+
+    def local_model_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        if id(model) not in self._engines or not self.shards_state:
+            return super().local_model_state_dict(model)
+        return self._of(model).state.local_weights(self.device)
+
+    def local_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                                   *, create: bool = False) -> dict[str, Any]:
+        if not self.shards_state:
+            return super().local_optimizer_state_dict(model, optimizer, create=create)
+        return self._of(model).state.local_optimizer_state(self.device, create=create)
+
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         if id(model) not in self._engines:
             return super().model_state_dict(model)
@@ -380,6 +399,9 @@ class DeepSpeedBackend(DDPBackend):
             super().load_model_state_dict(model, state)
             return
         record = self._of(model)
+        if holds(FlatPiece, state):  # read in place into this rank's partitions
+            record.state.load_local_weights(state)
+            return
         module = record.engine.module
         wanted = set(module.state_dict())
         if set(state) != wanted:
@@ -408,3 +430,4 @@ class DeepSpeedBackend(DDPBackend):
             return
         from_named(state, record.state.names)  # refuses checkpoints of other models
         record.state.load_optimizer_state(state)
+

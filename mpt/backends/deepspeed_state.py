@@ -7,14 +7,22 @@ translate one parameter at a time; this module applies them to a whole model, in
 format (``mpt.checkpoint.named``), and handles what they leave out: per-group scalars such as
 Adam's ``step``, optimizer state that does not exist yet in a fresh job, and refreshing the
 low-precision weights after the masters changed.
+
+At ZeRO-3 a sharded checkpoint takes each rank's partitions as they are instead
+(``local_weights``/``local_optimizer_state``): ``FlatPiece`` ranges of DeepSpeed's
+``safe_get_local_*`` views, which mpt's DCP storage writes as whole rows and reads in place.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
+from mpt.checkpoint.flat import FlatPiece, exchange_tails
 from mpt.precision import LossScaleState
 
 
@@ -67,6 +75,8 @@ class FlatState:
         """Parameter names per (non-empty) param group, as the user's optimizer held them."""
         self.names = [name for group in groups for name in group]
         self.params = dict(engine.module.named_parameters())
+        self._created: set[torch.Tensor] = set()
+        """Flat shards whose state ``_create_state`` made, for a load to read into."""
 
     @property
     def _inner(self) -> torch.optim.Optimizer:
@@ -109,6 +119,12 @@ class FlatState:
     # -- optimizer state ----------------------------------------------------------------------
     def optimizer_state(self) -> dict[str, Any]:
         """Full optimizer state by name (collective: every rank calls, in the same order)."""
+        return self._optimizer_state(
+            lambda param, key: _utils().safe_get_full_optimizer_state(param, key).clone())
+
+    def _optimizer_state(self, tensor: Callable[[torch.nn.Parameter, str], Any]
+                         ) -> dict[str, Any]:
+        """The optimizer state by name, ``tensor(param, key)`` for each per-element tensor."""
         state: dict[str, dict[str, Any]] = {}
         for group, names in enumerate(self.groups):
             for name in names:
@@ -117,7 +133,7 @@ class FlatState:
                 entry: dict[str, Any] = {}
                 for key, value in self._inner.state.get(flat, {}).items():
                     if torch.is_tensor(value) and value.shape == flat.shape:
-                        entry[key] = _utils().safe_get_full_optimizer_state(param, key).clone()
+                        entry[key] = tensor(param, key)
                     else:  # per group, e.g. Adam's step: the same for each of its parameters
                         entry[key] = value.clone() if torch.is_tensor(value) else value
                 if entry:
@@ -128,11 +144,12 @@ class FlatState:
         return {"state": state, "param_groups": param_groups}
 
     def load_optimizer_state(self, named: dict[str, Any]) -> None:
-        """Restore ``optimizer_state``'s output, even into an optimizer that never stepped."""
+        """Restore ``optimizer_state``'s output, even into an optimizer that never stepped, or
+        finish a load of ``local_optimizer_state``'s (whose ranges DCP read in place)."""
         for group, saved in zip(self.engine.optimizer.param_groups, named["param_groups"],
                                 strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})
-        inner = self._inner
+        inner, filled = self._inner, set()
         for group, names in enumerate(self.groups):
             for name in names:
                 saved = named["state"].get(name)
@@ -140,6 +157,7 @@ class FlatState:
                     continue
                 param = self.params[name]
                 flat = self._flat(param, group)
+                filled.add(flat)
                 slot = inner.state[flat]
                 full = [k for k, v in saved.items()
                         if torch.is_tensor(v) and v.shape == _full_shape(param)]
@@ -147,6 +165,10 @@ class FlatState:
                     if key in full:
                         # torch creates its state at the first step; create it now instead.
                         slot.setdefault(key, torch.zeros_like(flat))
+                    elif isinstance(value, FlatPiece):
+                        # A copy onto itself, unless DeepSpeed handed out a copy (an offloaded
+                        # partition moved to the device): then this is where the value lands.
+                        _utils().safe_set_local_optimizer_state(param, _padded(param, value), key)
                     else:
                         slot[key] = value.clone() if torch.is_tensor(value) else value
                 mapping = getattr(param, "_hp_mapping", None)
@@ -155,6 +177,80 @@ class FlatState:
                 for key in full:
                     value = saved[key].to(device=flat.device, dtype=flat.dtype)
                     _set_full(param, value, key)
+        for flat in self._created - filled:
+            del inner.state[flat]  # made for a load that brought none: fresh again
+        self._created.clear()
+
+    # -- this rank's partitions (ZeRO-3) --------------------------------------------------------
+    def _piece(self, param: torch.nn.Parameter, local: torch.Tensor | None) -> FlatPiece:
+        """``local`` (a partition of ``param``'s size, padded) as the range this rank holds."""
+        if local is None:  # no master (a frozen parameter): the partition the module uses
+            local = param.ds_tensor
+        size, numel = local.numel(), param.ds_numel
+        start = size * dist.get_rank(group=param.ds_process_group)
+        return FlatPiece(shape=_full_shape(param), start=start,
+                         flat=local.detach().view(-1)[:max(0, min(size, numel - start))])
+
+    def local_weights(self, device: torch.device) -> dict[str, torch.Tensor | FlatPiece]:
+        """Buffers whole, and this rank's range of each fp32 master (collective)."""
+        state: dict[str, torch.Tensor | FlatPiece] = dict(self.engine.module.state_dict())
+        pieces = {name: self._piece(param, _utils().safe_get_local_fp32_param(param))
+                  for name, param in self.params.items()}
+        exchange_tails(list(pieces.values()), device)
+        return {**state, **pieces}
+
+    def local_optimizer_state(self, device: torch.device, *, create: bool) -> dict[str, Any]:
+        """Optimizer state by name with this rank's range of each per-element tensor
+        (collective). ``create``: an optimizer that has not stepped gets zero state first."""
+        if create:
+            self._create_state()
+        pieces: list[FlatPiece] = []
+
+        def piece(param: torch.nn.Parameter, key: str) -> FlatPiece:
+            pieces.append(self._piece(param, _utils().safe_get_local_optimizer_state(param, key)))
+            return pieces[-1]
+
+        state = self._optimizer_state(piece)
+        exchange_tails(pieces, device)
+        return state
+
+    def _create_state(self) -> None:
+        """Make the inner optimizer's state by one step on zero gradients at learning rate 0,
+        as ``torch.distributed.checkpoint.state_dict`` does for a fresh optimizer."""
+        inner = self._inner
+        if inner.state:
+            return
+        flats = [flat for group in inner.param_groups for flat in group["params"]]
+        self._created.update(flats)
+        rates = [group.get("lr") for group in inner.param_groups]
+        for flat in flats:
+            flat.grad = torch.zeros_like(flat)
+        for group in inner.param_groups:
+            if "lr" in group:
+                group["lr"] = 0.0
+        inner.step()
+        for group, rate in zip(inner.param_groups, rates, strict=True):
+            if rate is not None:
+                group["lr"] = rate
+        for flat in flats:
+            flat.grad = None
+
+    def load_local_weights(self, state: dict[str, Any]) -> None:
+        """Finish a load of ``local_weights``' output, whose ranges DCP read in place."""
+        with torch.no_grad():
+            for name, param in self.params.items():
+                if param.requires_grad:  # it has a master (a frozen one was read in place)
+                    _utils().safe_set_local_fp32_param(param, _padded(param, state[name]))
+            for name, buffer in self.engine.module.named_buffers():
+                buffer.copy_(state[name])
+            opt = self.engine.optimizer
+            for sub_group in range(len(opt.fp16_groups)):  # masters -> the weights used
+                opt._reassign_or_swap_out_partitioned_parameters(sub_group)
+
+
+def _padded(param: torch.nn.Parameter, piece: FlatPiece) -> torch.Tensor:
+    """``piece``'s range with the zeros DeepSpeed pads the last partition with."""
+    return F.pad(piece.flat, (0, param.ds_tensor.numel() - piece.flat.numel()))
 
 
 def loss_scaler_of(optimizer: Any) -> Any:

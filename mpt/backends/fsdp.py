@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from mpt.backends.base import Availability, BackendOption, on_meta
+from mpt.backends.base import Availability, BackendOption, holds, on_meta
 from mpt.backends.ddp import DDPBackend
 from mpt.errors import UsageError
 from mpt.estimate import MemoryEstimate, parameter_counts
@@ -270,30 +270,43 @@ class FSDPBackend(DDPBackend):
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
+        from torch.distributed.tensor import DTensor
 
-        set_model_state_dict(model, state, options=_options(full=not _holds_shards(state)))
+        set_model_state_dict(model, state, options=_options(full=not holds(DTensor, state)))
 
     def optimizer_state_dict(self, model: nn.Module,
                              optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
         # Keyed by parameter name already: the layout of mpt.checkpoint.named.
-        return get_optimizer_state_dict(model, optimizer, options=_options(full=True))
+        return _optimizer_state(model, optimizer, full=True, create=False)
 
-    def local_optimizer_state_dict(self, model: nn.Module,
-                                   optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        # A fresh optimizer gets its state made here (torch steps it once at lr 0): a
-        # checkpoint's pieces are then read straight into it.
-        return get_optimizer_state_dict(model, optimizer)
+    def local_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                                   *, create: bool = False) -> dict[str, Any]:
+        return _optimizer_state(model, optimizer, full=False, create=create)
 
     def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                                   state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+        from torch.distributed.tensor import DTensor
 
         set_optimizer_state_dict(model, optimizer, state, options=_options(
-            full=not _holds_shards(state["state"])))
+            full=not holds(DTensor, state["state"])))
+        if not state["state"]:  # saved before its first step: fresh again, as it was saved
+            optimizer.state.clear()
+
+
+def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, *, full: bool,
+                     create: bool) -> dict[str, Any]:
+    """The optimizer's state, whole or this rank's shards. torch makes a fresh optimizer's
+    state on the way (one step at lr 0, Adam's step count 1): kept where ``create`` asks for it
+    (a load reads into it), dropped otherwise, so that a resumed run starts fresh as well."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    fresh = not optimizer.state
+    state = get_optimizer_state_dict(model, optimizer, options=_options(full=full))
+    if fresh and not create:
+        optimizer.state.clear()
+        state["state"] = {}
+    return state
 
 
 def _options(*, full: bool) -> Any:
@@ -302,10 +315,3 @@ def _options(*, full: bool) -> Any:
 
     return StateDictOptions(full_state_dict=full)
 
-
-def _holds_shards(state: dict[str, Any]) -> bool:
-    """Whether ``state`` (by name, one level of nesting) came from a sharded checkpoint."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(v, DTensor) for value in state.values()
-               for v in (value.values() if isinstance(value, dict) else [value]))

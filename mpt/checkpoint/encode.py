@@ -14,15 +14,20 @@ from typing import Any
 
 import torch
 
+from mpt.checkpoint.flat import FlatPiece
 from mpt.errors import UsageError
 
 _TENSOR, _TUPLE, _ITEMS = "__tensor__", "__tuple__", "__items__"
 
 
-def encode(obj: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:
-    """JSON-able ``obj``; its tensors are added to ``tensors`` under keys starting with ``key``."""
+def encode(obj: Any, key: str, tensors: dict[str, Any]) -> Any:
+    """JSON-able ``obj``; its tensors (and a rank's ``FlatPiece`` ranges of tensors) are added
+    to ``tensors`` under keys starting with ``key``."""
     if isinstance(obj, torch.Tensor):
         tensors[key] = obj.detach()  # not copied: an asynchronous save copies what it keeps
+        return {_TENSOR: key}
+    if isinstance(obj, FlatPiece):
+        tensors[key] = obj
         return {_TENSOR: key}
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
@@ -40,7 +45,7 @@ def encode(obj: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:
                      "without pickling", "store numbers, strings, lists, dicts and tensors only")
 
 
-def decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+def decode(obj: Any, tensors: dict[str, Any]) -> Any:
     """Invert ``encode``."""
     if isinstance(obj, list):
         return [decode(v, tensors) for v in obj]

@@ -6,19 +6,46 @@ holds or writes everything. Tensors keep their full, unsharded names and shapes,
 any world size reads the pieces it needs: that is the resharding. The storage is DCP's
 safetensors writer/reader, chosen because it is the one DCP storage that pickles nothing (the
 default writes a pickled ``.metadata``).
+
+Tensors a rank holds as a flat range of elements (``mpt.checkpoint.flat.FlatPiece``, ZeRO-3's
+partitions) take part through two planners: they are written as the whole rows that start in
+the rank's range and read, one read at a time, into the range in place.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.hf_storage import (
     HuggingFaceStorageReader,
     HuggingFaceStorageWriter,
 )
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from mpt.checkpoint.flat import FlatPiece
+from mpt.checkpoint.format import CheckpointError
+
+Tensors = dict[str, torch.Tensor | FlatPiece]
 
 FILE_BYTES = 256 * 2**20
 """Tensors go into files of about this many bytes (whole tensors; a rank's file of a DTensor
@@ -26,7 +53,7 @@ holds its piece). safetensors builds each file in memory before writing it, and 
 whole, so the largest file, not a rank's share, is what a save or a load adds to its memory."""
 
 
-def file_numbers(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+def file_numbers(tensors: Tensors) -> dict[str, int]:
     """Each key's file (from 1): consecutive tensors fill a file up to ``FILE_BYTES`` (counting
     a DTensor whole, the same on every rank), a larger tensor gets one of its own."""
     numbers, number, filled = {}, 1, 0
@@ -39,28 +66,99 @@ def file_numbers(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
     return numbers
 
 
-def save(tensors: dict[str, torch.Tensor], directory: str) -> None:
+def save(tensors: Tensors, directory: str) -> None:
     """Collective: write ``tensors`` (whole and identical on every rank, or each rank's
-    ``DTensor`` shards, which it writes itself) as per-rank shard files."""
+    ``DTensor`` shards or ``FlatPiece`` ranges, which it writes itself) as per-rank files."""
     writer = HuggingFaceStorageWriter(directory, fqn_to_index_mapping=file_numbers(tensors),
                                       save_distributed=dist.is_initialized())
+    pieces = {key: t for key, t in tensors.items() if isinstance(t, FlatPiece)}
+    whole = {key: t for key, t in tensors.items() if key not in pieces}
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": yes
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.save(tensors, storage_writer=writer, no_dist=not dist.is_initialized())
+        dcp.save(whole, storage_writer=writer, planner=_SavePieces(pieces),
+                 no_dist=not dist.is_initialized())
 
 
-def load(directory: str, into: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def load(directory: str, into: Tensors) -> Tensors:
     """Collective: every tensor the shards in ``directory`` hold, by key.
 
-    A key of ``into`` is read in place into that tensor, a ``DTensor`` read only where its
-    shards lie (resharded from any world size); every other tensor is read whole, on the CPU.
+    A key of ``into`` is read in place into that tensor, a ``DTensor`` or ``FlatPiece`` read
+    only where its pieces lie (resharded from any world size); every other tensor is read
+    whole, on the CPU.
     """
     reader = HuggingFaceStorageReader(directory)
     metadata = reader.read_metadata()
+    stored = metadata.state_dict_metadata
+    for key, piece in into.items():
+        if isinstance(piece, FlatPiece) and (key not in stored or stored[key].size != piece.shape):
+            raise CheckpointError(directory, f"it holds {key} as "
+                                  f"{tuple(stored[key].size) if key in stored else 'nothing'}, "
+                                  f"this run has {tuple(piece.shape)}",
+                                  "load it into the model it was saved from")
     tensors = {key: into[key] if key in into else torch.empty(tuple(meta.size),
                                                               dtype=meta.properties.dtype)
-               for key, meta in metadata.state_dict_metadata.items()}
+               for key, meta in stored.items()}
+    pieces = {key: t for key, t in tensors.items() if isinstance(t, FlatPiece)}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.load(tensors, storage_reader=reader, no_dist=not dist.is_initialized())
+        dcp.load({key: t for key, t in tensors.items() if key not in pieces},
+                 storage_reader=reader, planner=_LoadPieces(pieces),
+                 no_dist=not dist.is_initialized())
     return tensors
+
+
+class _SavePieces(DefaultSavePlanner):
+    """DCP's planner, plus one write of whole rows per ``FlatPiece`` that has any."""
+
+    def __init__(self, pieces: dict[str, FlatPiece]) -> None:
+        super().__init__()
+        self.pieces = pieces
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        items = []
+        for key, piece in self.pieces.items():
+            box = piece.write_box()
+            if box is not None:
+                items.append(WriteItem(
+                    index=MetadataIndex(key, box[0]), type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets=box[0], sizes=box[1]),
+                        properties=TensorProperties(dtype=piece.dtype), size=piece.shape)))
+        self.plan = dataclasses.replace(plan, items=[*plan.items, *items])
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        piece = self.pieces.get(write_item.index.fqn)
+        return super().resolve_data(write_item) if piece is None else piece.write_data()
+
+
+class _LoadPieces(DefaultLoadPlanner):
+    """DCP's planner, plus reads of the rows each ``FlatPiece`` touches, each into a buffer of
+    its own that ``FlatPiece.commit`` takes this rank's elements from."""
+
+    def __init__(self, pieces: dict[str, FlatPiece]) -> None:
+        super().__init__()
+        self.pieces = pieces
+
+    def create_local_plan(self) -> LoadPlan:
+        plan = super().create_local_plan()
+        items: list[ReadItem] = []
+        for key, piece in self.pieces.items():
+            box = piece.read_box()
+            stored = self.metadata.state_dict_metadata[key] if self.metadata else None
+            if box is not None and isinstance(stored, TensorStorageMetadata):
+                items += create_read_items_for_chunk_list(
+                    key, stored, [ChunkStorageMetadata(offsets=box[0], sizes=box[1])])
+        return dataclasses.replace(plan, items=[*plan.items, *items])
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        piece = self.pieces.get(read_item.dest_index.fqn)
+        if piece is None:
+            return super().resolve_tensor(read_item)
+        return torch.empty(read_item.lengths, dtype=piece.dtype)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        piece = self.pieces.get(read_item.dest_index.fqn)
+        if piece is not None:
+            piece.commit(read_item.dest_offsets, read_item.lengths, tensor)

@@ -21,6 +21,7 @@ import torch
 
 from mpt.checkpoint import io, tensorfile
 from mpt.checkpoint.encode import decode, encode, rng_state, set_rng_state
+from mpt.checkpoint.flat import FlatPiece
 from mpt.checkpoint.format import (
     FORMAT_VERSION,
     MANIFEST,
@@ -91,13 +92,13 @@ def save_checkpoint(path: str | os.PathLike[str], parts: TrainingState, *, step:
         sharded = True
     model_of = backend.local_model_state_dict if pieces else backend.model_state_dict
     optimizer_of = backend.local_optimizer_state_dict if pieces else backend.optimizer_state_dict
-    model_tensors = {f"{pair.name}/{key}": t.detach() for pair in parts.pairs
-                     for key, t in model_of(pair.model).items()}
+    model_tensors = {f"{pair.name}/{key}": t.detach() if isinstance(t, torch.Tensor) else t
+                     for pair in parts.pairs for key, t in model_of(pair.model).items()}
     # every rank's RNG, so each rank of a resumed run draws what it would have drawn
     rngs = [backend.broadcast_object(rng_state() if world.rank == r else None, src=r)
             for r in range(world.world_size)]
 
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, Any] = {}
     state = {
         "models": [pair.name for pair in parts.pairs],
         "optimizers": {pair.name: encode(optimizer_of(pair.model, pair.optimizer),
@@ -276,9 +277,10 @@ def load_checkpoint(path: str | os.PathLike[str], parts: TrainingState) -> dict[
     return {"step": manifest.step, **epoch, **decode(state["extra"], tensors)}
 
 
-def _pieces(parts: TrainingState) -> dict[str, torch.Tensor]:
+def _pieces(parts: TrainingState) -> dict[str, Any]:
     """Where a rank that holds pieces of the state reads a sharded checkpoint: into those
-    pieces (``DTensor`` shards, by checkpoint key), so that it reads no more than its share."""
+    pieces (``DTensor`` shards or ``FlatPiece`` ranges, by checkpoint key), so that it reads no
+    more than its share."""
     from torch.distributed.tensor import DTensor
 
     backend, found = parts.backend, {}
@@ -286,9 +288,9 @@ def _pieces(parts: TrainingState) -> dict[str, torch.Tensor]:
         found.update({f"model/{pair.name}/{key}": t
                       for key, t in backend.local_model_state_dict(pair.model).items()})
         if pair.optimizer is not None:
-            encode(backend.local_optimizer_state_dict(pair.model, pair.optimizer),
+            encode(backend.local_optimizer_state_dict(pair.model, pair.optimizer, create=True),
                    f"optimizer/{pair.name}", found)
-    return {key: t for key, t in found.items() if isinstance(t, DTensor)}
+    return {key: t for key, t in found.items() if isinstance(t, DTensor | FlatPiece)}
 
 
 def _check_names(where: str, what: str, saved: list[str], wanted: list[str]) -> None:
