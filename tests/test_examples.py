@@ -41,8 +41,14 @@ def test_digits_example_reaches_95_percent_on_two_processes_in_bf16(tmp_path, fr
     assert (ckpt / "latest").is_file()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("example", ["imagenet", "gpt"])
+FAST = {("imagenet", "ddp"), ("gpt", "deepspeed")}
+"""The pairs `make test` runs (one resumes); `make conformance` runs all 8 (marked slow)."""
+
+
+@pytest.mark.parametrize(("example", "backend"), [
+    pytest.param(example, backend, id=f"{example}-{backend}",
+                 marks=() if (example, backend) in FAST else pytest.mark.slow)
+    for example in ("imagenet", "gpt") for backend in BACKENDS])
 def test_example_runs_three_steps_under_every_backend_in_bf16(example, backend, tmp_path,
                                                               free_port):
     # rt.save under every backend, but for SGD's momentum under deepspeed: mpt's deepspeed

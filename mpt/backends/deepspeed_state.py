@@ -75,8 +75,6 @@ class FlatState:
         """Parameter names per (non-empty) param group, as the user's optimizer held them."""
         self.names = [name for group in groups for name in group]
         self.params = dict(engine.module.named_parameters())
-        self._created: set[torch.Tensor] = set()
-        """Flat shards whose state ``_create_state`` made, for a load to read into."""
 
     @property
     def _inner(self) -> torch.optim.Optimizer:
@@ -111,8 +109,7 @@ class FlatState:
                 return
             # The masters changed: copy them into the (partitioned) weights the forward uses.
             if self.engine.zero_optimization_partition_weights():
-                for sub_group in range(len(opt.fp16_groups)):
-                    opt._reassign_or_swap_out_partitioned_parameters(sub_group)
+                self._refresh_partitions()
             else:
                 opt.update_lp_params()
 
@@ -177,9 +174,9 @@ class FlatState:
                 for key in full:
                     value = saved[key].to(device=flat.device, dtype=flat.dtype)
                     _set_full(param, value, key)
-        for flat in self._created - filled:
-            del inner.state[flat]  # made for a load that brought none: fresh again
-        self._created.clear()
+        if self.engine.zero_optimization_partition_weights():  # stage 3: no links to redo
+            for flat in [flat for flat in inner.state if flat not in filled]:
+                del inner.state[flat]  # saved before its first step: fresh again
 
     # -- this rank's partitions (ZeRO-3) --------------------------------------------------------
     def _piece(self, param: torch.nn.Parameter, local: torch.Tensor | None) -> FlatPiece:
@@ -221,7 +218,6 @@ class FlatState:
         if inner.state:
             return
         flats = [flat for group in inner.param_groups for flat in group["params"]]
-        self._created.update(flats)
         rates = [group.get("lr") for group in inner.param_groups]
         for flat in flats:
             flat.grad = torch.zeros_like(flat)
@@ -243,9 +239,18 @@ class FlatState:
                     _utils().safe_set_local_fp32_param(param, _padded(param, state[name]))
             for name, buffer in self.engine.module.named_buffers():
                 buffer.copy_(state[name])
-            opt = self.engine.optimizer
-            for sub_group in range(len(opt.fp16_groups)):  # masters -> the weights used
-                opt._reassign_or_swap_out_partitioned_parameters(sub_group)
+            self._refresh_partitions()
+
+    def _refresh_partitions(self) -> None:
+        """ZeRO-3, after the masters changed: copy them into the partitions the forward
+        gathers, and gather again the small parameters ZeRO-3 keeps whole between steps
+        (``stage3_param_persistence_threshold``), which would otherwise keep their old values
+        for the next forward, as DeepSpeed does after loading its own checkpoints."""
+        opt = self.engine.optimizer
+        opt.checkpoint_event_prologue()  # releases the gathered ones, partitions untouched
+        for sub_group in range(len(opt.fp16_groups)):
+            opt._reassign_or_swap_out_partitioned_parameters(sub_group)
+        opt.checkpoint_event_epilogue()
 
 
 def _padded(param: torch.nn.Parameter, piece: FlatPiece) -> torch.Tensor:

@@ -84,15 +84,14 @@ def load(directory: str, into: Tensors) -> Tensors:
 
     A key of ``into`` is read in place into that tensor, a ``DTensor`` or ``FlatPiece`` read
     only where its pieces lie (resharded from any world size); every other tensor is read
-    whole, on the CPU.
+    whole, on the CPU. Keys of ``into`` the checkpoint lacks are left alone.
     """
     reader = HuggingFaceStorageReader(directory)
     metadata = reader.read_metadata()
     stored = metadata.state_dict_metadata
     for key, piece in into.items():
-        if isinstance(piece, FlatPiece) and (key not in stored or stored[key].size != piece.shape):
-            raise CheckpointError(directory, f"it holds {key} as "
-                                  f"{tuple(stored[key].size) if key in stored else 'nothing'}, "
+        if isinstance(piece, FlatPiece) and key in stored and stored[key].size != piece.shape:
+            raise CheckpointError(directory, f"it holds {key} as {tuple(stored[key].size)}, "
                                   f"this run has {tuple(piece.shape)}",
                                   "load it into the model it was saved from")
     tensors = {key: into[key] if key in into else torch.empty(tuple(meta.size),

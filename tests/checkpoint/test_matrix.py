@@ -1,6 +1,6 @@
 """Save under one backend, load under another: every backend as saver and as loader, at world
-sizes 1 and 2, on real gloo jobs (13 `mpt launch` jobs of workers/ckpt_resume.py, ~120 s on 2
-cores).
+sizes 1 and 2, on real gloo jobs (13 `mpt launch` jobs of workers/ckpt_resume.py, ~150 s on 2
+cores; `make test` runs the 5 of FAST, ~60 s).
 
 A full save-under-A, load-under-B matrix would take ~40 jobs; two chains cover every backend on
 both sides instead. Each link loads the previous link's checkpoint, continues to the end and
@@ -55,6 +55,9 @@ FP16 = {
     "horovod-o2": ("horovod", 2, O2, "ddp-o2", 0),
 }
 LINKS = {**FP32, **FP16}
+FAST = ("ddp", "zero1", "zero3", "fsdp1", "ddp1")
+"""What `make test` runs (5 jobs, ZeRO-3's pieces read by fsdp and ddp); `make conformance` runs
+every link (marked slow)."""
 
 
 def _env() -> dict[str, str]:
@@ -63,15 +66,32 @@ def _env() -> dict[str, str]:
         "TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch-extensions"))}
 
 
+def _params(links: list[str]) -> list:
+    return [link if link in FAST else pytest.param(link, marks=pytest.mark.slow)
+            for link in links]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+         ) -> dict[str, list[dict]]:
+    """Every job the selected tests need: their links, and the links those load from."""
+    wanted = {item.callspec.params["link"] for item in request.session.items
+              if item.module is request.module and hasattr(item, "callspec")}
+    for link in list(wanted):
+        while link is not None:
+            wanted.add(link)
+            link = LINKS[link][3]
     out = tmp_path_factory.mktemp("matrix")
     for link, (backend, ranks, options, source, save_at) in LINKS.items():
+        if link not in wanted:
+            continue
         checkpoints = [] if source is None else [out / f"ckpt-{source}" / "full"]
         _launch(ranks, out, link, save_at, *checkpoints, backend=backend, options=options,
                 full_only=True, env=_env())
     found: dict[str, list[dict]] = {}
     for link, (*_, source, _save_at) in LINKS.items():
+        if link not in wanted:
+            continue
         run = link if source is None else f"{link}-0"
         found[link] = [json.loads(p.read_text()) for p in sorted(out.glob(f"{run}-rank*.json"))]
     return found
@@ -88,7 +108,7 @@ def _saved_at(link: str) -> int:
 RESUMED = [link for link, spec in LINKS.items() if spec[3] is not None]
 
 
-@pytest.mark.parametrize("link", RESUMED)
+@pytest.mark.parametrize("link", _params(RESUMED))
 def test_the_link_ran_where_it_should_and_resumed_at_the_saved_step(runs, link):
     backend, ranks, options, _source, _save_at = LINKS[link]
     ranks_logs = runs[link]
@@ -103,7 +123,7 @@ def test_the_link_ran_where_it_should_and_resumed_at_the_saved_step(runs, link):
     assert first["lr"] == [pytest.approx(0.01 * 0.5 ** (saved_at // 4))]
 
 
-@pytest.mark.parametrize("link", [link for link in RESUMED if link in FP32])
+@pytest.mark.parametrize("link", _params([link for link in RESUMED if link in FP32]))
 def test_fp32_continues_the_uninterrupted_loss_curve_within_1e_6(runs, link):
     original, resumed = runs["ddp"][0], runs[link][0]
     for step, loss in resumed["loss"].items():
@@ -114,7 +134,7 @@ def test_fp32_continues_the_uninterrupted_loss_curve_within_1e_6(runs, link):
     assert len({round(v, 4) for v in original["loss"].values()}) == STEPS
 
 
-@pytest.mark.parametrize("link", [link for link in RESUMED if link in FP16])
+@pytest.mark.parametrize("link", _params([link for link in RESUMED if link in FP16]))
 def test_apex_o2_keeps_its_loss_scale_and_masters_across_backends(runs, link):
     """Tolerance 1e-3: the fp16 model computes every activation and gradient in fp16 (11-bit
     mantissa, 4.9e-4 relative per rounding). A 1-rank link computes each step's gradient on 8
@@ -138,14 +158,14 @@ def test_apex_o2_keeps_its_loss_scale_and_masters_across_backends(runs, link):
     assert widened != saver["saved_masters"]  # they hold more than fp16's bits
 
 
-@pytest.mark.parametrize("link", RESUMED)
+@pytest.mark.parametrize("link", _params(RESUMED))
 def test_each_step_after_the_load_sees_the_original_runs_samples(runs, link):
     original = runs[_original(link)]
     for step in range(_saved_at(link) + 1, STEPS + 1):
         assert _global_samples(runs[link], step) == _global_samples(original, step), step
 
 
-@pytest.mark.parametrize("link", RESUMED)
+@pytest.mark.parametrize("link", _params(RESUMED))
 def test_each_rank_draws_what_its_saving_rank_would_have_drawn(runs, link):
     saver = runs[LINKS[link][3]]
     for rank, resumed in enumerate(runs[link]):

@@ -194,7 +194,8 @@ backends = pytest.mark.parametrize("backend", [
 # -- the cases -------------------------------------------------------------------------------
 @backends
 @pytest.mark.parametrize(("fault", "code", "how"), [
-    ("kill9", 128 + signal.SIGKILL, "was killed by SIGKILL"),
+    # a SIGKILLed rank ending the job is also test_launch's; here in `make conformance`
+    pytest.param("kill9", 128 + signal.SIGKILL, "was killed by SIGKILL", marks=pytest.mark.slow),
     ("raise", 1, "exited with code 1")])
 def test_a_failing_rank_stops_the_job_and_leaves_a_loadable_checkpoint(
         tmp_path, figures, backend, fault, code, how):
@@ -254,7 +255,7 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_latest(tmp_path, fi
 @pytest.mark.parametrize(("backend", "sig"), [
     pytest.param("ddp", signal.SIGTERM, id="ddp-SIGTERM"),
     pytest.param("deepspeed", signal.SIGTERM, id="deepspeed-SIGTERM", marks=pytest.mark.slow),
-    pytest.param("ddp", signal.SIGUSR1, id="ddp-SIGUSR1")])
+    pytest.param("ddp", signal.SIGUSR1, id="ddp-SIGUSR1", marks=pytest.mark.slow)])
 def test_preemption_saves_one_step_on_every_rank_and_resumes_bitwise(
         tmp_path, figures, reference, backend, sig):
     ck = tmp_path / "ck"
