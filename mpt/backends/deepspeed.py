@@ -430,4 +430,3 @@ class DeepSpeedBackend(DDPBackend):
             return
         from_named(state, record.state.names)  # refuses checkpoints of other models
         record.state.load_optimizer_state(state)
-

@@ -3,8 +3,9 @@
 usage: mpt launch --gpus 2 --backend fsdp --fsdp-wrap Linear | --backend deepspeed --zero-stage 3
        shard_pieces.py OUT_DIR
 
-fp32 Adam on 2 Linear(256, 256), 3 steps on batches fixed by step and rank. Saved before the
-first step and after step 2; step 3 changes every weight and moment; the step-2 checkpoint is
+fp32 Adam on Linear(256, 256), Linear(256, 7) (rows that straddle the ranks' ranges), a frozen
+bias and two param groups, 3 steps on batches fixed by step and rank. Saved before the first
+step and after step 2; step 3 changes every weight and moment; the step-2 checkpoint is
 loaded: each rank must get its own pieces back. Then the step-0 checkpoint is loaded and steps
 1-2 run again: the optimizer must start fresh, as it did, and land on the same weights.
 """
@@ -38,8 +39,10 @@ def pieces(state: dict) -> list[torch.Tensor]:
 
 rt = mpt.Runtime(quiet=True)
 torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256))
-model, optimizer = rt.setup(model, torch.optim.Adam(model.parameters(), lr=0.01))
+model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 7))
+model[0].bias.requires_grad_(False)
+model, optimizer = rt.setup(model, torch.optim.Adam([
+    {"params": [model[0].weight]}, {"params": model[2].parameters(), "lr": 0.02}], lr=0.01))
 
 
 def train(first: int, last: int) -> None:
