@@ -48,7 +48,9 @@ model, optimizer = rt.setup(model, torch.optim.Adam([
 def train(first: int, last: int) -> None:
     for step in range(first, last + 1):
         torch.manual_seed(100 + 10 * step + rt.rank)
-        rt.backward(model(torch.randn(8, 256)).square().mean())
+        with rt.autocast():
+            loss = model(torch.randn(8, 256)).float().square().mean()
+        rt.backward(loss)
         rt.step()
 
 
