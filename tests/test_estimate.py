@@ -56,6 +56,8 @@ def test_fsdp_holds_shards_and_one_gathered_unit():
     assert found["fsdp"].parameters == 4 * P // 2 + 4 * LAYER
     assert found["fsdp"].optimizer == 8 * P // 2
     assert found["fsdp --fsdp-cpu-offload"].host == 16 * P // 2
+    o2 = rows(FSDPBackend, "O2", world_size=2)["fsdp"]  # fp32 shards, units gathered in fp16
+    assert (o2.parameters, o2.optimizer) == (4 * P // 2 + 2 * LAYER, 8 * P // 2)
 
 
 def test_activations_are_what_autograd_saves_without_the_weights():
@@ -87,4 +89,4 @@ def test_refused_pairs_get_no_row(precision, tmp_path):
                                      "def build():\n    return nn.Linear(8, 8)\n")
     result = run_mpt("estimate-memory", f"{tmp_path / 'net.py'}:build", "--precision", precision)
     assert result.returncode == 0 and "ddp" in result.stdout
-    assert "fsdp" not in result.stdout and "deepspeed" not in result.stdout
+    assert "fsdp" in result.stdout and "deepspeed" not in result.stdout  # DeepSpeed refuses O2

@@ -95,6 +95,8 @@ def checked_precision(backend: str, precision: str | None, *, device_type: str,
     made = make_precision(precision or cls.default_precision(options) or "fp32", device_type,
                           loss_scale, precision_options)
     cls.check_precision(made.spec, device_type, options)
+    if cls.casts_model(made.spec):
+        made.leave_cast_to_backend()
     return made
 
 

@@ -120,6 +120,12 @@ class Backend(ABC):
             raise UsageError("--precision", spec.name, f"--backend {cls.name} {reason}", instead)
 
     @classmethod
+    def casts_model(cls, spec: PrecisionSpec) -> bool:
+        """Whether this backend casts the weights to ``spec.params`` itself, keeping fp32 ones
+        as the optimizer's masters (``Precision.leave_cast_to_backend``); default: no."""
+        return False
+
+    @classmethod
     def default_precision(cls, options: Mapping[str, Any]) -> str | None:
         """The precision the backend's own configuration asks for when ``--precision`` is not
         given (a DeepSpeed config that enables fp16); None: fp32."""

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from mpt.backends.base import Availability, BackendOption, holds, on_meta
 from mpt.backends.ddp import DDPBackend
@@ -80,10 +81,11 @@ class FSDPBackend(DDPBackend):
 
     The units: every submodule whose class ``--fsdp-wrap`` names, else every submodule with at
     least ``MIN_UNIT_PARAMETERS`` parameters of its own, then the whole model for the rest.
-    Precisions keep fp32 shards (the optimizer's masters): autocast computes in fp16/bf16 and
-    gradients are reduce-scattered in fp32, as under ddp; fp16's scaler sees one shard of the
-    gradients per rank and DTensor reduces its overflow verdict over the ranks, so every rank
-    skips the same steps.
+    The autocast precisions keep fp32 shards: autocast computes in fp16/bf16 and gradients are
+    reduce-scattered in fp32, as under ddp. O2 keeps fp32 shards as its masters and gathers them
+    cast (``MixedPrecisionPolicy``), batch norm in fp32 apart; O3 shards the cast model. fp16's
+    scaler sees one shard of the gradients per rank and DTensor reduces its overflow verdict over
+    the ranks, so every rank skips the same steps.
     """
 
     name = "fsdp"
@@ -119,26 +121,24 @@ class FSDPBackend(DDPBackend):
         return found
 
     @classmethod
-    def precision_refusal(cls, spec: PrecisionSpec, device_type: str,
-                          options: Mapping[str, Any]) -> tuple[str, str] | None:
-        if spec.params != torch.float32 or spec.master != torch.float32:
-            # A model cast before sharding would make the shards fp16/bf16 with masters kept
-            # outside them, which FSDP cannot gather or reduce as one parameter.
-            return (f"keeps the fp32 shards as the weights the optimizer steps; {spec.name} "
-                    "casts the model itself",
-                    "use --precision bf16-mixed or fp16-mixed (autocast on the fp32 shards)")
-        return None
+    def casts_model(cls, spec: PrecisionSpec) -> bool:
+        # A model cast with fp32 masters (O2): the fp32 shards are the masters and each unit
+        # gathers its weights in the cast dtype (MixedPrecisionPolicy). A cast without masters
+        # (O3) shards the cast model itself.
+        return spec.params != spec.master
 
     @classmethod
     def estimate_memory(cls, model: nn.Module, spec: PrecisionSpec, optimizer_states: int,
                         world_size: int, options: Mapping[str, Any]) -> list[MemoryEstimate]:
-        """fp32 shards of weights, gradients and optimizer state, 1/N each, plus the largest
-        unit's weights and gradients whole while it runs; offloaded, only that unit stays."""
+        """Shards of weights, gradients and optimizer state in the masters' dtype, 1/N each,
+        plus the largest unit's weights and gradients whole in the dtype it gathers them in
+        while it runs; offloaded, only that unit stays."""
         values = cls.check_options(options)
         weights, trained = parameter_counts(model)
-        unit = 4 * largest_unit(model, values["wrap"])
-        shards = (4 * weights // world_size, 4 * trained // world_size,
-                  4 * optimizer_states * trained // world_size)
+        kept, gathered = spec.master.itemsize, spec.params.itemsize
+        unit = gathered * largest_unit(model, values["wrap"])
+        shards = (kept * weights // world_size, kept * trained // world_size,
+                  kept * optimizer_states * trained // world_size)
         return [MemoryEstimate(label="fsdp", parameters=shards[0] + unit,
                                gradients=shards[1] + unit, optimizer=shards[2]),
                 MemoryEstimate(label="fsdp --fsdp-cpu-offload", parameters=unit,
@@ -150,7 +150,12 @@ class FSDPBackend(DDPBackend):
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
               ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
 
         meta = on_meta(model)
         if optimizer is None:  # nothing to train: rank 0's weights everywhere, not sharded
@@ -177,11 +182,25 @@ class FSDPBackend(DDPBackend):
                                   if self.option_values["cpu_offload"] else OffloadPolicy())
         settings = dict(mesh=self._mesh, offload_policy=offload,
                         reshard_after_forward=self.option_values["reshard_after_forward"])
+        spec = self.precision.spec
+        # O2: gathered in the cast dtype, reduced in the precision's (the fp32 shards are its
+        # masters); O3 and the autocast precisions gather the shards as they are.
+        kept = MixedPrecisionPolicy()
+        cast = MixedPrecisionPolicy(param_dtype=spec.params, reduce_dtype=spec.reduce
+                                    ) if self.casts_model(spec) else kept
+        # Batch norm kept in fp32 beside a cast model: units of their own (FSDP gathers one
+        # dtype per unit) that cast neither their weights nor their inputs.
+        norms = [m for m in model.modules() if isinstance(m, _BatchNorm)
+                 and any(True for _ in m.parameters(recurse=False))
+                 ] if spec.norm != spec.params else []
+        shards = [(norm, kept) for norm in norms]
+        shards += [(unit, cast) for unit in [*units(model, self.option_values["wrap"]), model]
+                   if unit not in norms]
         with self._materialising(model) if meta else contextlib.nullcontext():
-            for unit in [*units(model, self.option_values["wrap"]), model]:
+            for unit, policy in shards:
                 if meta:
                     self._materialise(unit)
-                fully_shard(unit, **settings)
+                fully_shard(unit, mp_policy=policy, **settings)
         sharded = dict(model.named_parameters())
         for group in optimizer.param_groups:
             group["params"] = [sharded[name_of[param]] for param in group["params"]]

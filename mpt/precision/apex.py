@@ -5,6 +5,8 @@ model itself; O2 keeps an fp32 master copy of every cast weight, which the optim
 which is copied back into the model after each step, so small updates are not lost to fp16
 rounding. Scaling reuses ``MixedPrecision``'s ``GradScaler``: torch's scaler refuses fp16
 gradients, so O2 first moves the model's fp16 gradients into the masters' fp32 ``.grad``.
+Where the backend casts the weights as it gathers them (fsdp), they stay fp32 and are the
+masters; the precision then casts only buffers, inputs and outputs, and scales the loss.
 """
 
 from __future__ import annotations
@@ -81,6 +83,8 @@ class ApexPrecision(MixedPrecision):
         """(master, model parameter) pairs in optimizer order."""
         self._model_of: dict[int, nn.Parameter] = {}
         self._grads_moved: set[int] = set()
+        self._backend_casts = False
+        """The backend casts the weights as it gathers them and steps fp32 ones (its masters)."""
 
     @property
     def spec(self) -> PrecisionSpec:
@@ -92,6 +96,8 @@ class ApexPrecision(MixedPrecision):
             name=self.name, params=params, reduce=params,
             compute=config.low_dtype if config.patch_torch_functions else params,
             master=torch.float32 if config.master_weights or not config.casts_model else params,
+            norm=torch.float32 if config.keep_batchnorm_fp32 or not config.casts_model
+            else params,
             autocast=config.patch_torch_functions,
             loss_scaling=self._scaling_kind() if self.scaler is not None
             else "static" if scaled else "none")
@@ -102,6 +108,9 @@ class ApexPrecision(MixedPrecision):
             return super().autocast()
         return contextlib.nullcontext()
 
+    def leave_cast_to_backend(self) -> None:
+        self._backend_casts = True
+
     def convert_module(self, module: nn.Module) -> nn.Module:
         config = self.config
         if not config.casts_model:
@@ -111,7 +120,7 @@ class ApexPrecision(MixedPrecision):
         for sub in module.modules():
             if config.keep_batchnorm_fp32 and isinstance(sub, _BatchNorm):
                 continue  # batchnorm's statistics need fp32's range; torch mixes the dtypes
-            for param in sub.parameters(recurse=False):
+            for param in () if self._backend_casts else sub.parameters(recurse=False):
                 if param.is_floating_point() and param.dtype != dtype:
                     if config.master_weights:
                         self._fp32_source[id(param)] = param.detach().float().clone()
@@ -127,6 +136,8 @@ class ApexPrecision(MixedPrecision):
         return module
 
     def setup_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if self._backend_casts:  # the optimizer steps the backend's fp32 weights: its masters
+            return
         if not self.config.master_weights:
             _refuse_vanishing_eps(optimizer)
             return

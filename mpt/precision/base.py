@@ -25,6 +25,8 @@ class PrecisionSpec:
     """dtype of the weights the optimizer steps: fp32 masters, or the weights themselves."""
     reduce: torch.dtype
     """dtype of the gradients reduced across ranks (the weights' own)."""
+    norm: torch.dtype
+    """dtype of batch norm's weights and statistics: fp32 where a cast model keeps them so."""
     autocast: bool
     """Whether the forward runs under ``torch.autocast`` (else the model itself is cast)."""
     loss_scaling: Literal["none", "static", "dynamic"]
@@ -34,7 +36,7 @@ class PrecisionSpec:
     def full(cls, name: str, dtype: torch.dtype = torch.float32) -> PrecisionSpec:
         """Everything in ``dtype``, nothing scaled."""
         return cls(name=name, compute=dtype, params=dtype, master=dtype, reduce=dtype,
-                   autocast=False, loss_scaling="none")
+                   norm=dtype, autocast=False, loss_scaling="none")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -108,6 +110,12 @@ class Precision:
     def update(self) -> None:
         """Adjust the loss scale once per training iteration, after every optimizer stepped
         (several models share one scale, as in torch's recipe for several optimizers)."""
+
+    def leave_cast_to_backend(self) -> None:
+        """The backend keeps the weights in fp32 as the optimizer's masters and casts them to
+        ``spec.params`` itself as it gathers them (fsdp's ``MixedPrecisionPolicy``): the
+        precision then casts neither the weights nor keeps masters of its own. Only formats
+        that cast the model (``spec.params`` below fp32) are asked."""
 
     def setup_optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Adapt the optimizer to the format once, after the backend wrapped the model.

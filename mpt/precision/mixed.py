@@ -82,7 +82,8 @@ class MixedPrecision(Precision):
     @property
     def spec(self) -> PrecisionSpec:
         return PrecisionSpec(name=self.name, compute=self.dtype, params=torch.float32,
-                             master=torch.float32, reduce=torch.float32, autocast=True,
+                             master=torch.float32, reduce=torch.float32, norm=torch.float32,
+                             autocast=True,
                              loss_scaling=self._scaling_kind())
 
     def _scaling_kind(self) -> Literal["none", "static", "dynamic"]:

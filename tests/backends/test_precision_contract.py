@@ -71,8 +71,6 @@ def test_the_known_bad_pairs_are_refused_on_this_cpu():
         ("horovod", "O2-bf16"), ("horovod", "O3-bf16"),  # Horovod has no bf16 tensors
         # DeepSpeed casts and keeps masters itself; it has no fp16 on CPU
         *(("deepspeed", p) for p in ("O2", "O3", "O2-bf16", "O3-bf16", "fp16-mixed", "O1")),
-        # fsdp's fp32 shards are the optimizer's weights: no model cast
-        *(("fsdp", p) for p in ("O2", "O3", "O2-bf16", "O3-bf16")),
     }
 
 

@@ -112,7 +112,7 @@ def reference_2x2():
 
 @pytest.mark.parametrize(("backend", "precision"), [
     ("ddp", "bf16-mixed"), ("apex", "O2"), ("horovod", "fp16-mixed"),
-    ("deepspeed", "bf16-mixed"), ("fsdp", "fp16-mixed")])
+    ("deepspeed", "bf16-mixed"), ("fsdp", "fp16-mixed"), ("fsdp", "O2")])
 def test_each_backend_trains_a_mixed_precision_like_ddp_fp32(reference_2x2, backend, precision):
     outcome, _ = run_cell(Cell(backend, precision, 2, 2), reference_2x2)
     assert outcome.verdict == "P", outcome.detail

@@ -75,11 +75,20 @@ def test_other_backends_refuse_a_model_on_the_meta_device_in_one_line(tmp_path, 
             ) in result.stderr
 
 
-def test_a_precision_that_casts_the_model_is_refused_before_start(tmp_path, free_port):
-    result = run_mpt("launch", "--gpus", "2", "--master-port", str(free_port), "--backend",
-                     "fsdp", "--precision", "O2", worker("fsdp_checks.py"), str(tmp_path), "clip")
-    assert result.returncode == 2
-    assert ("--precision=O2 is invalid: --backend fsdp keeps the fp32 shards as the weights the "
-            "optimizer steps; O2 casts the model itself. Fix: use --precision bf16-mixed or "
-            "fp16-mixed") in result.stderr
-    assert not list(tmp_path.glob("*.json"))
+@pytest.mark.parametrize(("precision", "low", "norm", "kept"), [
+    ("O2", "torch.float16", "torch.float32", "torch.float32"),
+    ("O3", "torch.float16", "torch.float16", "torch.float16"),
+    pytest.param("O2-bf16", "torch.bfloat16", "torch.float32", "torch.float32",
+                 marks=pytest.mark.slow)])
+def test_a_cast_precision_gathers_cast_weights_and_steps_its_masters(tmp_path, free_port,
+                                                                    precision, low, norm, kept):
+    """O2: fp32 shards are the masters, each unit gathers them cast (MixedPrecisionPolicy),
+    batch norm stays fp32 in a unit of its own; O3: the cast model itself is sharded."""
+    ranks = launch_checks(tmp_path, free_port, "cast", "--precision", precision)
+    for r in ranks:
+        assert r["seen"] == {"0": [low, low], "1": [norm, low], "3": [low, low]}
+        assert r["output"] == "torch.float32"  # Apex's cast of the model's outputs
+        assert r["weights"] == [f"DTensor {kept}"] and r["grads"] == [kept]
+        assert "master_params" not in r["precision_state"]  # the shards are the masters
+        assert r["losses"][-1] < r["losses"][0]
+    assert ranks[0]["losses"] == ranks[1]["losses"]  # each rank's loss of the same batch

@@ -7,8 +7,12 @@ plain torch on the whole batch runs in this process beside it. Writes what each 
 MODE overflow: fp16-mixed on one Linear(4, 8) whose weight rows 0-3 are rank 0's shard and
 4-7 rank 1's; at step 2 rank 1's batch makes output 0's gradient infinite, which reaches rank 0's
 shard only. Both ranks must skip that step.
+MODE cast: the launch's --precision (O2, O3, ...) on Linear, BatchNorm1d, ReLU, Linear, 3 SGD
+steps on one batch; writes the dtypes each layer computes in, those of the optimizer's weights
+and gradients, and what a checkpoint keeps.
 """
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -86,5 +90,40 @@ def overflow() -> dict:
     return result
 
 
-result = {"clip": clip, "overflow": overflow}[mode]()
+def cast() -> dict:
+    rt = mpt.Runtime(quiet=True)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    seen: dict[str, list[str]] = {}
+
+    def record(name: str, layer: nn.Module, args: tuple) -> None:
+        seen[name] = [str(layer.weight.dtype), str(args[0].dtype)]
+
+    for name, layer in model.named_modules():
+        if isinstance(layer, (nn.Linear, nn.BatchNorm1d)):
+            layer.register_forward_pre_hook(functools.partial(record, name))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 4, generator=g)
+    y = x[:, :2] * 2 + 1  # one batch, fitted step by step
+    losses = []
+    for _ in range(3):
+        with rt.autocast():
+            output = model(x)
+            loss = nn.functional.mse_loss(output, y)
+        rt.backward(loss)
+        grads = [str(p.grad.dtype) for p in optimizer.param_groups[0]["params"]]
+        rt.step()
+        losses.append(loss.item())
+    path = rt.save(out / "ckpt")
+    result = {"rank": rt.rank, "seen": seen, "output": str(output.dtype), "losses": losses,
+              "weights": sorted({f"{type(p).__name__} {p.dtype}"
+                                 for p in optimizer.param_groups[0]["params"]}),
+              "grads": sorted(set(grads)), "precision_state": sorted(rt.precision.state_dict()),
+              "saved": str(path)}
+    rt.close()
+    return result
+
+
+result = {"clip": clip, "overflow": overflow, "cast": cast}[mode]()
 (out / f"{mode}-rank{result['rank']}.json").write_text(json.dumps(result))
