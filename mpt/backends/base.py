@@ -222,11 +222,15 @@ class Backend(ABC):
         """The user's module inside whatever wrapper ``setup`` returned."""
 
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Full, unwrapped weights, keyed as the user's module names them (every rank calls)."""
-        return self.unwrap(model).state_dict()
+        """Full, unwrapped weights, keyed as the user's module names them (every rank calls);
+        fp32 masters in place of the weights a precision casts."""
+        module = self.unwrap(model)
+        return self.precision.weights_to_save(module, module.state_dict())
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        self.unwrap(model).load_state_dict(state)
+        module = self.unwrap(model)
+        module.load_state_dict(state)
+        self.precision.weights_loaded(module, state)
 
     def parameter_names(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
         """The name of each parameter the optimizer holds, in its param-group order."""

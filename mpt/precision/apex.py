@@ -224,20 +224,36 @@ class ApexPrecision(MixedPrecision):
     def loss_scale(self) -> float:
         return self._static_scale if self.scaler is None else super().loss_scale
 
+    def _named_masters(self, module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+        """(name in ``module``'s state dict, fp32 master) of each cast weight with a master."""
+        master_of = {id(param): master for master, param in self._masters}
+        for name, param in module.named_parameters(remove_duplicate=False):
+            if id(param) in master_of:
+                yield name, master_of[id(param)]
+
+    def weights_to_save(self, module: nn.Module,
+                        state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        masters = {name: master.detach() for name, master in self._named_masters(module)
+                   if name in state}
+        return {**state, **masters}
+
+    @torch.no_grad()
+    def weights_loaded(self, module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        for name, master in self._named_masters(module):
+            if name in state:
+                master.copy_(state[name])
+
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         state["opt_level"] = self.config.name
-        if self._masters:
-            state["master_params"] = [m.detach().clone() for m, _ in self._masters]
-        return state
+        return state  # the masters are the checkpoint's weights (weights_to_save)
 
     @torch.no_grad()
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(dict(state))
+        # Written before the masters were the checkpoint's weights: they came as a list.
         masters = state.get("master_params")
-        if masters is None or len(masters) != len(self._masters):
-            self.sync_masters_from_model()  # saved without masters (another precision)
-            return
-        for (master, param), saved in zip(self._masters, masters, strict=True):
-            master.copy_(saved)
-            param.copy_(saved)
+        if masters is not None and len(masters) == len(self._masters):
+            for (master, param), saved in zip(self._masters, masters, strict=True):
+                master.copy_(saved)
+                param.copy_(saved)

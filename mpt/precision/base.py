@@ -127,6 +127,17 @@ class Precision:
         """The model's parameter behind one the optimizer steps (a master copy's original)."""
         return param
 
+    def weights_to_save(self, module: torch.nn.Module,
+                        state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The weights a checkpoint keeps of ``module``, from its ``state_dict``: formats that
+        step fp32 masters of a cast model put those in place of the cast weights, so that any
+        backend and precision resumes from the weights at full precision."""
+        return state
+
+    def weights_loaded(self, module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """``state`` was just loaded into ``module``: formats with masters take theirs from it
+        (exactly where the checkpoint kept fp32 weights)."""
+
     @property
     def loss_scale(self) -> float:
         """The current loss scale (1.0 where the format does not scale)."""

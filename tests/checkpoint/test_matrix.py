@@ -1,6 +1,6 @@
 """Save under one backend, load under another: every backend as saver and as loader, at world
-sizes 1 and 2, on real gloo jobs (13 `mpt launch` jobs of workers/ckpt_resume.py, ~150 s on 2
-cores; `make test` runs the 5 of FAST, ~60 s).
+sizes 1 and 2, on real gloo jobs (14 `mpt launch` jobs of workers/ckpt_resume.py, ~150 s on 2
+cores; `make test` runs the 7 of FAST, ~90 s).
 
 A full save-under-A, load-under-B matrix would take ~40 jobs; two chains cover every backend on
 both sides instead. Each link loads the previous link's checkpoint, continues to the end and
@@ -12,9 +12,10 @@ fp32, against ddp(2) trained 15 steps without a stop:
 fsdp's saves hold each rank's pieces (the sharded variant, by default for a backend that
 shards), so fsdp(2) reads the pieces fsdp(1) wrote, resharded, and horovod and ZeRO-3 read
 fsdp(2)'s.
-Apex O2 (fp16 model, fp32 masters in the precision state, dynamic loss scale), against apex(2)
-O2 trained 15 steps without a stop:
-    apex O2(2) @8 -> ddp O2(1) @11 -> horovod O2(2)
+Apex O2 (fp16 model, fp32 masters kept as the checkpoint's weights, dynamic loss scale), against
+apex(2) O2 trained 15 steps without a stop:
+    apex O2(2) @8 -> fsdp O2(2) @10 -> ddp O2(1) @11 -> horovod O2(2)
+fsdp's fp32 shards are its O2 masters, which it gathers cast to fp16.
 """
 
 from __future__ import annotations
@@ -51,13 +52,14 @@ FP32 = {
 O2 = ("--precision", "O2")
 FP16 = {
     "apex-o2": ("apex", 2, O2, None, 8),
-    "ddp-o2": ("ddp", 1, O2, "apex-o2", 11),
+    "fsdp-o2": ("fsdp", 2, O2, "apex-o2", 10),
+    "ddp-o2": ("ddp", 1, O2, "fsdp-o2", 11),
     "horovod-o2": ("horovod", 2, O2, "ddp-o2", 0),
 }
 LINKS = {**FP32, **FP16}
-FAST = ("ddp", "zero1", "zero3", "fsdp1", "ddp1")
-"""What `make test` runs (5 jobs, ZeRO-3's pieces read by fsdp and ddp); `make conformance` runs
-every link (marked slow)."""
+FAST = ("ddp", "zero1", "zero3", "fsdp1", "ddp1", "fsdp-o2")
+"""What `make test` runs (7 jobs: ZeRO-3's pieces read by fsdp and ddp, Apex O2's masters read
+by fsdp); `make conformance` runs every link (marked slow)."""
 
 
 def _env() -> dict[str, str]:

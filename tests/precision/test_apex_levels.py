@@ -207,8 +207,14 @@ def test_o2_runtime_checkpoint_keys_masters_by_model_names_and_restores_them(tmp
     named = rt.backend.optimizer_state_dict(model, optimizer)
     assert set(named["state"]) == {name for name, _ in model.named_parameters()}
     assert named["state"]["0.weight"]["exp_avg"].dtype == torch.float32
-    masters_saved = rt.precision.state_dict()["master_params"]
-    assert [m.dtype for m in masters_saved] == [torch.float32] * 4  # batchnorm needs none
+    # the checkpoint's weights are the fp32 masters, by the model's names; batchnorm's own
+    saved = rt.backend.model_state_dict(model)
+    masters = {rt.precision.model_parameter(p): p for g in optimizer.param_groups
+               for p in g["params"]}
+    for name, param in model.named_parameters():
+        assert torch.equal(saved[name], masters[param]) and saved[name].dtype == torch.float32
+    assert sum(p.dtype == torch.float16 for p in model.parameters()) == 4
+    assert "master_params" not in rt.precision.state_dict()
     rt.save(tmp_path / "ckpt", step=3)
 
     rt2, model2, optimizer2 = runtime()

@@ -56,8 +56,11 @@ def draws() -> list[float]:
 
 
 def masters() -> list[list[float]]:
-    """O2's fp32 master weights (none for other precisions), as the precision saves them."""
-    return [t.flatten().tolist() for t in rt.precision.state_dict().get("master_params", [])]
+    """O2's fp32 master weights (none for other precisions), as checkpoints keep them: the
+    model's weights."""
+    if rt.precision.spec.master == rt.precision.spec.params:
+        return []
+    return [t.flatten().tolist() for t in rt.backend.model_state_dict(model).values()]
 
 
 def train(step: int, log: dict, save: bool) -> None:
