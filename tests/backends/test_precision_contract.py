@@ -44,6 +44,10 @@ def test_each_precision_publishes_what_it_does_to_the_numbers(name, compute, par
 def test_overrides_change_the_descriptor():
     assert describe("O2", options={"master_weights": False, "loss_scale": 128.0}).master == F16
     assert describe("O3", options={"loss_scale": 128.0}).loss_scaling == "static"
+    # batch norm stays fp32 beside a cast model unless told otherwise
+    assert (describe("O2").norm, describe("O3").norm, describe("bf16-mixed").norm) == (
+        F32, F16, F32)
+    assert describe("O2", options={"keep_batchnorm_fp32": False}).norm == F16
 
 
 @pytest.mark.parametrize("backend", sorted(BUILTIN))
