@@ -7,6 +7,8 @@
         --width 4096 --meta                        # built on the meta device
     .venv/bin/mpt launch --gpus 2 --backend deepspeed --zero-stage 3 \
         benchmarks/sharded_memory.py
+    .venv/bin/mpt launch --gpus 2 --backend deepspeed --deepspeed-config \
+        benchmarks/zero3_low_memory.json benchmarks/sharded_memory.py   # ZeRO-3, small buckets
 
 A stack of ``--layers`` Linear(width, width) layers (each its own FSDP unit under fsdp) trains
 with fp32 Adam for ``--steps`` steps, saves with ``rt.save`` (sharded: each rank writes its own
