@@ -1,6 +1,6 @@
 """Save under one backend, load under another: every backend as saver and as loader, at world
 sizes 1 and 2, on real gloo jobs (14 `mpt launch` jobs of workers/ckpt_resume.py, ~150 s on 2
-cores; `make test` runs the 6 of FAST, ~80 s).
+cores; `make test` checks the 4 links of FAST, 6 jobs, ~80 s).
 
 A full save-under-A, load-under-B matrix would take ~40 jobs; two chains cover every backend on
 both sides instead. Each link loads the previous link's checkpoint, continues to the end and
@@ -57,10 +57,10 @@ FP16 = {
     "horovod-o2": ("horovod", 2, O2, "ddp-o2", 0),
 }
 LINKS = {**FP32, **FP16}
-FAST = ("ddp", "zero1", "zero3", "fsdp1", "fsdp-o2")
-"""What `make test` runs (6 jobs: ZeRO-3's pieces read by fsdp, Apex O2's masters read by fsdp);
-`make conformance` runs every link (marked slow). tests/checkpoint/test_pieces.py reads ZeRO-3's
-pieces whole, as ddp does, in `make test` too."""
+FAST = ("zero1", "zero3", "fsdp1", "fsdp-o2")
+"""The links `make test` checks (6 jobs with their sources: ZeRO-3's pieces read by fsdp, Apex
+O2's masters read by fsdp); `make conformance` runs every link (marked slow).
+tests/checkpoint/test_pieces.py reads ZeRO-3's pieces whole, as ddp does, in `make test` too."""
 
 
 def _env() -> dict[str, str]:
