@@ -29,7 +29,7 @@ SCRIPT = worker("report_world.py")
     (["--grace-period", "0", SCRIPT], ["--grace-period=0", "positive"]),
     (["--accumulate", "0", SCRIPT], ["--accumulate=0", "at least 1"]),
     (["--backend", "horovod", "--horovod-op", "mean", SCRIPT], ["--horovod-op=mean", "adasum"]),
-    (["--zero-stage", "2", SCRIPT], ["zero_stage", "'ddp' has no such option"]),
+    (["--zero-stage", "2", SCRIPT], ["--zero-stage=2", "belongs to --backend deepspeed"]),
     (["--backend-options", "{bad", SCRIPT], ["--backend-options={bad", "JSON"]),
     (["--quiet", "--metrics-all-ranks", "--log-every", "0", SCRIPT], ["--log-every=0"]),
     (["--timeout", "soon", SCRIPT], ["--timeout=soon", "not a number"]),

@@ -95,12 +95,29 @@ class Backend(ABC):
         this backend does not have, or a bad value."""
         unknown = sorted(set(options) - set(cls.options))
         if unknown:
+            cls._refuse_foreign_flag(unknown[0], options[unknown[0]])
             known = ", ".join(sorted(cls.options)) or "none"
             raise UsageError("backend option", unknown[0], f"backend {cls.name!r} has no such "
                              "option", f"use one of its options ({known}) or another --backend")
         return {name: option.default if options.get(name) is None
                 else option.parse(option.flag or f"backend option {name}", options[name])
                 for name, option in cls.options.items()}
+
+    @classmethod
+    def _refuse_foreign_flag(cls, name: str, value: Any) -> None:
+        """Name the flag of another backend's option as the user typed it (``--zero-stage``),
+        and the backend it belongs to, rather than the option's internal name."""
+        from mpt.backends import registered  # the registry imports this module
+
+        owners = {other: backend.options[name].flag for other, backend in registered().items()
+                  if other != cls.name and name in backend.options}
+        flag = next((f for f in owners.values() if f is not None), None)
+        if flag is None:
+            return
+        owner = " or ".join(f"--backend {other}" for other, f in owners.items() if f == flag)
+        raise UsageError(flag, value, f"{flag} (option {name!r}) belongs to {owner}, and this "
+                         f"run's backend is {cls.name}", f"pass {owner.split(' or ')[0]}, or "
+                         f"drop {flag}")
 
     @classmethod
     def precision_refusal(cls, spec: PrecisionSpec, device_type: str,

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from mpt.errors import UsageError
-from mpt.precision import LossScaleConfig, PrecisionSpec
+from mpt.precision import LossScaleConfig, PrecisionSpec, describe
 
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD_TARGETS = ("optimizer", "parameters")
@@ -103,6 +103,11 @@ def load_user_config(value: object) -> dict[str, Any]:
                              "optimizer from rt.setup(model, optimizer), and DeepSpeed refuses "
                              f"a config {key} next to it", f"remove {key!r} from the config and "
                              "build the optimizer (and scheduler) in the script")
+    modes = {mode for key, mode in _SECTIONS.items() if _enabled(config, key)}
+    if len(modes) > 1:  # no --precision could then be accepted: every hint would loop
+        raise UsageError("DeepSpeed config key", "fp16", "the config enables bf16 as well, and "
+                         "DeepSpeed trains in one of the two", 'set "enabled": false in one of '
+                         "the two sections, or drop it")
     return config
 
 
@@ -159,30 +164,73 @@ def mode_of(spec: PrecisionSpec) -> str | None:
     return next((mode for mode, dtype in MODES.items() if spec.compute == dtype), None)
 
 
-def precision_refusal(user: Mapping[str, Any], spec: PrecisionSpec,
-                      device_type: str) -> tuple[str, str] | None:
-    """Why DeepSpeed cannot train ``spec`` (with the user's config) right, and what works."""
+def _conflict(user: Mapping[str, Any], spec: PrecisionSpec, device_type: str) -> str | None:
+    """Why DeepSpeed cannot train ``spec`` with the config ``user`` on ``device_type``; None
+    where it can."""
     mode = mode_of(spec)
-    no_fp16 = device_type == "cpu"  # DeepSpeed's CPU accelerator refuses fp16
     if spec.params != torch.float32:
-        mixed = "bf16-mixed" if no_fp16 else _MIXED.get(mode or "", "fp32")
         return (f"casts the model and keeps fp32 master weights itself, in its {mode} mode: "
-                f"mpt's {spec.name} cast would hide them from its optimizer",
-                f"use --precision {mixed} (DeepSpeed's {mixed[:4]} mode), or --backend apex "
-                f"for {spec.name}")
-    if mode == "fp16" and no_fp16:
-        return ("has no fp16 on CPU", "use --precision bf16-mixed, or run on GPUs")
+                f"mpt's {spec.name} cast would hide them from its optimizer")
+    if mode == "fp16" and device_type == "cpu":  # DeepSpeed's CPU accelerator refuses fp16
+        return "has no fp16 on CPU"
     for key, which in _SECTIONS.items():
         section = user.get(key)
-        if not (isinstance(section, Mapping) and "enabled" in section):
-            continue
-        on = bool(section["enabled"])
-        if on != (mode == which):
-            wanted = _MIXED[which] if on else "fp32"
-            return (f"is given a DeepSpeed config that {'enables' if on else 'disables'} {key}",
-                    f"pass --precision {wanted} (or leave --precision out), or drop the {key!r} "
-                    "section")
+        if isinstance(section, Mapping) and "enabled" in section:
+            on = bool(section["enabled"])
+            if on != (mode == which):
+                return (f"is given a DeepSpeed config that {'enables' if on else 'disables'} "
+                        f"{key}")
     return None
+
+
+def _default_name(user: Mapping[str, Any]) -> str:
+    """The precision a run gets when ``--precision`` is left out (the config's mode, else fp32);
+    ``DeepSpeedBackend.default_precision`` says the same to the launcher."""
+    mode = config_mode(user)
+    return "fp32" if mode is None else _MIXED[mode]
+
+
+def _fixes(user: Mapping[str, Any], spec: PrecisionSpec, device_type: str) -> list[str]:
+    """What the user can change so that the run is accepted, each alternative checked here to
+    be accepted as it is (a hint never leads to a second refusal)."""
+    def accepted(config: Mapping[str, Any], name: str, device: str) -> bool:
+        return _conflict(config, describe(name), device) is None
+
+    modes = [config_mode(user), mode_of(spec), "bf16"]  # the config's first, then the flag's
+    names = [*(_MIXED[mode] for mode in modes if mode is not None), "fp32"]
+    names = [n for i, n in enumerate(names) if n not in names[:i] and n != spec.name]
+    fixes = []
+    name = next((n for n in names if accepted(user, n, device_type)), None)
+    if name is not None:
+        left_out = " (or leave --precision out)" if name == _default_name(user) else ""
+        fixes.append(f"use --precision {name}{left_out}")
+    # A precision section that contradicts the flag, dropped; with another precision where the
+    # device cannot run the flag's (fp16 on CPU).
+    sections = [key for key in _SECTIONS if isinstance(user.get(key), Mapping)]
+    for key in sections:
+        without = {k: v for k, v in user.items() if k != key}
+        if accepted(without, spec.name, device_type):
+            fixes.append(f"drop the {key!r} section of the DeepSpeed config")
+        elif name is None:
+            both = next((n for n in names if accepted(without, n, device_type)), None)
+            if both is not None:
+                fixes.append(f"use --precision {both} and drop the {key!r} section of the "
+                             "DeepSpeed config")
+    if device_type == "cpu" and accepted(user, spec.name, "cuda"):
+        fixes.append("run on GPUs")
+    if spec.params != torch.float32:
+        fixes.append(f"--backend apex for {spec.name} (without DeepSpeed's flags)")
+    return fixes
+
+
+def precision_refusal(user: Mapping[str, Any], spec: PrecisionSpec,
+                      device_type: str) -> tuple[str, str] | None:
+    """Why DeepSpeed cannot train ``spec`` (with the user's config) right, and what works: the
+    alternatives joined by ", or ", each one accepted when followed alone."""
+    reason = _conflict(user, spec, device_type)
+    if reason is None:
+        return None
+    return reason, ", or ".join(_fixes(user, spec, device_type))
 
 
 def _precision(config: dict[str, Any], mode: str | None, scale: LossScaleConfig) -> None:
