@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -38,6 +39,7 @@ from mpt.backends.ddp import DDPBackend
 from mpt.backends.deepspeed_config import (
     build_config,
     check_stage_and_offload,
+    chosen_stage,
     config_mode,
     load_user_config,
     mode_of,
@@ -119,7 +121,7 @@ class DeepSpeedBackend(DDPBackend):
     name = "deepspeed"
     options: ClassVar[dict[str, BackendOption]] = {
         "zero_stage": BackendOption(help="ZeRO stage 0, 1, 2 or 3 (default: the config's, "
-                                    "else 0)", parse=lambda _, v: parse_stage(v),
+                                    "else 1)", parse=lambda _, v: parse_stage(v),
                                     flag="--zero-stage"),
         "offload": BackendOption(help="none, optimizer, parameters (stage 3) or "
                                  "optimizer,parameters, moved to CPU memory",
@@ -143,6 +145,8 @@ class DeepSpeedBackend(DDPBackend):
             offload=values["offload"], mode=mode_of(precision.spec),
             loss_scale=scale, accumulate=accumulate, world_size=world.world_size)
         """What ``deepspeed.initialize`` gets: the user's config, completed by mpt."""
+        self.stage_chosen = chosen_stage(values["config"], values["zero_stage"]) is not None
+        """Whether ``--zero-stage`` or the config chose the stage (else DEFAULT_STAGE)."""
         self._ds = _import_deepspeed(device.type, world.local_rank)  # before any process group
         self._engines: dict[int, _Engine] = {}
         """One engine per model set up with an optimizer, by id of the engine."""
@@ -240,6 +244,10 @@ class DeepSpeedBackend(DDPBackend):
             raise UsageError("--zero-stage", stage, "DeepSpeed keeps a model's gradients "
                              "apart only at stage 1 when a script trains several models",
                              "use --zero-stage 1, or --backend ddp, apex or horovod")
+        if len(self._engines) == 1 and not self.stage_chosen and self.world.rank == 0:
+            print(f"mpt: deepspeed trains several models at ZeRO stage {stage}, taken because "
+                  "no --zero-stage was given: the stage that keeps their gradients apart",
+                  file=sys.stderr, flush=True)
         names = {param: name for name, param in model.named_parameters()}
         # DeepSpeed drops empty groups and replaces the parameters of the others by flat shards:
         # remember each group's names now, for checkpoints keyed by name.

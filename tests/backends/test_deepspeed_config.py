@@ -72,7 +72,7 @@ def test_conflict_is_raised_before_any_process_group_starts():
 @pytest.mark.parametrize(("flags", "message"), [
     (["--zero-stage", "4"], "--zero-stage=4 is invalid"),
     (["--zero-stage", "1", "--offload", "parameters"], "only ZeRO stage 3 partitions"),
-    (["--offload", "optimizer"], "stage 0 keeps no optimizer state"),
+    (["--zero-stage", "0", "--offload", "optimizer"], "stage 0 keeps no optimizer state"),
     (["--offload", "nvme"], "--offload=nvme is invalid"),
     (["--deepspeed-config", "{bad}"], "not valid JSON"),
     (["--deepspeed-config", '{"zero_optimisation": {}}'], "did you mean 'zero_optimization'"),
