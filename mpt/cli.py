@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mpt.backends.base import BackendOption
-from mpt.checkpoint.commands import app as checkpoint_app
+from mpt.cli_checkpoint import app as checkpoint_app
 from mpt.config import ConfigurableCommand, load_into_context
 from mpt.errors import MptError, UsageError
 from mpt.estimate import OPTIMIZER_STATES

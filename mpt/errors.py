@@ -30,3 +30,13 @@ class MissingDependencyError(MptError, ImportError):
         self.install = install
         why = f" ({reason})" if reason else ""
         super().__init__(f"{what} needs {package}, which is not usable here{why}. Fix: {install}")
+
+
+class CheckpointError(MptError):
+    """A checkpoint that is missing, incomplete, tampered with or from an unknown format."""
+
+    def __init__(self, path: str, problem: str, hint: str) -> None:
+        self.path = path
+        self.problem = problem
+        self.hint = hint
+        super().__init__(f"checkpoint {path}: {problem}. Fix: {hint}")

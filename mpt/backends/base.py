@@ -11,12 +11,12 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from mpt.checkpoint.named import from_named, to_named
 from mpt.environments import World
 from mpt.errors import UsageError
 from mpt.estimate import MemoryEstimate, parameter_counts
 from mpt.parse import parse_bool, parse_text
 from mpt.precision import Precision, PrecisionSpec
+from mpt.state.named import from_named, to_named
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -257,7 +257,7 @@ class Backend(ABC):
 
     def optimizer_state_dict(self, model: nn.Module,
                              optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """Full optimizer state keyed by parameter name (see ``mpt.checkpoint.named``).
+        """Full optimizer state keyed by parameter name (see ``mpt.state.named``).
 
         Every rank calls it: a backend that shards the state gathers it here.
         """
@@ -274,7 +274,7 @@ class Backend(ABC):
 
     def local_model_state_dict(self, model: nn.Module) -> dict[str, Any]:
         """This rank's pieces of the weights, keyed like ``model_state_dict``, where
-        ``shards_state``: ``DTensor`` shards, or ``mpt.checkpoint.flat.FlatPiece`` ranges of the
+        ``shards_state``: ``DTensor`` shards, or ``mpt.state.flat.FlatPiece`` ranges of the
         flattened tensors (collective). The full weights elsewhere. The
         ``load_model_state_dict`` of a backend that shards takes either."""
         return self.model_state_dict(model)

@@ -47,12 +47,12 @@ from mpt.backends.deepspeed_config import (
     parse_stage,
     precision_refusal,
 )
-from mpt.checkpoint.flat import FlatPiece
-from mpt.checkpoint.named import from_named
 from mpt.environments import World
 from mpt.errors import MissingDependencyError, UsageError
 from mpt.estimate import MemoryEstimate, parameter_counts
 from mpt.precision import LossScaleConfig, Precision, PrecisionSpec
+from mpt.state.flat import FlatPiece
+from mpt.state.named import from_named
 
 if TYPE_CHECKING:  # it imports deepspeed, which is imported only once a run asks for it
     from mpt.backends.deepspeed_state import FlatState

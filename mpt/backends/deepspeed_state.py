@@ -4,7 +4,7 @@ ZeRO keeps the fp32 master weights and the optimizer state as one flat tensor pe
 and rank (stages 1-2, and bf16 at stage 0) or per sub-group (stage 3); the torch optimizer inside
 only ever sees those flat shards. DeepSpeed's ``safe_get_full_*`` / ``safe_set_full_*`` functions
 translate one parameter at a time; this module applies them to a whole model, in mpt's by-name
-format (``mpt.checkpoint.named``), and handles what they leave out: per-group scalars such as
+format (``mpt.state.named``), and handles what they leave out: per-group scalars such as
 Adam's ``step``, optimizer state that does not exist yet in a fresh job, and refreshing the
 low-precision weights after the masters changed.
 
@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mpt.checkpoint.flat import FlatPiece, exchange_tails
 from mpt.precision import LossScaleState
+from mpt.state.flat import FlatPiece, exchange_tails
 
 
 def _utils() -> Any:

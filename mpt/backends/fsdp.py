@@ -295,7 +295,7 @@ class FSDPBackend(DDPBackend):
 
     def optimizer_state_dict(self, model: nn.Module,
                              optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        # Keyed by parameter name already: the layout of mpt.checkpoint.named.
+        # Keyed by parameter name already: the layout of mpt.state.named.
         return _optimizer_state(model, optimizer, full=True, create=False)
 
     def local_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from mpt.checkpoint.flat import FlatPiece
 from mpt.errors import UsageError
+from mpt.state.flat import FlatPiece
 
 _TENSOR, _TUPLE, _ITEMS = "__tensor__", "__tuple__", "__items__"
 

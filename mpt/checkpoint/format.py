@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from mpt.errors import MptError
+from mpt.errors import CheckpointError
 
 FORMAT_VERSION = 2
 """2: several models by name (``<name>/<parameter>`` keys, optimizers and schedulers by name);
@@ -29,14 +29,6 @@ SHARDED_DIR = "sharded"
 """Subdirectory of torch.distributed.checkpoint's per-rank safetensors shards."""
 
 
-class CheckpointError(MptError):
-    """A checkpoint that is missing, incomplete, tampered with or from an unknown format."""
-
-    def __init__(self, path: str, problem: str, hint: str) -> None:
-        self.path = path
-        self.problem = problem
-        self.hint = hint
-        super().__init__(f"checkpoint {path}: {problem}. Fix: {hint}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

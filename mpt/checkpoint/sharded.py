@@ -7,7 +7,7 @@ any world size reads the pieces it needs: that is the resharding. The storage is
 safetensors writer/reader, chosen because it is the one DCP storage that pickles nothing (the
 default writes a pickled ``.metadata``).
 
-Tensors a rank holds as a flat range of elements (``mpt.checkpoint.flat.FlatPiece``, ZeRO-3's
+Tensors a rank holds as a flat range of elements (``mpt.state.flat.FlatPiece``, ZeRO-3's
 partitions) take part through two planners: they are written as the whole rows that start in
 the rank's range and read, one read at a time, into the range in place.
 """
@@ -42,8 +42,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from mpt.checkpoint.flat import FlatPiece
 from mpt.checkpoint.format import CheckpointError
+from mpt.state.flat import FlatPiece
 
 Tensors = dict[str, torch.Tensor | FlatPiece]
 

@@ -1,4 +1,4 @@
-"""Save and restore a whole training state in mpt's format, through the Backend interface only.
+"""Save and restore a whole training state in mpt's format, through the backend's interface only.
 
 Nothing here knows which backend runs: full weights come from ``backend.model_state_dict`` and
 optimizer state keyed by parameter name from ``backend.optimizer_state_dict`` (both collectives
@@ -21,7 +21,6 @@ import torch
 
 from mpt.checkpoint import io, tensorfile
 from mpt.checkpoint.encode import decode, encode, rng_state, set_rng_state
-from mpt.checkpoint.flat import FlatPiece
 from mpt.checkpoint.format import (
     FORMAT_VERSION,
     MANIFEST,
@@ -36,13 +35,16 @@ from mpt.checkpoint.format import (
     verify,
 )
 from mpt.errors import UsageError
+from mpt.state.flat import FlatPiece
 
 if TYPE_CHECKING:
+    from torch import nn
 
-    from mpt.backends.base import Backend
     from mpt.checkpoint.background import BackgroundWriter
     from mpt.data import DistributedLoader
+    from mpt.environments import World
     from mpt.pairs import Pair
+    from mpt.precision import Precision
 
 SHARD_THRESHOLD = 2**31
 """Model + optimizer bytes above which ``sharded=None`` picks the sharded variant (2 GiB)."""
@@ -56,11 +58,38 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
+class StateHolder(Protocol):
+    """What a checkpoint needs of the run's backend: its place in the job, its precision, and
+    the state of each model and optimizer in the portable form of ``mpt.state`` (collectives:
+    every rank calls them). Any ``mpt.backends.Backend`` is one; the checkpoint never asks
+    which."""
+
+    name: str
+    world: World
+    precision: Precision
+    shards_state: bool
+
+    def unwrap(self, model: nn.Module) -> nn.Module: ...
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]: ...
+    def local_model_state_dict(self, model: nn.Module) -> dict[str, Any]: ...
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None: ...
+    def optimizer_state_dict(self, model: nn.Module,
+                             optimizer: torch.optim.Optimizer) -> dict[str, Any]: ...
+    def local_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                                   *, create: bool = False) -> dict[str, Any]: ...
+    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                                  state: dict[str, Any]) -> None: ...
+    def comm_state_dict(self, model: nn.Module) -> list[dict[str, Any]]: ...
+    def load_comm_state_dict(self, model: nn.Module, states: list[dict[str, Any]]) -> None: ...
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any: ...
+    def barrier(self) -> None: ...
+
+
 @dataclass(kw_only=True, slots=True)
 class TrainingState:
     """The live objects a checkpoint is taken from and restored into."""
 
-    backend: Backend
+    backend: StateHolder
     """The run's backend: gathers and scatters weights and optimizer state."""
     pairs: Sequence[Pair]
     """Every model (wrapped or not) and optimizer ``setup`` returned, by name."""
@@ -105,6 +134,9 @@ def save_checkpoint(path: str | os.PathLike[str], parts: TrainingState, *, step:
                                          f"optimizer/{pair.name}", tensors)
                        for pair in parts.pairs if pair.optimizer is not None},
         "precision": encode(backend.precision.state_dict(), "precision", tensors),
+        # each rank's state of each model's gradient communication (PowerSGD's error feedback)
+        "comm": {pair.name: encode(comm, f"comm/{pair.name}", tensors) for pair in parts.pairs
+                 if (comm := backend.comm_state_dict(pair.model))},
         "schedulers": {name: encode(scheduler.state_dict(), f"scheduler/{name}", tensors)
                        for name, scheduler in parts.schedulers.items()},
         "loaders": {loader.name: loader.state_dict() for loader in parts.loaders},
@@ -259,6 +291,10 @@ def load_checkpoint(path: str | os.PathLike[str], parts: TrainingState) -> dict[
             backend.load_optimizer_state_dict(pair.model, pair.optimizer,
                                               decode(saved, tensors))
     backend.precision.load_state_dict(decode(state["precision"], tensors))
+    comms = state.get("comm", {})  # absent where the run kept none, and in older checkpoints
+    for pair in parts.pairs:
+        if pair.name in comms:
+            backend.load_comm_state_dict(pair.model, decode(comms[pair.name], tensors))
     if parts.schedulers:
         _check_names(location.url, "LR schedulers", list(state["schedulers"]),
                      list(parts.schedulers))

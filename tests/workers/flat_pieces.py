@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from mpt.checkpoint import sharded
-from mpt.checkpoint.flat import FlatPiece, exchange_tails
+from mpt.state.flat import FlatPiece, exchange_tails
 
 SHAPES = {"matrix": (7, 5), "odd": (3,), "leading-one": (1, 4, 6), "scalar": (),
           "inner-one": (2, 1, 3), "long": (10,), "wide": (2, 11)}

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import mpt
-from mpt.checkpoint.flat import FlatPiece
+from mpt.state.flat import FlatPiece
 
 out = Path(sys.argv[1])
 

@@ -19,7 +19,7 @@ from itertools import accumulate
 import torch
 import torch.distributed as dist
 
-from mpt.checkpoint.format import CheckpointError
+from mpt.errors import CheckpointError
 
 
 @dataclass(kw_only=True, slots=True, eq=False)

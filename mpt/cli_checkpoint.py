@@ -67,7 +67,7 @@ def convert(
     """Import a DeepSpeed ZeRO directory or a torch checkpoint (read with weights_only=True)
     into mpt's format: weights (and an apex-era loss scale), not the optimizer's state."""
     if src.is_dir():
-        from mpt.checkpoint.zero_import import is_zero_checkpoint, read_zero_checkpoint
+        from mpt.backends.deepspeed_import import is_zero_checkpoint, read_zero_checkpoint
 
         if not is_zero_checkpoint(src):
             raise UsageError("SRC", src, "this directory is not a DeepSpeed checkpoint (no "

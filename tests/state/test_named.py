@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mpt.checkpoint.named import from_named, to_named
 from mpt.errors import UsageError
+from mpt.state.named import from_named, to_named
 
 
 def adam_after_one_step(params: list[torch.nn.Parameter]) -> torch.optim.Adam:
