@@ -35,6 +35,9 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from mpt.errors import UsageError
+from mpt.scaling import BatchPlan
+
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
     """``batch`` with every tensor inside (tuples, lists, dicts) moved to ``device``."""
@@ -273,3 +276,38 @@ class DistributedLoader:
         self._in_pass = False
         if self.sampler is not None:
             self.sampler.offset = 0
+
+
+class Loaders:
+    """The loaders a run set up, by name: the first is the training loader (``"train"``),
+    whose batch size is bound to the run's global batch; the others evaluate."""
+
+    def __init__(self, *, rank: int, world_size: int, device: torch.device, seed: int,
+                 batch_plan: BatchPlan | None) -> None:
+        self.rank, self.world_size = rank, world_size
+        """This rank's place among the ranks that split the data (the data-parallel ones)."""
+        self.device = device
+        self.seed = seed
+        self.batch_plan = batch_plan
+        self.loaders: list[DistributedLoader] = []
+
+    def add(self, loader: DataLoader[Any], name: str | None) -> DistributedLoader:
+        """``rt.setup_dataloader``: ``loader`` over this rank's shard, replacing any loader set up
+        under the same name."""
+        taken = {known.name for known in self.loaders}
+        if name is None:  # the first is the training loader, the others are numbered
+            name, number = "train", len(self.loaders)
+            while name in taken:
+                name, number = f"loader{number}", number + 1
+        if name == "train" and self.batch_plan is not None and (
+                loader.batch_size != self.batch_plan.batch_size):
+            # The seeds' confusion: a per-rank batch that silently changes the global one.
+            raise UsageError("DataLoader batch_size", loader.batch_size, "the "
+                             f"{self.batch_plan.describe()} needs {self.batch_plan.batch_size} "
+                             "per rank for the training loader", "build the DataLoader with "
+                             "batch_size=rt.batch_size, or set up an evaluation loader with "
+                             "another name (name=\"eval\")")
+        distributed = DistributedLoader(loader, rank=self.rank, world_size=self.world_size,
+                                        device=self.device, seed=self.seed, name=name)
+        self.loaders = [*(known for known in self.loaders if known.name != name), distributed]
+        return distributed

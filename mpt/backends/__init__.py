@@ -12,7 +12,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from mpt.backends.apex import ApexBackend
-from mpt.backends.base import Availability, Backend
+from mpt.backends.base import Availability, Backend, Topology
 from mpt.backends.ddp import DDPBackend
 from mpt.backends.deepspeed import DeepSpeedBackend
 from mpt.backends.fsdp import FSDPBackend
@@ -110,5 +110,6 @@ def resolve_precision(backend: str, precision: str | None, *, device_type: str,
                              backend_options=backend_options).name
 
 
-__all__ = ["Availability", "Backend", "DDPBackend", "DeepSpeedBackend", "FSDPBackend", "broken",
-           "checked_precision", "get_backend", "register", "registered", "resolve_precision"]
+__all__ = ["Availability", "Backend", "DDPBackend", "DeepSpeedBackend", "FSDPBackend", "Topology",
+           "broken", "checked_precision", "get_backend", "register", "registered",
+           "resolve_precision"]

@@ -17,6 +17,7 @@ from mpt.estimate import MemoryEstimate, parameter_counts
 from mpt.parse import parse_bool, parse_text
 from mpt.precision import Precision, PrecisionSpec
 from mpt.state.named import from_named, to_named
+from mpt.step import TrainStep
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,6 +53,20 @@ class Availability:
     """Why it cannot run, when it cannot."""
     install: str = ""
     """The command that makes it available."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Topology:
+    """Where a rank sits in its backend's layout of the job, as data loading, batch planning,
+    learning-rate scaling and throughput need it: a backend that splits the model over ranks
+    (pipeline stages) has fewer data-parallel replicas than ranks."""
+
+    dp_rank: int
+    """This rank's data-parallel replica: which shard of the data it reads."""
+    dp_size: int
+    """Data-parallel replicas: the ranks that read distinct data and average gradients."""
+    computes_loss: bool = True
+    """Whether this rank's step produces the loss (a pipeline's last stage; every rank here)."""
 
 
 def on_meta(module: nn.Module, recurse: bool = True) -> bool:
@@ -162,6 +177,12 @@ class Backend(ABC):
             optimizer=4 * optimizer_states * trained + masters)]
 
     @classmethod
+    def topology(cls, world: World, options: Mapping[str, Any]) -> Topology:
+        """This rank's place in the backend's layout; by default every rank is a data-parallel
+        replica of the whole model."""
+        return Topology(dp_rank=world.rank, dp_size=world.world_size)
+
+    @classmethod
     def availability(cls) -> Availability:
         """Whether this backend can run here; the default suits backends built on torch alone."""
         return Availability(available=True, version=torch.__version__)
@@ -196,6 +217,11 @@ class Backend(ABC):
         """Leave the process group."""
 
     # -- the training step --------------------------------------------------------------------
+    def make_step(self, **parts: Any) -> TrainStep:
+        """The object that runs ``rt.backward``/``rt.clip_grad_norm_``/``rt.step`` (``parts``:
+        ``TrainStep``'s arguments). A backend whose step has another shape returns its own."""
+        return TrainStep(backend=self, **parts)
+
     def backward(self, loss: torch.Tensor, model: nn.Module | None = None) -> None:
         """Backward of one micro-batch's loss, scaled for precision and accumulation.
 

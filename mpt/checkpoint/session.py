@@ -1,0 +1,131 @@
+"""One run's checkpoints: where they go, what a resume loads, and the asynchronous write in flight.
+
+``rt.save``/``rt.load``/``rt.resume``/``rt.wait_for_save`` land here. The session knows the run's
+live objects only through ``TrainingState`` (the backend as a ``StateHolder``), so it never asks
+which backend runs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from mpt.checkpoint.background import BackgroundWriter
+from mpt.checkpoint.io import find_latest
+from mpt.checkpoint.state import (
+    Stateful,
+    StateHolder,
+    TrainingState,
+    load_checkpoint,
+    save_checkpoint,
+)
+from mpt.data import DistributedLoader
+from mpt.errors import UsageError
+from mpt.pairs import Pairs
+
+Schedulers = Stateful | Mapping[str, Stateful] | None
+"""An LR scheduler, or several by name (``{"G": sched_g, "D": sched_d}``)."""
+
+
+class CheckpointSession:
+    """Saves and restores the run's state; one asynchronous save in flight at a time."""
+
+    def __init__(self, *, backend: StateHolder, pairs: Pairs,
+                 loaders: Callable[[], Sequence[DistributedLoader]], root: str | None,
+                 resume: str, async_save: bool) -> None:
+        self.backend = backend
+        self.pairs = pairs
+        self.loaders = loaders
+        """The loaders set up so far (their positions are saved by name)."""
+        self.root = root
+        """Default root of ``save`` and ``resume`` (None: pass a path to them)."""
+        self.resume_from = resume
+        """``auto``, ``never`` or a checkpoint path: what ``to_resume`` names."""
+        self.async_save = async_save
+        """Whether ``save`` writes in the background unless told otherwise."""
+        self._writer = BackgroundWriter()
+        self._unsettled = False  # an asynchronous save since the ranks last met after one
+        self._schedulers: dict[str, Stateful] = {}  # saved with a preempted run too
+
+    def save(self, path: str | os.PathLike[str] | None, *, step: int, epoch: int | None,
+             scheduler: Schedulers, keep: int | None, sharded: bool | None,
+             async_save: bool | None, extra: dict[str, Any]) -> str:
+        """``rt.save`` (see there); returns the checkpoint directory's URL."""
+        extra = self._drop_set_up(extra)
+        in_background = self.async_save if async_save is None else async_save
+        self._writer.wait()  # one checkpoint in flight: the previous one is committed first
+        where = save_checkpoint(
+            self._root(path, "save"), self._training_state(scheduler), step=step, epoch=epoch,
+            extra=extra, keep=keep, sharded=sharded,
+            background=self._writer if in_background else None)
+        self._unsettled = self._unsettled or in_background
+        return where
+
+    def wait(self) -> None:
+        """``rt.wait_for_save``: every rank's asynchronous save committed (collective)."""
+        self._writer.wait()
+        if self._unsettled:
+            self.backend.barrier()  # rank 0 commits: the others wait for it here
+            self._unsettled = False
+
+    def load(self, path: str | os.PathLike[str], scheduler: Schedulers) -> dict[str, Any]:
+        """``rt.load``: restore ``path`` into the run's live objects."""
+        self.wait()  # a checkpoint being written is committed before anything loads
+        return load_checkpoint(path, self._training_state(scheduler))
+
+    def to_resume(self, scheduler: Schedulers) -> str | None:
+        """What ``rt.resume`` loads: the run's ``resume`` setting made a checkpoint path, or
+        None for a fresh start. ``never`` refuses a root that holds checkpoints already."""
+        self._remember(scheduler)
+        found = None if self.root is None else find_latest(self.root)
+        if self.resume_from == "never":
+            if found is not None:
+                raise UsageError("--resume", "never", f"{self.root} already holds {found}; a "
+                                 "fresh run would overwrite its steps", "pass --resume auto to "
+                                 "continue it, or another --checkpoint-dir")
+            return None
+        return found if self.resume_from == "auto" else self.resume_from
+
+    def close(self) -> None:
+        """Commit the checkpoint being written; raise if its write failed."""
+        self._writer.close()
+
+    def _root(self, path: str | os.PathLike[str] | None, method: str) -> str | os.PathLike[str]:
+        root = path if path is not None else self.root
+        if root is None:
+            raise UsageError("path", None, f"rt.{method} needs a directory and the run has no "
+                             "checkpoint_dir", "pass one, or `mpt launch --checkpoint-dir DIR`")
+        return root
+
+    def _remember(self, scheduler: Schedulers) -> None:
+        if scheduler is None:
+            return
+        if isinstance(scheduler, Mapping):
+            self._schedulers = dict(scheduler)
+        else:
+            self._schedulers = {"scheduler": scheduler}
+
+    def _drop_set_up(self, extra: dict[str, Any]) -> dict[str, Any]:
+        """``extra`` without the models and optimizers ``setup`` knows (saved by name anyway);
+        one that was never set up cannot be saved as an extra value."""
+        kept = {}
+        for key, value in extra.items():
+            if isinstance(value, nn.Module):
+                self.pairs.of_model(value)
+            elif isinstance(value, torch.optim.Optimizer):
+                self.pairs.of_optimizer(value, "save")
+            else:
+                kept[key] = value
+        return kept
+
+    def _training_state(self, scheduler: Schedulers) -> TrainingState:
+        if not self.pairs.pairs:
+            raise UsageError("rt.save/rt.load", "called before rt.setup", "nothing is set up",
+                             "call model, optimizer = rt.setup(model, optimizer) first")
+        self._remember(scheduler)
+        return TrainingState(backend=self.backend, pairs=self.pairs.pairs,
+                             schedulers=self._schedulers, loaders=self.loaders())

@@ -1,0 +1,79 @@
+"""Resolve a worker's settings, once: what `mpt launch` handed over, the Runtime's arguments on
+top, and everything that follows from them (device, topology, batch plan, precision, backend).
+
+The Runtime only wires what ``connect`` returns, so the order of these decisions (the topology
+before the batch plan, the batch plan before the backend, which divides by its accumulation)
+lives in one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from mpt.backends import Backend, Topology, checked_precision, get_backend
+from mpt.environments import World, detect_world, device_name
+from mpt.precision import LossScaleConfig, Precision
+from mpt.run_config import RunConfig
+from mpt.scaling import BatchPlan, plan_batch
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Connection:
+    """One worker's resolved run: who it is, what it trains with, and its backend (not yet
+    joined to the others)."""
+
+    config: RunConfig
+    """Every run setting, as this process trains with it."""
+    world: World
+    """This process's place in the job."""
+    device: torch.device
+    """Where its model and batches live."""
+    topology: Topology
+    """Its place in the backend's layout: the data-parallel rank and size."""
+    batch_plan: BatchPlan | None
+    """How the global batch splits over replicas and micro-batches (None: no global size)."""
+    accumulate: int
+    """Micro-batches per optimizer step."""
+    batch_size: int | None
+    """Per-rank micro-batch size to build the DataLoader with (None: the script decides)."""
+    precision: Precision
+    backend: Backend
+
+
+def connect(env: Mapping[str, str], *, batch_size: int | None,
+            loss_scale: str | float | LossScaleConfig | None,
+            timeout: timedelta | float | None, **settings: Any) -> Connection:
+    """The run `env` (`mpt launch`'s hand-off) describes, with ``settings`` (``RunConfig``
+    fields as the Runtime's arguments give them; None keeps the launcher's) on top, both checked
+    by ``RunConfig`` whichever way they came."""
+    world = detect_world(env)
+    config = RunConfig.from_env(env).replace(
+        loss_scale=None if isinstance(loss_scale, LossScaleConfig) else loss_scale,
+        timeout=timeout.total_seconds() if isinstance(timeout, timedelta) else timeout,
+        **settings)
+    device = torch.device(device_name(world.local_rank, torch.cuda.is_available()))
+    backend_class = get_backend(config.backend)
+    topology = backend_class.topology(world, config.backend_options)
+    total = config.global_batch_size
+    plan = None if total is None else plan_batch(total, topology.dp_size, batch_size=batch_size,
+                                                 accumulate=config.accumulate)
+    accumulate = plan.accumulate if plan else config.accumulate or 1
+    scale = (loss_scale if isinstance(loss_scale, LossScaleConfig)
+             else LossScaleConfig.parse(config.loss_scale))
+    # The check `mpt launch` made, again for scripts other launchers started.
+    precision = checked_precision(
+        config.backend, config.precision, device_type=device.type, loss_scale=scale,
+        precision_options=config.precision_options, backend_options=config.backend_options)
+    backend = backend_class(world=world, device=device, precision=precision,
+                            accumulate=accumulate, timeout=timedelta(seconds=config.timeout
+                                                                     or 1800.0),
+                            options=config.backend_options)
+    return Connection(config=config, world=world, device=device, topology=topology,
+                      batch_plan=plan, accumulate=accumulate,
+                      batch_size=plan.batch_size if plan else batch_size, precision=precision,
+                      backend=backend)
