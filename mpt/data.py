@@ -186,6 +186,14 @@ class DistributedLoader:
         else:
             self._skipping = SkippingBatches(loader.batch_sampler)  # type: ignore[arg-type]
             self.loader = _rebuilt(loader, batch_sampler=self._skipping)
+        # A DataLoader draws its workers' base seed from its generator when each pass starts:
+        # without one of its own, from torch's global generator, which shifts every draw the
+        # training step makes after it (a GAN's noise, dropout) and a resume would not replay.
+        self._generator: torch.Generator | None = None
+        if self.loader.generator is None:
+            self._generator = self.loader.generator = torch.Generator()
+        self._rank = rank if self.sampler is None else self.sampler.rank
+        self._seed = seed
         self.batch_size: int | None = loader.batch_size
         self.world_size = world_size if self.sampler is None else self.sampler.world_size
         self.device = device
@@ -260,6 +268,8 @@ class DistributedLoader:
 
     def __iter__(self) -> Iterator[Any]:
         self._sync_epoch()
+        if self._generator is not None:  # what a pass draws follows from the saved epoch
+            self._generator.manual_seed(hash((self._seed, self.epoch, self._rank)) & (2**63 - 1))
         if self.sampler is not None:
             self.sampler.set_epoch(self.epoch)
         batches: Iterator[Any] = iter(self.loader)

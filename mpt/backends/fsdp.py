@@ -307,10 +307,22 @@ class FSDPBackend(DDPBackend):
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
         from torch.distributed.tensor import DTensor
 
+        if not _holds_tensors(state["state"]):
+            # Nothing per parameter to place (plain SGD): torch's loader needs a tensor to find
+            # the device by, so only the hyper-parameters load, as torch.optim would load them.
+            for group, saved in zip(optimizer.param_groups, state["param_groups"], strict=True):
+                group.update({k: v for k, v in saved.items() if k != "params"})
+            return
         set_optimizer_state_dict(model, optimizer, state, options=_options(
             full=not holds(DTensor, state["state"])))
         if not state["state"]:  # saved before its first step: fresh again, as it was saved
             optimizer.state.clear()
+
+
+def _holds_tensors(state: dict[str, Any]) -> bool:
+    """Whether an optimizer's per-parameter state holds a tensor of one element or more."""
+    return any(isinstance(value, torch.Tensor) and value.dim() > 0
+               for per_param in state.values() for value in per_param.values())
 
 
 def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, *, full: bool,
