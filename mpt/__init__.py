@@ -1,10 +1,28 @@
 """mpt: one PyTorch training script on one CPU, many GPUs or many nodes, in mixed precision,
-on the distributed backend chosen by a flag."""
+on the distributed backend chosen by a flag.
+
+``Runtime`` is imported when first used (``mpt.Runtime``, ``from mpt import Runtime``): the
+launcher and its worker shim import ``mpt`` without torch's weight on every process start.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from mpt.environments.world import World
 from mpt.errors import MissingDependencyError, MptError, UsageError
-from mpt.runtime import Runtime
+
+if TYPE_CHECKING:
+    from mpt.runtime import Runtime
 
 __version__ = "0.1.0"
 
 __all__ = ["MissingDependencyError", "MptError", "Runtime", "UsageError", "World", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Runtime":
+        from mpt.runtime import Runtime
+
+        return Runtime
+    raise AttributeError(f"module 'mpt' has no attribute {name!r}")

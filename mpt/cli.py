@@ -200,10 +200,10 @@ def launch(
         raise UsageError("option", script, "mpt launch has no such option",
                          "see `mpt launch --help`; options for the script go after SCRIPT")
     settings = RunConfig.parse(run or {})
-    settings = settings.replace(backend_options=backend_flags, precision_options={
-        k: v for k, v in {"keep_batchnorm_fp32": keep_batchnorm_fp32,
-                          "master_weights": master_weights,
-                          "cast_model_type": cast_model_type}.items() if v is not None})
+    overrides = {k: v for k, v in {"keep_batchnorm_fp32": keep_batchnorm_fp32,
+                                   "master_weights": master_weights,
+                                   "cast_model_type": cast_model_type}.items() if v is not None}
+    settings = settings.replace(backend_options=backend_flags, precision_options=overrides)
     spec = launchers.LaunchSpec(
         script=script, script_args=tuple(script_args or ()), nodes=parse_int("--nodes", nodes),
         gpus=parse_int("--gpus", gpus), nr=parse_int("--nr", nr), master_addr=master_addr,
@@ -225,11 +225,29 @@ def launch(
     check_port(spec)
     if not cuda_devices:
         err.print(f"mpt: no CUDA device here: running {spec.gpus} CPU process(es) per node on gloo")
-    outcome = launchers.run(spec, report=err.print)
+    outcome = launchers.run(spec, report=err.print,
+                            runtime_flags=_runtime_flags({**(run or {}), **overrides},
+                                                         backend_flags or {}, spec.backend))
     for line in outcome.lines:
         err.print(line)
     if outcome.exit_code:
         raise typer.Exit(outcome.exit_code)
+
+
+def _runtime_flags(given: dict[str, Any], backend_flags: dict[str, Any],
+                   backend: str) -> tuple[str, ...]:
+    """The flags given (as typed) that only an ``mpt.Runtime`` applies: the run settings and
+    the precision's overrides in ``given`` that differ from the defaults (so not ``--backend
+    ddp``: torchrun's environment is all a plain torch.distributed script needs), and the
+    backend's own flags."""
+    from mpt.backends import get_backend
+
+    options = get_backend(backend).options
+    defaults = {s.name: s.default for s in dataclasses.fields(RunConfig)}
+    flags = {**{flag_of(k): v for k, v in given.items() if v is not None and v is not False
+                and str(v) != str(defaults.get(k))},
+             **{options[k].flag or k: v for k, v in backend_flags.items()}}
+    return tuple(flag if value is True else f"{flag} {value}" for flag, value in flags.items())
 
 
 def _tee(value: str, spec: LaunchSpec) -> frozenset[int]:

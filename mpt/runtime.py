@@ -25,6 +25,7 @@ from mpt.data import DistributedLoader, Loaders
 from mpt.environments import World
 from mpt.fault import REQUEUE_EXIT_CODE
 from mpt.fault.worker import WorkerFaults
+from mpt.launchers.notes import note_runtime
 from mpt.metrics import MetricsConfig, Monitor
 from mpt.pairs import Pair, Pairs
 from mpt.precision import LossScaleConfig, Precision
@@ -64,6 +65,7 @@ class Runtime:
                  async_save: bool | None = None, resume: str | None = None,
                  env: Mapping[str, str] | None = None) -> None:
         env = os.environ if env is None else env
+        note_runtime()  # `mpt launch` reports run flags no Runtime applied
         run = connect(env, batch_size=batch_size, loss_scale=loss_scale, timeout=timeout,
                       backend=backend, precision=precision, accumulate=accumulate,
                       backend_options=backend_options, precision_options=precision_options,

@@ -1,7 +1,25 @@
-"""Who starts the processes, and who tears them all down when one fails."""
+"""Who starts the processes, and who tears them all down when one fails.
 
-from mpt.launchers.elastic import Failure, Outcome, run
-from mpt.launchers.spec import LaunchSpec, parse_port, port_is_free
+The names below are imported when first used: each worker imports ``mpt.launchers.worker``,
+which must not pull torch's elastic agent into every process it starts.
+"""
 
-__all__ = ["Failure", "LaunchSpec", "Outcome", "parse_port",
-           "port_is_free", "run"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mpt.launchers.elastic import Failure, Outcome, run
+    from mpt.launchers.spec import LaunchSpec, parse_port, port_is_free
+
+_HOMES = {"Failure": "elastic", "Outcome": "elastic", "run": "elastic", "LaunchSpec": "spec",
+          "parse_port": "spec", "port_is_free": "spec"}
+
+__all__ = ["Failure", "LaunchSpec", "Outcome", "parse_port", "port_is_free", "run"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        return getattr(importlib.import_module(f"mpt.launchers.{_HOMES[name]}"), name)
+    raise AttributeError(f"module 'mpt.launchers' has no attribute {name!r}")

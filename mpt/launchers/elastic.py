@@ -8,13 +8,14 @@ its ``LaunchConfig`` with a static rendezvous (node ranks fixed by ``--nr``) and
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import FrameType
 
@@ -30,7 +31,7 @@ from mpt.fault.preemption import PREEMPT_SIGNAL
 from mpt.launchers.horovod_join import HorovodRendezvous
 from mpt.launchers.local_rank import LOCAL_RANK_HINT
 from mpt.launchers.logs import LOG_LINE_PREFIX, rank_logs
-from mpt.launchers.notes import Note
+from mpt.launchers.notes import Note, unapplied_flags
 from mpt.launchers.spec import LaunchSpec
 
 
@@ -185,11 +186,39 @@ def local_rank_hint(spec: LaunchSpec, exit_code: int) -> tuple[str, ...]:
     return (LOCAL_RANK_HINT,) if spec.local_rank_arg and exit_code == 2 else ()
 
 
-def run(spec: LaunchSpec, report: Callable[[str], None]) -> Outcome:
+@contextlib.contextmanager
+def agent_log(spec: LaunchSpec) -> Iterator[None]:
+    """torch elastic's own reports (``E... failed (exitcode: 2)``, a restart) go to
+    ``--log-dir``'s ``elastic.node<nr>.log``, not to the console: there mpt's one summary of a
+    failure says which rank failed and how. Without a log dir they are dropped."""
+    logger = logging.getLogger("torch.distributed.elastic")
+    saved = logger.level, logger.propagate, list(logger.handlers)
+    handler: logging.Handler = logging.NullHandler()
+    if spec.log_dir is not None:
+        try:
+            spec.log_dir.mkdir(parents=True, exist_ok=True)
+            handler = logging.FileHandler(spec.log_dir / f"elastic.node{spec.nr}.log")
+        except OSError:
+            pass  # RankLogs refuses the folder in one line, before any worker starts
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: "
+                                               "%(message)s"))
+    logger.handlers, logger.propagate = [handler], False
+    logger.setLevel(logging.INFO if spec.log_dir is not None else logging.CRITICAL)
+    try:
+        yield
+    finally:
+        handler.close()
+        logger.handlers = saved[2]
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+
+
+def run(spec: LaunchSpec, report: Callable[[str], None],
+        runtime_flags: Sequence[str] = ()) -> Outcome:
     """Run this node's share of the job to the end. ``report`` gets the stall warnings of the
-    heartbeat watch while it runs."""
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)  # mpt reports
-    with tempfile.TemporaryDirectory(prefix="mpt-launch-") as scratch:
+    heartbeat watch while it runs. ``runtime_flags``: the flags given that only an
+    ``mpt.Runtime`` applies, reported when the script never made one."""
+    with agent_log(spec), tempfile.TemporaryDirectory(prefix="mpt-launch-") as scratch:
         rendezvous = HorovodRendezvous.start(spec)  # a Horovod script's hvd.init() joins us
         # The elastic agent passes its own environment on to the workers.
         os.environ.update({**worker_env(spec, scratch), **rendezvous.env()})
@@ -211,4 +240,5 @@ def run(spec: LaunchSpec, report: Callable[[str], None]) -> Outcome:
             preemption.restore()
             watch.stop()
             rendezvous.stop()
-    return Outcome(0)
+        unused = unapplied_flags(runtime_flags, Note.read_all(scratch))
+    return Outcome(0, () if unused is None else (unused,))

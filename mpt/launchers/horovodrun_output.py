@@ -4,8 +4,11 @@ horovodrun relays every line a rank writes as ``[R]<stdout>:line`` (or ``<stderr
 stdout and stderr, from every host. With ``--log-dir D``, ``RankOutput`` writes each rank's lines
 into ``D/rank<R>.log`` (stdout and stderr in the order they arrived, like the elastic launcher's
 files), shows only the ``--tee`` ranks on the console, prefixed ``[rank<R>]: `` as there, and
-keeps horovodrun's own lines in ``D/horovodrun.log``. Without a log dir everything passes
-through as horovodrun wrote it.
+keeps horovodrun's own lines in ``D/horovodrun.log``. Without a log dir the ranks' lines pass
+through as horovodrun wrote them, and horovodrun's own lines (its per-process report of a
+failure: 20-30 lines after mpt's one error) are held back: they reach the console only where no
+rank wrote a line (horovodrun could not start them: a host it cannot reach, say), since
+otherwise mpt's own summary of a failure says which rank failed and how.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ class RankOutput:
         self.tee = tee
         self._files: dict[int | None, TextIO] = {}
         self._lock = threading.Lock()
+        self._held: list[tuple[str, TextIO]] = []
+        """horovodrun's own lines, without a log dir, with the stream each was written on."""
+        self._ranks_spoke = False
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
             # An earlier job's files move aside (all of them when the world size is unknown),
@@ -54,11 +60,16 @@ class RankOutput:
 
     def write(self, line: str, console: TextIO) -> None:
         """One line (with its newline) that horovodrun wrote on ``console``'s stream."""
+        found = RANK_LINE.fullmatch(line)
         if self.log_dir is None:
+            if found is None:
+                with self._lock:
+                    self._held.append((line, console))
+                return
+            self._ranks_spoke = True
             console.write(line)
             console.flush()
             return
-        found = RANK_LINE.fullmatch(line)
         rank = int(found.group(1)) if found else None
         text = found.group(2) if found else line
         with self._lock:
@@ -71,10 +82,16 @@ class RankOutput:
                 sys.stdout.flush()
 
     def close(self) -> None:
+        """Close the log files; without a log dir, show horovodrun's own lines if no rank
+        spoke (then they are all there is to read)."""
         with self._lock:
             for file in self._files.values():
                 file.close()
             self._files.clear()
+            for line, console in self._held if not self._ranks_spoke else ():
+                console.write(line)
+                console.flush()
+            self._held.clear()
 
 
 def pump(stream: TextIO, output: RankOutput, console: TextIO,

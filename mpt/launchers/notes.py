@@ -1,19 +1,41 @@
-"""Failure notes: when a rank's script ended with an error, with which code, and which rank.
+"""Notes the workers leave in the launch's scratch folder, read back by the launchers.
 
-``mpt.launchers.worker`` writes one per failed rank into ``$MPT_FAILURE_DIR``; the launchers
-read them to name the rank that failed first (torch's and horovodrun's own reports often name
-a peer that only failed because of it).
+``mpt.launchers.worker`` writes one ``Note`` per rank when its script ends (how, when, which rank,
+whether it ever made an ``mpt.Runtime``) into ``$MPT_FAILURE_DIR``; the launchers read them to
+name the rank that failed first (torch's and horovodrun's own reports often name a peer that only
+failed because of it), and to say when the flags that only the Runtime applies went unused.
+The worker also claims each one-line error it prints there, so that the same refusal raised on
+every rank reaches the console once.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
+MIGRATION_GUIDES = "docs/migration/README.md"
+"""Where a user whose script never made an ``mpt.Runtime`` reads how to make one."""
+
+_runtime_made = False
+
+
+def note_runtime() -> None:
+    """Called by ``mpt.Runtime`` when it is made: this process's note says so (the launcher
+    reports run flags that no Runtime applied). Memory only: no file, no variable read."""
+    global _runtime_made
+    _runtime_made = True
+
+
+def runtime_made() -> bool:
+    """Whether this process made an ``mpt.Runtime``."""
+    return _runtime_made
+
 
 class Note(NamedTuple):
-    """What ``mpt.launchers.worker`` writes when a rank's script ends with an error."""
+    """What ``mpt.launchers.worker`` writes when a rank's script ends."""
 
     failed_at: int
     """``time.time_ns()`` when the script ended."""
@@ -21,6 +43,8 @@ class Note(NamedTuple):
     """The code the script exited with."""
     rank: int = -1
     """The rank's global rank (-1: unknown)."""
+    runtime: int = 0
+    """1 where the script made an ``mpt.Runtime``."""
 
     @classmethod
     def read(cls, path: Path) -> Note:
@@ -30,10 +54,33 @@ class Note(NamedTuple):
         """Write whole, then rename: the launcher never reads half a note."""
         path = os.path.join(folder, str(pid))
         with open(path + ".tmp", "w") as out:
-            out.write(f"{self.failed_at} {self.exit_code} {self.rank}")
+            out.write(" ".join(map(str, self)))
         os.replace(path + ".tmp", path)
 
     @classmethod
     def read_all(cls, folder: str) -> dict[int, Note]:
         """The notes in ``folder``, by the pid of the process that wrote them."""
         return {int(p.name): cls.read(p) for p in Path(folder).iterdir() if p.name.isdigit()}
+
+
+def claim_message(folder: str, message: str) -> bool:
+    """True for the first process of the launch to claim ``message`` (it prints it), False for
+    every other: ranks that hit the same refusal print it once between them."""
+    digest = hashlib.sha256(message.encode()).hexdigest()[:24]
+    try:
+        os.close(os.open(os.path.join(folder, f"said-{digest}"), os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return False
+    return True
+
+
+def unapplied_flags(flags: Iterable[str], notes: Mapping[int, Note]) -> str | None:
+    """The line `mpt launch` prints when its run flags had no effect: ``flags`` were given, the
+    ranks ended (``notes``) and none of them made the ``mpt.Runtime`` that applies them."""
+    flags = list(flags)
+    if not flags or not notes or any(note.runtime for note in notes.values()):
+        return None
+    return (f"mpt: {' '.join(flags)} had no effect: the script never created mpt.Runtime, "
+            f"which applies {'them' if len(flags) > 1 else 'it'} (a script that uses "
+            f"torch.distributed alone runs as under torchrun); {MIGRATION_GUIDES} shows the "
+            "lines to add")

@@ -1,9 +1,10 @@
-"""What each rank of `mpt launch` runs: the user's script, plus the time it failed, if it did.
+"""What each rank of `mpt launch` runs: the user's script, plus how it ended.
 
 When one rank fails, its peers fail a few milliseconds later ("connection closed by peer"), and
 torch's elastic agent finds them all dead in the same poll, stamped with the same second. To name
-the rank that failed first, each rank notes the nanosecond it ended with an error, its exit code
-and its rank in ``$MPT_FAILURE_DIR/<pid>`` (a ``Note``); the launchers read them back.
+the rank that failed first, each rank notes the nanosecond it ended, its exit code, its rank and
+whether it made an ``mpt.Runtime`` in ``$MPT_FAILURE_DIR/<pid>`` (a ``Note``); the launchers read
+them back. A refusal (``UsageError``) raised on every rank reaches the console once.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from mpt.environments import detect_world
 from mpt.environments.settings import LOG_FILE, horovod_rendezvous, launch_dir
 from mpt.errors import MptError, UsageError
 from mpt.launchers.local_rank import LOCAL_RANK_ARG, with_local_rank
-from mpt.launchers.notes import Note
+from mpt.launchers.notes import Note, claim_message, runtime_made
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -83,7 +84,10 @@ def main() -> None:
         code = _exit_code(exc)
         raise
     except UsageError as exc:  # bad input (a refused setting, a wrong call): one line, as the CLI
-        print(f"mpt: error: {exc}", file=sys.stderr, flush=True)
+        message = f"mpt: error: {exc}"
+        # Into this rank's own log always; on the shared console by the first rank that says it.
+        if logged or failure_dir is None or claim_message(failure_dir, message):
+            print(message, file=sys.stderr, flush=True)
         code = 2
         sys.exit(2)
     except Exception as exc:
@@ -93,7 +97,8 @@ def main() -> None:
         sys.exit(1)
     finally:
         if failure_dir:  # clean exits too: a preempted launcher counts the ranks that saved
-            Note(time.time_ns(), code, _rank()).write(failure_dir, os.getpid())
+            Note(time.time_ns(), code, _rank(), int(runtime_made())).write(failure_dir,
+                                                                         os.getpid())
 
 if __name__ == "__main__":
     main()

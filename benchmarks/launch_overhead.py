@@ -1,0 +1,95 @@
+"""Wall time of `mpt launch --gpus N` against `torchrun --nproc_per_node N`, same script.
+
+The script does one allreduce and exits, so what is timed is the launch: the launcher's start,
+its imports, the rendezvous, the workers' start and their teardown. Runs alternate (torchrun,
+mpt, torchrun, ...) so that a machine getting busier weighs on both sides; the figure is the
+median of the per-pair ratios mpt/torchrun (goal: <= 1.10). Not a test: it prints figures.
+
+    .venv/bin/python benchmarks/launch_overhead.py [--pairs 7] [--gpus 2] [--null]
+
+``--null`` times torchrun against itself: the ratio is the noise floor of the machine at hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SCRIPT = """\
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+tensor = torch.ones(1)
+dist.all_reduce(tensor)
+assert tensor.item() == dist.get_world_size()
+dist.destroy_process_group()
+"""
+
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def commands(script: Path, gpus: int, null: bool) -> dict[str, list[str]]:
+    """The two sides, each a command that starts ``gpus`` processes of ``script`` on gloo."""
+    torchrun = [str(BIN / "torchrun"), "--nproc_per_node", str(gpus), "--master_port", "{port}",
+                str(script)]
+    mpt = [str(BIN / "mpt"), "launch", "--gpus", str(gpus), "--master-port", "{port}",
+           str(script)]
+    return {"torchrun": torchrun, "mpt launch": torchrun if null else mpt}
+
+
+def timed(command: list[str]) -> float:
+    """Seconds from start to exit of ``command``; its failure stops the benchmark."""
+    port = str(free_port())
+    start = time.perf_counter()
+    result = subprocess.run([part.replace("{port}", port) for part in command],
+                            capture_output=True, text=True, env={**os.environ,
+                                                                  "OMP_NUM_THREADS": "1"})
+    seconds = time.perf_counter() - start
+    if result.returncode:
+        sys.exit(f"launch_overhead: {command[0]} failed ({result.returncode}):\n"
+                 f"{result.stderr[-2000:]}")
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pairs", type=int, default=7, help="paired runs (default 7)")
+    parser.add_argument("--gpus", type=int, default=2, help="processes per launch (default 2)")
+    parser.add_argument("--null", action="store_true", help="torchrun against itself")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        script = Path(folder) / "one_allreduce.py"
+        script.write_text(SCRIPT)
+        sides = commands(script, args.gpus, args.null)
+        timed(sides["mpt launch"])  # warm the page cache and any first-use compilation
+        times: dict[str, list[float]] = {name: [] for name in sides}
+        for pair in range(args.pairs):
+            order = list(sides) if pair % 2 == 0 else list(reversed(sides))
+            for name in order:
+                times[name].append(timed(sides[name]))
+    ratios = [m / t for m, t in zip(times["mpt launch"], times["torchrun"], strict=True)]
+    for name, values in times.items():
+        print(f"{name:>10}: median {statistics.median(values):.2f} s "
+              f"({', '.join(f'{v:.2f}' for v in values)})")
+    print(f"ratio mpt launch / torchrun over {args.pairs} pairs ({args.gpus} processes"
+          f"{', null' if args.null else ''}): median {statistics.median(ratios):.3f} "
+          f"(min {min(ratios):.3f}, max {max(ratios):.3f}); goal <= 1.10")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""One failure, one message: a refusal raised on every rank at ``rt.setup`` reaches the
+console once, then mpt's summary; torch elastic's own report of the failure goes to
+``--log-dir`` (``elastic.node<nr>.log``), and each rank's log keeps its own copy of the error."""
+
+from __future__ import annotations
+
+from conftest import run_mpt
+
+REFUSED = """\
+import torch
+
+import mpt
+
+rt = mpt.Runtime(quiet=True)
+model = torch.nn.Linear(4, 4)
+rt.setup(model, torch.optim.Adam(model.parameters(), eps=1e-8))  # O3: eps is 0 in fp16
+"""
+ERROR = "mpt: error: optimizer eps=1e-08 is invalid"
+SUMMARY = "mpt: rank 0 (node 0, local rank 0) exited with code 2; the job was stopped"
+
+
+def test_a_refusal_on_every_rank_is_printed_once_then_the_summary(tmp_path, free_port):
+    script = tmp_path / "refused.py"
+    script.write_text(REFUSED)
+    result = run_mpt("launch", "--gpus", "2", "--master-port", str(free_port), "--precision",
+                     "O3", str(script))
+    assert result.returncode == 2
+    lines = result.stderr.splitlines()
+    assert len(lines) == 3, result.stderr  # the CPU notice, the error, the summary
+    assert lines[0].startswith("mpt: no CUDA device here")
+    assert lines[1].startswith(ERROR) and lines[1].count("mpt: error") == 1
+    assert lines[2] == SUMMARY
+
+
+def test_with_a_log_dir_the_launchers_report_is_kept_there(tmp_path, free_port):
+    script = tmp_path / "refused.py"
+    script.write_text(REFUSED)
+    logs = tmp_path / "logs"
+    result = run_mpt("launch", "--gpus", "2", "--master-port", str(free_port), "--precision",
+                     "O3", "--log-dir", str(logs), str(script))
+    assert result.returncode == 2
+    console = (result.stdout + result.stderr).splitlines()
+    assert [line for line in console if "mpt: error" in line] == [
+        line for line in console if line.startswith(f"[rank0]: {ERROR}")], console
+    assert len([line for line in console if "mpt: error" in line]) == 1
+    assert console[-1] == SUMMARY and not any("exitcode" in line for line in console)
+    for rank in (0, 1):
+        assert ERROR in (logs / f"rank{rank}.log").read_text()
+    assert "failed (exitcode: 2)" in (logs / "elastic.node0.log").read_text()
