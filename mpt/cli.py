@@ -179,12 +179,15 @@ def launch(
     rdzv_timeout: Annotated[str, typer.Option(
         metavar="SECONDS", help="How long node 0 waits for the other nodes to arrive.")] = "900",
     hosts: Annotated[str | None, typer.Option(
-        metavar="H1,H2", help="--backend horovod: the job's hosts, one per node (horovodrun "
-        "starts them all from here).")] = None,
+        metavar="H1,H2", help="--backend horovod: start every node from here through "
+        "horovodrun (over ssh), one host per node; without it each node runs `mpt launch "
+        "--nr R`.")] = None,
     hostfile: Annotated[Path | None, typer.Option(
-        metavar="FILE", help="--backend horovod: hosts as 'HOST slots=N' lines.")] = None,
+        metavar="FILE", help="--backend horovod: as --hosts, from 'HOST slots=N' lines.")
+                        ] = None,
     horovod_controller: Annotated[str, typer.Option(
-        metavar="C", help="--backend horovod: gloo or mpi.")] = "gloo",
+        metavar="C", help="--backend horovod with --hosts/--hostfile: horovodrun's "
+        "controller, gloo or mpi.")] = "gloo",
     backend_flags: BackendFlags = None,  # each backend's own options (see _with_run_options)
     local_rank_arg: LocalRankArgOption = False,
     dry_run: Annotated[bool, typer.Option(
@@ -194,7 +197,8 @@ def launch(
     import torch
 
     from mpt import launchers
-    from mpt.launchers.horovod_join import check_port
+    from mpt.launchers.horovod_join import check_port, check_restarts
+    from mpt.launchers.node_rank import NodeRankClaim, RendezvousError
 
     if str(script).startswith("-"):
         raise UsageError("option", script, "mpt launch has no such option",
@@ -214,7 +218,7 @@ def launch(
         rdzv_timeout=parse_int("--rdzv-timeout", rdzv_timeout), local_rank_arg=local_rank_arg)
     if tee is not None:  # checked against the world, so after the spec has checked the world
         spec = dataclasses.replace(spec, tee=_tee(tee, spec))
-    if hosts or hostfile or _horovodrun_starts(spec.backend):
+    if hosts or hostfile:  # else every backend, horovod too, starts this node's processes
         _launch_horovodrun(spec, hosts, hostfile, horovod_controller, dry_run)
         return
     cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -223,11 +227,17 @@ def launch(
         return
     spec.check_machine(cuda_devices)
     check_port(spec)
+    check_restarts(spec)
     if not cuda_devices:
         err.print(f"mpt: no CUDA device here: running {spec.gpus} CPU process(es) per node on gloo")
-    outcome = launchers.run(spec, report=err.print,
-                            runtime_flags=_runtime_flags({**(run or {}), **overrides},
-                                                         backend_flags or {}, spec.backend))
+    try:
+        with NodeRankClaim(spec):  # two nodes given the same --nr: the second stops here
+            outcome = launchers.run(spec, report=err.print,
+                                    runtime_flags=_runtime_flags({**(run or {}), **overrides},
+                                                                 backend_flags or {},
+                                                                 spec.backend))
+    except RendezvousError as exc:  # node 0 never came
+        outcome = launchers.Outcome(1, (f"mpt: {exc}",))
     for line in outcome.lines:
         err.print(line)
     if outcome.exit_code:
@@ -260,8 +270,8 @@ def _tee(value: str, spec: LaunchSpec) -> frozenset[int]:
     return parse_tee(value, spec.world.world_size)
 
 
-def _horovodrun_starts(backend: str) -> bool:
-    """Whether the backend's processes must be started by horovodrun (it says so itself)."""
+def _horovodrun_can_start(backend: str) -> bool:
+    """Whether horovodrun can start the backend's processes (the backend says so itself)."""
     from mpt.backends import get_backend
 
     return get_backend(backend).launcher == "horovodrun"
@@ -269,12 +279,13 @@ def _horovodrun_starts(backend: str) -> bool:
 
 def _launch_horovodrun(spec: LaunchSpec, hosts: str | None, hostfile: Path | None,
                        controller: str, dry_run: bool) -> None:
-    """Run the whole job (every node) through one horovodrun; its exit code becomes ours."""
+    """Run the whole job (every node) through one horovodrun, for those who ask for it with
+    --hosts/--hostfile; its exit code becomes ours."""
     import shlex
 
     from mpt.launchers import horovodrun
 
-    if not _horovodrun_starts(spec.backend):
+    if not _horovodrun_can_start(spec.backend):
         raise UsageError("--hosts" if hosts else "--hostfile", hosts or hostfile,
                          f"backend {spec.backend!r} is not started by horovodrun",
                          "use --backend horovod, or run `mpt launch --nr R` on each node")

@@ -3,11 +3,17 @@
 horovodrun is not the only way into a Horovod job. Over gloo, ``hvd.init()`` meets its peers
 through an HTTP key-value store (Horovod's rendezvous server) named by
 ``HOROVOD_GLOO_RENDEZVOUS_ADDR``/``_PORT``, and learns its place from ``HOROVOD_RANK``,
-``HOROVOD_SIZE``, ``HOROVOD_LOCAL_*`` and ``HOROVOD_CROSS_*``. `mpt launch` (any backend but
-horovod, which runs horovodrun itself) hosts Horovod's own server on node 0 and exports where it
-listens; each worker turns that into its Horovod variables before the script runs (see
-``mpt.launchers.worker``). Without it, a Horovod script started by `mpt launch --gpus 2` ran as
-two one-process Horovod jobs and said nothing.
+``HOROVOD_SIZE``, ``HOROVOD_LOCAL_*`` and ``HOROVOD_CROSS_*``. `mpt launch` (every backend;
+horovodrun only starts the job when asked with ``--hosts``/``--hostfile``) hosts Horovod's own
+server on node 0 and exports where it listens; each worker turns that into its Horovod variables
+before the script runs (see ``mpt.launchers.worker``). So ``--backend horovod`` needs neither ssh
+nor horovodrun: each node runs its own `mpt launch --nr R`, as a scheduler that starts one
+launcher per node (SLURM, Kubernetes) does, and the workers also get torchrun's variables
+(``RANK``, ``MASTER_ADDR``, ...), whose ranks are Horovod's. Without it, a Horovod script started
+by `mpt launch --gpus 2` ran as two one-process Horovod jobs and said nothing.
+
+Horovod's gloo binds the interface ``HOROVOD_GLOO_IFACE`` names; without it, the address its host
+name resolves to, which on a host with several interfaces may not be the one the nodes share.
 
 The server is only started where Horovod imports. On one node it listens on a free port; on
 several, node 0 listens on ``--master-port + 1``, the port every node can work out alone.
@@ -16,7 +22,7 @@ several, node 0 listens on ``--master-port + 1``, the port every node can work o
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mpt.environments import World
@@ -41,6 +47,25 @@ def _server_classes() -> tuple[Any, Any, Any] | None:
 def rendezvous_port(spec: LaunchSpec) -> int:
     """The port of a multi-node job's rendezvous on node 0 (0: one node picks a free one)."""
     return 0 if spec.nodes == 1 else spec.master_port + 1
+
+
+def check_restarts(spec: LaunchSpec) -> None:
+    """``--max-restarts`` under ``--backend horovod`` is refused: the rendezvous server forgets a
+    round's addresses only once every worker finished it, so a gang restarted after a failure
+    half-way through could meet the dead round's addresses."""
+    if spec.backend == "horovod" and spec.max_restarts:
+        raise UsageError("--max-restarts", spec.max_restarts, "Horovod's rendezvous serves one "
+                         "round of workers, and a restarted gang could meet the failed round's "
+                         "addresses", "pass --max-restarts 0 with --backend horovod, or restart "
+                         "the job from its checkpoint (--resume auto)")
+
+
+def tuning_env(spec: LaunchSpec) -> dict[str, str]:
+    """Horovod's cycle time, which ``hvd.init()`` reads from the environment only: the variable
+    horovodrun makes of its ``--cycle-time-ms`` flag."""
+    cycle_time = spec.run.backend_options.get("cycle_time_ms") if spec.backend == "horovod" \
+        else None
+    return {} if cycle_time is None else {"HOROVOD_CYCLE_TIME": str(cycle_time)}
 
 
 def check_port(spec: LaunchSpec) -> None:
@@ -70,7 +95,7 @@ class HorovodRendezvous:
             return cls(address="")
         port = rendezvous_port(spec)
         if spec.nr != 0:
-            return cls(address=f"{spec.master_addr}:{port}")
+            return cls(address=f"{spec.master_addr}:{port}", tuning=tuning_env(spec))
         server_class, handler, slot = classes
         server = server_class(("", port), handler, False)
         world = spec.world
@@ -83,11 +108,15 @@ class HorovodRendezvous:
                                   name="horovod-rendezvous", daemon=True)
         thread.start()
         return cls(address=f"{spec.master_addr}:{server.server_address[1]}", server=server,
-                   thread=thread)
+                   thread=thread, tuning=tuning_env(spec))
+
+    tuning: dict[str, str] = field(default_factory=dict)
+    """Horovod's variables of the run's options (``tuning_env``)."""
 
     def env(self) -> dict[str, str]:
-        """What the workers inherit: where the rendezvous is, for ``join_env``."""
-        return {HOROVOD_RENDEZVOUS: self.address} if self.address else {}
+        """What the workers inherit: where the rendezvous is, for ``join_env``, and Horovod's
+        cycle time."""
+        return {HOROVOD_RENDEZVOUS: self.address, **self.tuning} if self.address else {}
 
     def stop(self) -> None:
         if self.server is not None:

@@ -1,4 +1,5 @@
-"""The horovod backend on real processes: 2 ranks, gloo, CPU, started by horovodrun."""
+"""The horovod backend on real processes: 2 ranks, gloo, CPU, started by `mpt launch` (which hosts
+Horovod's rendezvous), by horovodrun and by `mpt horovodrun`."""
 
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ def test_channels_last_weights_gradients_and_optimizer_state_broadcast_and_reduc
 def test_a_failing_rank_fails_the_job_with_its_code_and_nothing_is_left(tmp_path):
     result = run_mpt(*HVD, worker("exit_code.py"), str(tmp_path), timeout=60)
     assert result.returncode == 3, result.stderr
-    assert "rank 1 exited with code 3" in result.stderr
+    assert "rank 1 (node 0, local rank 1) exited with code 3" in result.stderr
     pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
     deadline = time.monotonic() + 10
     while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:

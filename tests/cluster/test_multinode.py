@@ -1,0 +1,153 @@
+"""Jobs of two nodes at two addresses behind shaped links, each node its own `mpt launch --nr R`,
+under every backend: they train as a one-node job of the same world size does, a checkpoint of
+one resumes on one node, a node that never arrives ends the job in one line, and bad node ranks
+are refused.
+
+`make test` runs each backend once (2 nodes x 1 process, against one process of plain torch doing
+the job's maths); `make conformance` runs 2 x 1 and 2 x 2 under each against a real one-node job.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+
+import pytest
+from cluster_support import (
+    WORKER,
+    assert_same_training,
+    needs_cluster,
+    read_ranks,
+    reference,
+    run_job,
+)
+from conftest import run_mpt
+
+from mpt.cluster import EmulatedCluster, launch_command, run_nodes
+
+STEPS, STOP = 6, 3
+PORT = 29500  # each node is a namespace of its own: no other job's port to collide with
+BACKENDS = ("ddp", "apex", "horovod", "deepspeed", "fsdp")
+HOROVOD = importlib.util.find_spec("horovod") is not None
+
+
+def backend_param(backend: str, gpus: int, *marks: pytest.MarkDecorator) -> object:
+    needs = [pytest.mark.skipif(not HOROVOD, reason="needs horovod (make horovod-wheel)")] \
+        if backend == "horovod" else []
+    return pytest.param(backend, gpus, marks=[*needs, *marks], id=f"{backend}-2x{gpus}")
+
+
+@needs_cluster
+@pytest.mark.parametrize(("backend", "gpus"), [backend_param(b, 1) for b in BACKENDS
+                                               if b != "ddp"])
+def test_two_nodes_train_as_the_maths_of_one_node_says(tmp_path, backend, gpus):
+    with EmulatedCluster(nodes=2) as cluster:
+        run = run_job(cluster, tmp_path, STEPS, gpus=gpus, port=PORT,
+                      launch_args=("--backend", backend))
+    assert run.ok, run.report()
+    ranks = read_ranks(tmp_path, 2 * gpus)
+    assert [(r["rank"], r["nr"], r["nodes"], r["backend"]) for r in ranks] == [
+        (rank, rank // gpus, 2, backend) for rank in range(2 * gpus)]
+    assert_same_training(ranks, reference(2 * gpus, STEPS))
+
+
+@needs_cluster
+def test_two_nodes_train_as_one_node_and_their_checkpoint_resumes_on_one_node(tmp_path):
+    two, resumed, one = (tmp_path / name for name in ("two", "resumed", "one"))
+    for folder in (two, resumed, one):
+        folder.mkdir()
+    ckpt = str(tmp_path / "ckpt")
+    with EmulatedCluster(nodes=2) as cluster:
+        run = run_job(cluster, two, STEPS, gpus=1, port=PORT, stop=STOP,
+                      launch_args=("--checkpoint-dir", ckpt))
+    assert run.ok, run.report()
+    for out, args in ((resumed, ("--checkpoint-dir", ckpt, "--resume", "auto")), (one, ())):
+        result = run_mpt("launch", "--gpus", "2", "--master-port", "auto", *args,
+                         str(WORKER), str(out), str(STEPS), timeout=180)
+        assert result.returncode == 0, result.stderr
+    whole = read_ranks(one, 2)
+    assert_same_training(whole, reference(2, STEPS))
+    for rank, (before, after) in enumerate(zip(read_ranks(two, 2), read_ranks(resumed, 2),
+                                               strict=True)):
+        assert (before["nodes"], after["nodes"], after["start"]) == (2, 1, STOP)
+        losses = {**before["losses"], **after["losses"]}
+        assert losses == whole[rank]["losses"]  # bit for bit: the same reductions of 2 ranks
+        assert after["params"] == whole[rank]["params"]
+
+
+@needs_cluster
+def test_a_node_that_never_arrives_ends_the_job_within_the_rendezvous_timeout(tmp_path):
+    with EmulatedCluster(nodes=2) as cluster:
+        node0 = launch_command(cluster, 0, WORKER,
+                               [str(tmp_path), str(STEPS)], master_port=PORT,
+                               launch_args=("--rdzv-timeout", "5"))
+        started = time.monotonic()
+        run = run_nodes(cluster, [node0, None], timeout=60)
+        seconds = time.monotonic() - started
+    assert not run.timed_out and run.nodes[0].exit_code == 1, run.report()
+    assert seconds < 5 + 15
+    said = [line for line in run.nodes[0].output.splitlines() if line.startswith("mpt: node")]
+    assert len(said) == 1 and "could not meet the other nodes" in said[0]
+    assert "within --rdzv-timeout (5 s)" in said[0]
+
+
+@needs_cluster
+def test_two_nodes_given_the_same_node_rank_are_caught_at_the_rendezvous(tmp_path):
+    with EmulatedCluster(nodes=2) as cluster:
+        node0 = launch_command(cluster, 0, WORKER, [str(tmp_path), str(STEPS)], master_port=PORT,
+                               launch_args=("--rdzv-timeout", "5"))
+        run = run_nodes(cluster, [node0, node0], timeout=60)  # node 1 says --nr 0 as well
+    assert not run.timed_out, run.report()
+    # whichever claimed node 0 second stops at once; the other is a node short and times out
+    refused = [n for n in run.nodes if n.exit_code == 2]
+    waited = [n for n in run.nodes if n.exit_code == 1]
+    assert len(refused) == len(waited) == 1, run.report()
+    said = [line for line in refused[0].output.splitlines() if line.startswith("mpt: error")]
+    assert said == ["mpt: error: --nr=0 is invalid: another node already joined the job at "
+                    f"{cluster.members[0].address}:{PORT} as node 0. Fix: give each of the 2 "
+                    "nodes its own --nr in 0..1"], refused[0].output
+    assert any("--rdzv-timeout (5 s)" in line for line in waited[0].output.splitlines())
+
+
+@needs_cluster
+@pytest.mark.slow
+@pytest.mark.parametrize(("backend", "gpus"), [backend_param(b, g) for b in BACKENDS
+                                               for g in (1, 2)])
+def test_two_nodes_train_as_a_one_node_job_of_the_same_world_size(tmp_path, backend, gpus):
+    two, one = tmp_path / "two", tmp_path / "one"
+    two.mkdir(), one.mkdir()
+    with EmulatedCluster(nodes=2) as cluster:
+        run = run_job(cluster, two, STEPS, gpus=gpus, port=PORT,
+                      launch_args=("--backend", backend))
+    assert run.ok, run.report()
+    result = run_mpt("launch", "--gpus", str(2 * gpus), "--backend", backend, "--master-port",
+                     "auto", str(WORKER), str(one), str(STEPS), timeout=240)
+    assert result.returncode == 0, result.stderr
+    got, want = read_ranks(two, 2 * gpus), read_ranks(one, 2 * gpus)
+    assert {r["nodes"] for r in got} == {2} and {r["nodes"] for r in want} == {1}
+    assert_same_training(got, want)
+
+
+@pytest.mark.parametrize("nr", ["2", "-1", "one"])
+def test_a_node_rank_outside_the_job_is_refused_before_start(run_cli, nr):
+    result = run_cli("launch", "--nodes", "2", "--nr", nr, "--master-addr", "10.0.0.1",
+                     str(WORKER))
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith(f"mpt: error: --nr={nr}")
+    assert "Fix:" in result.stderr
+    if nr != "one":
+        assert "pass --nr between 0 and 1" in result.stderr
+
+
+@pytest.mark.skipif(not HOROVOD, reason="needs horovod (make horovod-wheel)")
+def test_horovod_workers_also_get_torchruns_variables_with_horovods_ranks(tmp_path):
+    result = run_mpt("launch", "--backend", "horovod", "--gpus", "2", "--master-port", "auto",
+                     "tests/cluster/env_join_worker.py", str(tmp_path), timeout=120)
+    assert result.returncode == 0, result.stderr
+    for rank in range(2):
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert seen["env"] == {"RANK": rank, "WORLD_SIZE": 2, "LOCAL_RANK": rank,
+                               "LOCAL_WORLD_SIZE": 2, "GROUP_RANK": 0}
+        assert seen["torch"] == [rank, 2, 3.0]  # one job of 2, not two of 1
+        assert seen["horovod"] == [rank, 2, rank, 0, 3.0]
