@@ -47,7 +47,7 @@ ARGS_gpt       := examples/gpt.py --steps 300 --sample 0
 ARGS_gpt-zero2 := --backend deepspeed --zero-stage 2 $(ARGS_gpt)
 ARGS_pix2pix   := examples/pix2pix.py --steps 20
 
-.PHONY: demo test conformance bench examples clean horovod-wheel
+.PHONY: demo test conformance bench examples gpu-check clean horovod-wheel
 
 # Horovod is force-reinstalled from the wheel cache (a wheel rebuilt for other GPU architectures
 # has the version of the one installed), then installed again for its dependencies.
@@ -113,6 +113,14 @@ conformance: $(STAMP)
 bench: $(STAMP)
 	for p in fp32 bf16-mixed fp16-mixed; do \
 	  $(BIN)/mpt launch --gpus 2 --precision $$p benchmarks/ddp_overhead.py || exit 1; done
+
+# `make gpu-check`: every path only a GPU runs, within 8 minutes on one GPU, for whoever is lent
+# one (benchmarks/gpu_check.py says what it runs); report in runs/gpu-check/report.json. It needs
+# no venv (a lent GPU machine has torch and no network): the venv's Python where there is one.
+# Without a GPU it says so in one line and exits 0.
+GPU_CHECK_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+gpu-check:
+	@$(GPU_CHECK_PYTHON) benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info mpt/_C*.so
