@@ -81,23 +81,24 @@ def test_a_node_that_never_arrives_ends_the_job_within_the_rendezvous_timeout(tm
     with EmulatedCluster(nodes=2) as cluster:
         node0 = launch_command(cluster, 0, WORKER,
                                [str(tmp_path), str(STEPS)], master_port=PORT,
-                               launch_args=("--rdzv-timeout", "5"))
+                               launch_args=("--rdzv-timeout", "3"))
         started = time.monotonic()
         run = run_nodes(cluster, [node0, None], timeout=60)
         seconds = time.monotonic() - started
     assert not run.timed_out and run.nodes[0].exit_code == 1, run.report()
-    assert seconds < 5 + 15
+    assert seconds < 3 + 15
     said = [line for line in run.nodes[0].output.splitlines() if line.startswith("mpt: node")]
     assert len(said) == 1 and "could not meet the other nodes" in said[0]
-    assert "within --rdzv-timeout (5 s)" in said[0]
+    assert "within --rdzv-timeout (3 s)" in said[0]
 
 
 @needs_cluster
 def test_two_nodes_given_the_same_node_rank_are_caught_at_the_rendezvous(tmp_path):
     with EmulatedCluster(nodes=2) as cluster:
         node0 = launch_command(cluster, 0, WORKER, [str(tmp_path), str(STEPS)], master_port=PORT,
-                               launch_args=("--rdzv-timeout", "5"))
+                               launch_args=("--rdzv-timeout", "3"))
         run = run_nodes(cluster, [node0, node0], timeout=60)  # node 1 says --nr 0 as well
+        address = cluster.members[0].address
     assert not run.timed_out, run.report()
     # whichever claimed node 0 second stops at once; the other is a node short and times out
     refused = [n for n in run.nodes if n.exit_code == 2]
@@ -105,9 +106,9 @@ def test_two_nodes_given_the_same_node_rank_are_caught_at_the_rendezvous(tmp_pat
     assert len(refused) == len(waited) == 1, run.report()
     said = [line for line in refused[0].output.splitlines() if line.startswith("mpt: error")]
     assert said == ["mpt: error: --nr=0 is invalid: another node already joined the job at "
-                    f"{cluster.members[0].address}:{PORT} as node 0. Fix: give each of the 2 "
+                    f"{address}:{PORT} as node 0. Fix: give each of the 2 "
                     "nodes its own --nr in 0..1"], refused[0].output
-    assert any("--rdzv-timeout (5 s)" in line for line in waited[0].output.splitlines())
+    assert any("--rdzv-timeout (3 s)" in line for line in waited[0].output.splitlines())
 
 
 @needs_cluster

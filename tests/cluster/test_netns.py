@@ -67,7 +67,9 @@ def test_nodes_meet_at_their_addresses_at_the_shaped_rate_and_nothing_is_left(tm
         assert run.ok, run.report()
         assert run.nodes[1].output.split() == ["received", str(megabytes << 20)]
         seconds = float(run.nodes[0].output.split()[1])
-        assert 0.8 < megabytes * 8 * 2**20 / 200e6 / seconds < 1.25, seconds  # the tbf's rate
+        # the tbf's rate: an unshaped veth here moves it in 0.01 s; the sender may finish up to
+        # a socket buffer early, and later on a loaded machine
+        assert 0.4 < megabytes * 8 * 2**20 / 200e6 / seconds < 1.5, seconds
     gone(cluster, [])
 
 
