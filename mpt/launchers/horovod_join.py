@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mpt.environments import World
 from mpt.environments.settings import HOROVOD_RENDEZVOUS
 from mpt.errors import UsageError
-from mpt.launchers.spec import LaunchSpec, port_is_free
+
+if TYPE_CHECKING:  # every worker imports this module (join_env): not spec's torch
+    from mpt.launchers.spec import LaunchSpec
 
 NODE_NAME = "node{nr}"
 """Horovod's ``HOROVOD_HOSTNAME`` for node ``nr``: it only names the node's local rendezvous."""
@@ -70,6 +72,8 @@ def tuning_env(spec: LaunchSpec) -> dict[str, str]:
 
 def check_port(spec: LaunchSpec) -> None:
     """Node 0 of a multi-node job needs ``--master-port + 1`` free where Horovod is installed."""
+    from mpt.launchers.spec import port_is_free
+
     port = rendezvous_port(spec)
     if port and spec.nr == 0 and _server_classes() is not None and not port_is_free(port):
         raise UsageError("--master-port", spec.master_port, f"port {port} (--master-port + 1, "
