@@ -72,7 +72,7 @@ def connect(env: Mapping[str, str], *, batch_size: int | None,
     backend = backend_class(world=world, device=device, precision=precision,
                             accumulate=accumulate, timeout=timedelta(seconds=config.timeout
                                                                      or 1800.0),
-                            options=config.backend_options)
+                            options=config.backend_options, comm=config.grad_comm)
     return Connection(config=config, world=world, device=device, topology=topology,
                       batch_plan=plan, accumulate=accumulate,
                       batch_size=plan.batch_size if plan else batch_size, precision=precision,

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from mpt.comm import COMPRESSIONS, GradComm, parse_bucket_mb, parse_compression
 from mpt.errors import UsageError
 from mpt.parse import parse_bool, parse_int, parse_number
 
@@ -67,6 +68,15 @@ class RunConfig:
     precision_options: dict[str, Any] = _setting(  # noqa: RUF009 - a field(), not a call
         {}, "The precision's own options as JSON (Apex's overrides: see the flags below).",
         parse=_options, metavar="JSON")
+    grad_compression: str = _setting(
+        "none", f"Gradients on the wire: {', '.join(COMPRESSIONS[:-1])} (cast for the "
+        f"reduction and back) or {COMPRESSIONS[-1]} (low-rank with error feedback: ddp, apex). "
+        "A backend that cannot do it refuses it before start.", parse=parse_compression,
+        metavar="KIND")
+    bucket_mb: float | None = _setting(
+        None, "Gradient MiB per collective (0: one per gradient): DDP's bucket cap, Apex's "
+        "message size, Horovod's fusion threshold, DeepSpeed's reduce/allgather buckets (ZeRO "
+        "1-3); default: the backend's.", parse=parse_bucket_mb, metavar="MIB")
     global_batch_size: int | None = _setting(
         None, "Samples per optimizer step over all processes; per-rank batch and accumulation "
         "follow (rt.batch_size, rt.accumulate).", parse=parse_int, metavar="B")
@@ -101,7 +111,8 @@ class RunConfig:
         from mpt.precision import LossScaleConfig, check_precision
         from mpt.scaling import check_lr_scaling
 
-        get_backend(self.backend).check_options(self.backend_options)
+        backend = get_backend(self.backend)
+        backend.check_comm(self.grad_comm, backend.check_options(self.backend_options))
         if self.precision is not None:
             check_precision(self.precision)
         LossScaleConfig.parse(self.loss_scale)
@@ -116,6 +127,11 @@ class RunConfig:
         check_root("--checkpoint-dir", self.checkpoint_dir)
         check_resume("--resume", self.resume)
         parse_log_every(self.log_every)
+
+    @property
+    def grad_comm(self) -> GradComm:
+        """The gradient-communication settings, as the backend takes them."""
+        return GradComm(compression=self.grad_compression, bucket_mb=self.bucket_mb)
 
     @classmethod
     def parse(cls, values: Mapping[str, Any]) -> RunConfig:

@@ -71,11 +71,12 @@ def test_a_bad_apex_override_names_it():
 
 def test_code_wins_over_the_hand_off_and_options_merge_key_by_key():
     env = RunConfig.parse({"backend": "apex", "precision": "bf16-mixed", "accumulate": 4,
-                           "quiet": True, "backend_options": {"message_size": 1000}}).to_env()
+                           "quiet": True,
+                           "backend_options": {"gradient_predivide_factor": 2}}).to_env()
     rt = mpt.Runtime(env=env, accumulate=2, quiet=False,
                      backend_options={"delay_allreduce": True})
     assert (rt.precision.name, rt.accumulate, rt.config.quiet) == ("bf16-mixed", 2, False)
-    assert rt.backend.ddp_kwargs() == {"message_size": 1000, "delay_allreduce": True}
+    assert rt.backend.ddp_kwargs() == {"gradient_predivide_factor": 2.0, "delay_allreduce": True}
     rt.close()
 
 

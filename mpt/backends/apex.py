@@ -1,14 +1,17 @@
 """Backend ``apex``: torch DDP with the knobs of Apex's ``DistributedDataParallel``.
 
 Upstream Apex dropped ``apex.parallel`` in 2025; its knobs map onto torch DDP directly:
-``message_size`` (elements per allreduce) is DDP's bucket size, ``delay_allreduce`` is one
-bucket holding every gradient (reduced once backward is done), and ``allreduce_always_fp32``,
-``gradient_predivide_factor`` and ``gradient_average`` live in a DDP communication hook.
+``message_size`` (elements per allreduce; the backend's ``--bucket-mb``) is DDP's bucket size,
+``delay_allreduce`` is one bucket holding every gradient (reduced once backward is done), and
+``allreduce_always_fp32``, ``gradient_predivide_factor`` and ``gradient_average`` live in a DDP
+communication hook, which also casts buckets for ``--grad-compression fp16|bf16``.
+``--grad-compression powersgd`` replaces that hook by torch's PowerSGD (see ``mpt.backends.ddp``).
 Real Apex pieces are used where they import (see ``apex_pieces``).
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as real types.
 import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -18,9 +21,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from mpt.backends.base import Availability, BackendOption
-from mpt.backends.ddp import DDPBackend
+from mpt.backends.ddp import CAST_DTYPES, POWERSGD_OPTIONS, DDPBackend, bucket_kwargs
+from mpt.comm import GradComm
 from mpt.errors import MissingDependencyError, UsageError
-from mpt.parse import parse_bool, parse_int, parse_number
+from mpt.parse import parse_bool, parse_number
 
 _MB = 2**20
 APEX_MESSAGE_SIZE = 10_000_000
@@ -48,6 +52,8 @@ class ReduceSettings:
 
     allreduce_always_fp32: bool = False
     """Reduce fp16/bf16 buckets in fp32 (summing many fp16 gradients can overflow)."""
+    compress_to: torch.dtype | None = None
+    """Reduce buckets cast to this dtype (``--grad-compression fp16|bf16``), None: as they are."""
     gradient_predivide_factor: float = 1.0
     """Divide by this before the allreduce and multiply by it / world size after."""
     gradient_average: bool = True
@@ -64,7 +70,8 @@ def apex_allreduce_hook(state: ReduceSettings,
     group = state.process_group or dist.group.WORLD
     world = dist.get_world_size(group)
     buffer = bucket.buffer()
-    tensor = buffer.float() if state.allreduce_always_fp32 else buffer
+    wire = torch.float32 if state.allreduce_always_fp32 else state.compress_to
+    tensor = buffer if wire is None else buffer.to(wire)
     if state.gradient_predivide_factor != 1.0:
         tensor.div_(state.gradient_predivide_factor)
     state.buckets_reduced += 1
@@ -82,12 +89,28 @@ def apex_allreduce_hook(state: ReduceSettings,
     return future.then(finish)
 
 
+def apex_bucket_mb(params: list[torch.Tensor], message_size: int, delay_allreduce: bool) -> float:
+    """DDP's bucket cap in MiB for Apex's ``message_size`` (elements) over ``params``, or one
+    bucket over everything (``delay_allreduce``: it is full only when backward ends)."""
+    if delay_allreduce:
+        return sum(p.numel() * p.element_size() for p in params) / _MB + 1.0
+    element = params[0].element_size() if params else 4
+    return message_size * element / _MB
+
+
+def apex_message_size(params: list[torch.Tensor], mb: float) -> int:
+    """Apex's ``message_size`` (elements) of a ``--bucket-mb`` over ``params``."""
+    element = params[0].element_size() if params else 4
+    return max(1, round(mb * _MB / element))
+
+
 class ApexDistributedDataParallel(TorchDDP):
     """torch's DDP taking Apex's constructor arguments (``apex.parallel.DistributedDataParallel``).
 
     Arguments that only steered Apex's CUDA streams or buffers (``num_allreduce_streams``,
     ``allreduce_communicators``, ``allreduce_different_streams``, ``retain_allreduce_buffers``,
-    ``prof``) are accepted and have no effect: torch DDP manages its own.
+    ``prof``) are accepted and have no effect: torch DDP manages its own. ``compress_to`` is
+    mpt's: the dtype buckets are reduced in (``--grad-compression fp16|bf16``).
     """
 
     def __init__(self, module: nn.Module, message_size: int = APEX_MESSAGE_SIZE,
@@ -97,7 +120,8 @@ class ApexDistributedDataParallel(TorchDDP):
                  allreduce_communicators: Any = None, gradient_average: bool = True,
                  gradient_predivide_factor: float = 1.0,
                  gradient_average_split_factor: float | None = None, prof: bool = False,
-                 process_group: dist.ProcessGroup | None = None) -> None:
+                 process_group: dist.ProcessGroup | None = None,
+                 compress_to: torch.dtype | None = None) -> None:
         for name, value in (("shared_param", shared_param),
                             ("allreduce_trigger_params", allreduce_trigger_params),
                             ("gradient_average_split_factor", gradient_average_split_factor)):
@@ -112,19 +136,12 @@ class ApexDistributedDataParallel(TorchDDP):
             raise UsageError("gradient_predivide_factor", gradient_predivide_factor,
                              "it must be positive", "use 1.0 (no predivision) or the world size")
         params = [p for p in module.parameters() if p.requires_grad]
-        if delay_allreduce:  # one bucket over everything: it is full only when backward ends
-            total = sum(p.numel() * p.element_size() for p in params)
-            bucket_mb = total / _MB + 1.0
-        else:
-            element = params[0].element_size() if params else 4
-            bucket_mb = message_size * element / _MB
         device = params[0].device if params else torch.device("cpu")
-        # A per-bucket cap list, not bucket_cap_mb: torch then buckets by it from the first
-        # step on, instead of one bucket first and its own defaults when it rebuilds them.
         super().__init__(module, device_ids=[device.index] if device.type == "cuda" else None,
-                         bucket_cap_mb_list=[bucket_mb], process_group=process_group)
+                         **bucket_kwargs(apex_bucket_mb(params, message_size, delay_allreduce)),
+                         process_group=process_group)
         self.reduce_settings = ReduceSettings(
-            allreduce_always_fp32=allreduce_always_fp32,
+            allreduce_always_fp32=allreduce_always_fp32, compress_to=compress_to,
             gradient_predivide_factor=float(gradient_predivide_factor),
             gradient_average=gradient_average, process_group=process_group)
         """The hook's settings; ``buckets_reduced`` counts the allreduces it sent."""
@@ -139,9 +156,6 @@ class ApexBackend(DDPBackend):
         "delay_allreduce": BackendOption(
             help="reduce all gradients after backward, in one bucket", parse=parse_bool,
             flag="--delay-allreduce"),
-        "message_size": BackendOption(
-            help=f"elements per allreduce bucket (Apex's default {APEX_MESSAGE_SIZE})",
-            parse=parse_int, flag="--message-size"),
         "allreduce_always_fp32": BackendOption(
             help="reduce fp16/bf16 gradients in fp32", parse=parse_bool,
             flag="--allreduce-always-fp32"),
@@ -153,6 +167,7 @@ class ApexBackend(DDPBackend):
         "fused_optimizer": BackendOption(
             help="swap torch Adam/AdamW for apex.optimizers.FusedAdam (needs Apex)",
             parse=parse_bool, default=False),
+        **POWERSGD_OPTIONS,
     }
 
     @classmethod
@@ -163,10 +178,29 @@ class ApexBackend(DDPBackend):
         return Availability(available=base.available, version=f"{base.version}; apex: {using}",
                             reason=base.reason, install=base.install)
 
+    @classmethod
+    def comm_refusal(cls, comm: GradComm, values: Mapping[str, Any]
+                     ) -> tuple[str, Any, str, str] | None:
+        if comm.bucket_mb is not None and values["delay_allreduce"]:
+            return comm.refused("--bucket-mb", "with --delay-allreduce reduces every gradient "
+                                "in one bucket", "drop one of --bucket-mb and --delay-allreduce")
+        if comm.compression != "none" and values["allreduce_always_fp32"]:
+            return comm.refused("--grad-compression", "with --allreduce-always-fp32 reduces in "
+                                "fp32", "drop one of --grad-compression and "
+                                "--allreduce-always-fp32")
+        if comm.compression == "powersgd":
+            for name, default in (("gradient_predivide_factor", 1.0), ("gradient_average", True)):
+                if values[name] not in (None, default):
+                    return comm.refused("--grad-compression", f"reduces with PowerSGD's hook, "
+                                        f"which does not apply Apex's {name}", f"drop {name}, "
+                                        "or use --grad-compression fp16 or bf16")
+        return None
+
     def ddp_kwargs(self) -> dict[str, Any]:
-        """The options as ``ApexDistributedDataParallel`` arguments."""
+        """The options as ``ApexDistributedDataParallel`` arguments (``message_size`` comes from
+        ``--bucket-mb`` at set-up, where the gradients' element size is known)."""
         return {name: value for name, value in self.option_values.items()
-                if value is not None and name != "fused_optimizer"}
+                if value is not None and name in _DDP_KNOBS}
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
               ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
@@ -177,7 +211,20 @@ class ApexBackend(DDPBackend):
             optimizer = fused_adam(optimizer)
         if not self.world.is_distributed:
             return model, optimizer
-        return ApexDistributedDataParallel(model, **kwargs), optimizer
+        params = [p for p in model.parameters() if p.requires_grad]
+        if self.comm.bucket_mb is not None:
+            kwargs["message_size"] = apex_message_size(params, self.comm.bucket_mb)
+        if self.comm.compression == "powersgd":
+            size = kwargs.get("message_size", APEX_MESSAGE_SIZE)
+            delay = bool(kwargs.get("delay_allreduce"))
+            return self.wrap(model, apex_bucket_mb(params, size, delay)), optimizer
+        compress_to = CAST_DTYPES.get(self.comm.compression)
+        return ApexDistributedDataParallel(model, compress_to=compress_to, **kwargs), optimizer
+
+
+_DDP_KNOBS = ("delay_allreduce", "allreduce_always_fp32", "gradient_predivide_factor",
+              "gradient_average")
+"""The options that are ``ApexDistributedDataParallel`` arguments."""
 
 
 def fused_adam(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

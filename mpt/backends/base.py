@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from mpt.comm import GradComm
 from mpt.environments import World
 from mpt.errors import UsageError
 from mpt.estimate import MemoryEstimate, parameter_counts
@@ -94,8 +95,11 @@ class Backend(ABC):
 
     def __init__(self, *, world: World, device: torch.device, precision: Precision,
                  accumulate: int = 1, timeout: timedelta = timedelta(minutes=30),
-                 options: Mapping[str, Any] | None = None) -> None:
+                 options: Mapping[str, Any] | None = None, comm: GradComm | None = None) -> None:
         self.option_values: dict[str, Any] = self.check_options(options or {})
+        self.comm = comm or GradComm()
+        """How gradients go over the wire (``--grad-compression``, ``--bucket-mb``)."""
+        self.check_comm(self.comm, self.option_values)
         self.world = world
         self.device = device
         self.precision = precision
@@ -150,6 +154,29 @@ class Backend(ABC):
         if refusal is not None:
             reason, instead = refusal
             raise UsageError("--precision", spec.name, f"--backend {cls.name} {reason}", instead)
+
+    @classmethod
+    def comm_refusal(cls, comm: GradComm, values: Mapping[str, Any]
+                     ) -> tuple[str, Any, str, str] | None:
+        """Why this backend cannot communicate gradients as ``comm`` asks with its options
+        ``values`` (parsed): ``comm.refused(flag, reason, instead)``; None where it can. The
+        default honours nothing but the defaults: a backend says what its engine can do."""
+        if comm.compression != "none":
+            return comm.refused("--grad-compression", "has no gradient compression",
+                                "leave --grad-compression out, or use --backend ddp")
+        if comm.bucket_mb is not None:
+            return comm.refused("--bucket-mb", "has no bucket size", "leave --bucket-mb out")
+        return None
+
+    @classmethod
+    def check_comm(cls, comm: GradComm, values: Mapping[str, Any]) -> None:
+        """Refuse, in one line naming flag, value, backend and what works, a setting this
+        backend cannot honour: `mpt launch` before any process starts (RunConfig), the Runtime
+        and a backend built in code again."""
+        refusal = cls.comm_refusal(comm, values)
+        if refusal is not None:
+            flag, value, reason, instead = refusal
+            raise UsageError(flag, value, f"--backend {cls.name} {reason}", instead)
 
     @classmethod
     def casts_model(cls, spec: PrecisionSpec) -> bool:
@@ -293,6 +320,15 @@ class Backend(ABC):
                                   state: dict[str, Any]) -> None:
         """Restore what ``optimizer_state_dict`` returned, on every rank."""
         optimizer.load_state_dict(from_named(state, self.parameter_names(model, optimizer)))
+
+    def comm_state_dict(self, model: nn.Module) -> list[dict[str, Any]]:
+        """State the gradient communication of ``model`` carries from step to step (PowerSGD's
+        error feedback), every rank's, in rank order (collective: every rank calls); empty
+        where it carries none (the default)."""
+        return []
+
+    def load_comm_state_dict(self, model: nn.Module, states: list[dict[str, Any]]) -> None:
+        """Restore what ``comm_state_dict`` returned, on every rank."""
 
     shards_state: ClassVar[bool] = False
     """Whether each rank holds only its pieces of the weights and optimizer state: sharded

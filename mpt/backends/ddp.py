@@ -1,25 +1,76 @@
-"""Native PyTorch DistributedDataParallel: NCCL on GPUs, gloo on CPUs."""
+"""Native PyTorch DistributedDataParallel: NCCL on GPUs, gloo on CPUs.
+
+Gradient communication (``--grad-compression``, ``--bucket-mb``) is DDP's own: its bucket cap and
+torch's comm hooks (``fp16_compress_hook``, ``bf16_compress_hook``, PowerSGD).
+"""
 
 from __future__ import annotations
 
 import atexit
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from mpt.backends.base import Availability, Backend
+from mpt.backends.base import Availability, Backend, BackendOption
+from mpt.backends.powersgd import DEFAULT_RANK, DEFAULT_START_STEP, PowerSGD, powersgd_hook
+from mpt.comm import GradComm
 from mpt.errors import UsageError
+from mpt.parse import parse_int
 
+DEFAULT_BUCKET_MB = 25.0
+"""torch DDP's bucket cap when none is given."""
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 def _done() -> None:
     """The wait of a sum over a world of one: there is nothing to wait for."""
+
+
+def _parse_start_step(argument: str, value: Any) -> int:
+    step = parse_int(argument, value)
+    if step < 2:  # DDP rebuilds its buckets after step 1; torch refuses state kept before
+        raise UsageError(argument, value, "PowerSGD keeps its state per DDP bucket, and DDP "
+                         "lays its buckets out anew after the first step", f"pass 2 or more "
+                         f"(torch's default is {DEFAULT_START_STEP})")
+    return step
+
+
+def _parse_rank(argument: str, value: Any) -> int:
+    rank = parse_int(argument, value)
+    if rank < 1:
+        raise UsageError(argument, value, "an approximation has rank 1 or more",
+                         "pass 1 (torch's default), 2 or 4")
+    return rank
+
+
+POWERSGD_OPTIONS: dict[str, BackendOption] = {
+    "powersgd_rank": BackendOption(
+        help="--grad-compression powersgd: rank of each gradient matrix's approximation",
+        parse=_parse_rank, default=DEFAULT_RANK),
+    "powersgd_start_step": BackendOption(
+        help="--grad-compression powersgd: steps of plain allreduce before it starts",
+        parse=_parse_start_step, default=DEFAULT_START_STEP),
+}
+"""PowerSGD's two knobs (torch's defaults), as ``--backend-options`` of ddp and apex."""
+
+CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+"""The dtype gradients are reduced in under each cast ``--grad-compression``."""
+CAST_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+"""torch's comm hooks that reduce each bucket cast to fp16 or bf16 and cast it back."""
+
+
+def bucket_kwargs(bucket_mb: float | None) -> dict[str, Any]:
+    """DDP's bucket arguments for a cap of ``bucket_mb`` (None: torch's default). A per-bucket
+    cap list rather than ``bucket_cap_mb``: DDP then buckets by it from the first step on, the
+    same buckets it rebuilds after that step in a model whose gradients arrive in reverse order,
+    instead of one bucket first (and PowerSGD's layout of a resumed job matches the saved one)."""
+    return {} if bucket_mb is None else {"bucket_cap_mb_list": [bucket_mb]}
 
 
 class DDPBackend(Backend):
@@ -30,8 +81,15 @@ class DDPBackend(Backend):
     """
 
     name = "ddp"
+    options: ClassVar[dict[str, BackendOption]] = dict(POWERSGD_OPTIONS)
     _control: dist.ProcessGroup | None = None
     """The CPU group of ``sum_async`` (set on first use)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._powersgd: dict[int, PowerSGD] = {}
+        """Each DDP model's PowerSGD state, by id of the wrapper (``--grad-compression
+        powersgd``)."""
 
     @classmethod
     def availability(cls) -> Availability:
@@ -43,6 +101,11 @@ class DDPBackend(Backend):
                                  ("nccl", dist.is_nccl_available()),
                                  ("mpi", dist.is_mpi_available())) if ok]
         return Availability(available=True, version=f"{torch.__version__} ({', '.join(comms)})")
+
+    @classmethod
+    def comm_refusal(cls, comm: GradComm, values: Mapping[str, Any]
+                     ) -> tuple[str, Any, str, str] | None:
+        return None  # every compression is a comm hook, and the bucket cap is DDP's
 
     group_alone: ClassVar[bool] = False
     """Whether a world of one still gets a process group (fully_shard and DeepSpeed need one,
@@ -91,8 +154,24 @@ class DDPBackend(Backend):
         if optimizer is None:  # nothing to reduce: no wrapper, no buffer broadcast per forward
             self.broadcast_module_(model)
             return model, None
+        bucket_mb = self.comm.bucket_mb
+        if bucket_mb is None and self.comm.compression == "powersgd":
+            bucket_mb = DEFAULT_BUCKET_MB  # its buckets alike from the first step on
+        return self.wrap(model, bucket_mb), optimizer
+
+    def wrap(self, model: nn.Module, bucket_mb: float | None) -> DistributedDataParallel:
+        """``model`` in torch's DDP with buckets of ``bucket_mb`` and the compression's hook."""
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids), optimizer
+        ddp = DistributedDataParallel(model, device_ids=device_ids, **bucket_kwargs(bucket_mb))
+        compression = self.comm.compression
+        if compression in CAST_HOOKS:
+            ddp.register_comm_hook(None, CAST_HOOKS[compression])
+        elif compression == "powersgd":
+            powersgd = PowerSGD(model, rank=self.option_values["powersgd_rank"],
+                                start_step=self.option_values["powersgd_start_step"])
+            ddp.register_comm_hook(powersgd, powersgd_hook)
+            self._powersgd[id(ddp)] = powersgd
+        return ddp
 
     def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
         # What DDP.no_sync() does, without a context the user's loop would have to open around
@@ -102,6 +181,19 @@ class DDPBackend(Backend):
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model
+
+    def comm_state_dict(self, model: nn.Module) -> list[dict[str, Any]]:
+        powersgd = self._powersgd.get(id(model))
+        if powersgd is None:
+            return []
+        own = powersgd.state_dict()
+        return [self.broadcast_object(own if r == self.world.rank else None, src=r)
+                for r in range(self.world.world_size)]
+
+    def load_comm_state_dict(self, model: nn.Module, states: list[dict[str, Any]]) -> None:
+        powersgd = self._powersgd.get(id(model))
+        if powersgd is not None and states:
+            powersgd.load_state_dict(states, self.world.rank, self.device)
 
     def shutdown(self) -> None:
         if dist.is_initialized():

@@ -40,6 +40,7 @@ from mpt.backends.deepspeed_config import (
     build_config,
     check_stage_and_offload,
     chosen_stage,
+    comm_refusal,
     config_mode,
     load_user_config,
     mode_of,
@@ -47,6 +48,7 @@ from mpt.backends.deepspeed_config import (
     parse_stage,
     precision_refusal,
 )
+from mpt.comm import GradComm
 from mpt.environments import World
 from mpt.errors import MissingDependencyError, UsageError
 from mpt.estimate import MemoryEstimate, parameter_counts
@@ -135,15 +137,16 @@ class DeepSpeedBackend(DDPBackend):
 
     def __init__(self, *, world: World, device: torch.device, precision: Precision,
                  accumulate: int = 1, timeout: timedelta = timedelta(minutes=30),
-                 options: Mapping[str, Any] | None = None) -> None:
+                 options: Mapping[str, Any] | None = None, comm: GradComm | None = None) -> None:
         super().__init__(world=world, device=device, precision=precision, accumulate=accumulate,
-                         timeout=timeout, options=options)
+                         timeout=timeout, options=options, comm=comm)
         values = self.option_values
         scale = getattr(precision, "scaling", None) or LossScaleConfig()
         self.config: dict[str, Any] = build_config(
             values["config"], stage=values["zero_stage"],
             offload=values["offload"], mode=mode_of(precision.spec),
-            loss_scale=scale, accumulate=accumulate, world_size=world.world_size)
+            loss_scale=scale, accumulate=accumulate, world_size=world.world_size,
+            comm=self.comm)
         """What ``deepspeed.initialize`` gets: the user's config, completed by mpt."""
         self.stage_chosen = chosen_stage(values["config"], values["zero_stage"]) is not None
         """Whether ``--zero-stage`` or the config chose the stage (else DEFAULT_STAGE)."""
@@ -162,6 +165,12 @@ class DeepSpeedBackend(DDPBackend):
                                          reason="it is not installed")
         check_stage_and_offload(values["config"], values["zero_stage"], values["offload"])
         return values
+
+    @classmethod
+    def comm_refusal(cls, comm: GradComm, values: Mapping[str, Any]
+                     ) -> tuple[str, Any, str, str] | None:
+        stage = check_stage_and_offload(values["config"], values["zero_stage"], values["offload"])
+        return comm_refusal(values["config"], stage, comm)
 
     @classmethod
     def precision_refusal(cls, spec: PrecisionSpec, device_type: str,

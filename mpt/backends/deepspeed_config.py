@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from mpt.comm import GradComm
 from mpt.errors import UsageError
 from mpt.precision import LossScaleConfig, PrecisionSpec, describe
 
@@ -310,9 +311,59 @@ def _batch_sizes(config: dict[str, Any], accumulate: int, world_size: int) -> No
     config["train_batch_size"] = int(total)
 
 
+BUCKET_KEYS = ("reduce_bucket_size", "allgather_bucket_size")
+"""ZeRO's bucket sizes (elements) that ``--bucket-mb`` sets: the reduction's and, at stages 1-2,
+the all-gather of the updated weights'."""
+
+
+def comm_refusal(user: Mapping[str, Any], stage: int, comm: GradComm
+                 ) -> tuple[str, Any, str, str] | None:
+    """Why DeepSpeed cannot communicate as ``comm`` asks at ZeRO ``stage`` with the user's
+    config, and what works (``Backend.comm_refusal``'s answer); None where it can.
+
+    A cast is DeepSpeed's ``communication_data_type``, which every stage reduces in (stage 0's
+    allreduce, stages 1-2's reduce/reduce-scatter, stage 3's reduce-scatter). Its buckets are
+    ZeRO's: stage 0 reduces in fixed buffers of 5e8 elements whatever the config says.
+    """
+    if comm.compression == "powersgd":
+        return comm.refused("--grad-compression", "has no PowerSGD", "use --grad-compression "
+                            "bf16 or fp16 (its communication_data_type), or --backend ddp or "
+                            "apex for powersgd")
+    given = user.get("communication_data_type")
+    if comm.cast is not None and given is not None and str(given).lower() != comm.cast:
+        return comm.refused("--grad-compression", f"is given a DeepSpeed config whose "
+                            f"communication_data_type is {given}", "drop one of the two, or "
+                            "make them agree")
+    if comm.bucket_mb is None:
+        return None
+    if stage == 0:
+        return comm.refused("--bucket-mb", "reduces at ZeRO stage 0 in fixed buffers of 5e8 "
+                            "elements", "pass --zero-stage 1, 2 or 3 with it, or leave "
+                            "--bucket-mb out")
+    zero = user.get("zero_optimization")
+    set_here = [key for key in BUCKET_KEYS if isinstance(zero, Mapping) and key in zero]
+    if set_here:
+        return comm.refused("--bucket-mb", f"is given a DeepSpeed config that sets "
+                            f"zero_optimization.{set_here[0]}", "drop one of the two")
+    return None
+
+
+def _communication(config: dict[str, Any], comm: GradComm, mode: str | None) -> None:
+    """``--grad-compression``'s dtype and ``--bucket-mb``'s buckets (in elements of the mode's
+    gradients, an even number: ZeRO aligns its all-gather buffer to 2 elements)."""
+    if comm.cast is not None:
+        config.setdefault("communication_data_type", comm.cast)
+    if comm.bucket_mb is not None:
+        width = 4 if mode is None else 2
+        elements = max(2, int(comm.bucket_mb * 2**20 / width) // 2 * 2)
+        zero = _section(config, "zero_optimization")
+        for key in BUCKET_KEYS:
+            zero.setdefault(key, elements)
+
+
 def build_config(user: Mapping[str, Any], *, stage: int | None, offload: frozenset[str],
                  mode: str | None, loss_scale: LossScaleConfig, accumulate: int,
-                 world_size: int) -> dict[str, Any]:
+                 world_size: int, comm: GradComm | None = None) -> dict[str, Any]:
     """The config handed to ``deepspeed.initialize`` for precision mode ``mode`` (``fp16``,
     ``bf16`` or None, see ``mode_of``; checked against the config by ``precision_refusal``);
     raises UsageError on any other conflict."""
@@ -325,6 +376,7 @@ def build_config(user: Mapping[str, Any], *, stage: int | None, offload: frozens
     if "parameters" in offload:
         zero.setdefault("offload_param", {"device": "cpu"})
     _precision(config, mode, loss_scale)
+    _communication(config, comm or GradComm(), mode)
     _batch_sizes(config, accumulate, world_size)
     # mpt hands DeepSpeed the script's own torch optimizer: let ZeRO take any of them, and let
     # offload run it on CPU (DeepSpeedCPUAdam is faster, but it is not what the script built).

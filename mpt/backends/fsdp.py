@@ -3,7 +3,9 @@
 Each rank keeps 1/N of every parameter, gradient and optimizer state as a ``DTensor`` shard;
 a sharded module all-gathers its parameters just before its forward (and again for its backward)
 and reduce-scatters the gradients after it. The process group and the collectives offered to
-scripts are DDP's.
+scripts are DDP's. ``--grad-compression fp16|bf16`` is the reduce dtype of every unit's
+``MixedPrecisionPolicy``; PowerSGD and ``--bucket-mb`` are refused: fully_shard has no comm hook
+for the one, and reduces each unit's gradients in one collective instead of buckets.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from mpt.backends.base import Availability, BackendOption, holds, on_meta
-from mpt.backends.ddp import DDPBackend
+from mpt.backends.ddp import CAST_DTYPES, DDPBackend
+from mpt.comm import GradComm
 from mpt.errors import UsageError
 from mpt.estimate import MemoryEstimate, parameter_counts
 from mpt.parse import parse_bool, parse_text
@@ -121,6 +124,19 @@ class FSDPBackend(DDPBackend):
         return found
 
     @classmethod
+    def comm_refusal(cls, comm: GradComm, values: Mapping[str, Any]
+                     ) -> tuple[str, Any, str, str] | None:
+        if comm.compression == "powersgd":
+            return comm.refused("--grad-compression", "has no PowerSGD (fully_shard takes no "
+                                "comm hook)", "use --grad-compression bf16 or fp16, or "
+                                "--backend ddp or apex for powersgd")
+        if comm.bucket_mb is not None:
+            return comm.refused("--bucket-mb", "reduce-scatters each unit's gradients in one "
+                                "collective and has no bucket size", "leave --bucket-mb out "
+                                "and choose the units with --fsdp-wrap")
+        return None
+
+    @classmethod
     def casts_model(cls, spec: PrecisionSpec) -> bool:
         # A model cast with fp32 masters (O2): the fp32 shards are the masters and each unit
         # gathers its weights in the cast dtype (MixedPrecisionPolicy). A cast without masters
@@ -185,8 +201,9 @@ class FSDPBackend(DDPBackend):
         spec = self.precision.spec
         # O2: gathered in the cast dtype, reduced in the precision's (the fp32 shards are its
         # masters); O3 and the autocast precisions gather the shards as they are.
-        kept = MixedPrecisionPolicy()
-        cast = MixedPrecisionPolicy(param_dtype=spec.params, reduce_dtype=spec.reduce
+        wire = CAST_DTYPES.get(self.comm.compression)  # --grad-compression: the reduce dtype
+        kept = MixedPrecisionPolicy(reduce_dtype=wire)
+        cast = MixedPrecisionPolicy(param_dtype=spec.params, reduce_dtype=wire or spec.reduce
                                     ) if self.casts_model(spec) else kept
         # Batch norm kept in fp32 beside a cast model: units of their own (FSDP gathers one
         # dtype per unit) that cast neither their weights nor their inputs.

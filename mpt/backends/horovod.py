@@ -9,12 +9,18 @@ GAN) and a ``zero_grad`` after a backward that never stepped (the discriminator'
 left by the generator's loss): several models, losses and optimizers work as under ``ddp``.
 The price is the overlap of communication with backward, which the hooks gave.
 ``horovod`` is imported here only, when the backend is used.
+
+Gradient communication: ``--grad-compression fp16`` is Horovod's ``Compression.fp16``; bf16 and
+PowerSGD are refused (Horovod 0.28 has no bf16 tensors and no PowerSGD). ``--bucket-mb`` is
+Horovod's tensor-fusion buffer, which Horovod reads once, from ``HOROVOD_FUSION_THRESHOLD``, when
+``hvd.init()`` starts its background thread: it is exported here, just before, and nowhere else.
 """
 
 from __future__ import annotations
 
 import atexit
 import gc
+import os
 import socket
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from types import ModuleType
@@ -25,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mpt.backends.base import Availability, Backend, BackendOption
+from mpt.comm import GradComm
 from mpt.errors import MissingDependencyError, UsageError
 from mpt.parse import one_of, parse_size
 from mpt.precision import PrecisionSpec
@@ -35,7 +42,8 @@ INSTALL = ("run `make horovod-wheel` (Horovod 0.28.1 patched for C++20, built wi
 """How to get a Horovod that works with this torch: its sdist needs a C++20 patch to build."""
 
 OPS = ("average", "sum", "adasum")
-COMPRESSIONS = ("none", "fp16")
+FUSION_THRESHOLD = "HOROVOD_FUSION_THRESHOLD"
+"""Bytes of Horovod's tensor-fusion buffer (default 128 MiB), read by ``hvd.init()``."""
 _COLLECTIVE_OPS = {"mean": "Average", "sum": "Sum", "max": "Max", "min": "Min"}
 
 
@@ -100,12 +108,6 @@ class HorovodBackend(Backend):
     options: ClassVar[dict[str, BackendOption]] = {
         "op": BackendOption(help=f"gradient reduction: {', '.join(OPS)}", parse=one_of(*OPS),
                             default="average", flag="--horovod-op"),
-        "compression": BackendOption(help="none or fp16 gradients on the wire",
-                                     parse=one_of(*COMPRESSIONS), default="none",
-                                     flag="--horovod-compression"),
-        "fusion_threshold_mb": BackendOption(
-            help="tensor-fusion buffer in MB, 0 = off (a horovodrun flag, applied by `mpt "
-            "launch`)", parse=parse_size, flag="--fusion-threshold-mb"),
         "cycle_time_ms": BackendOption(
             help="wait between fusion cycles in ms (a horovodrun flag, applied by `mpt "
             "launch`)", parse=parse_size, flag="--cycle-time-ms"),
@@ -114,7 +116,6 @@ class HorovodBackend(Backend):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.op: str = self.option_values["op"]
-        self.compression: str = self.option_values["compression"]
         self.hvd: ModuleType | None = None
         self._grad_names: dict[int, dict[torch.Tensor, str]] = {}
         """Per optimizer (by id), each parameter's name in Horovod's allreduce queue."""
@@ -130,6 +131,19 @@ class HorovodBackend(Backend):
             return ("would allreduce bf16 gradients, and Horovod has no bf16 tensors",
                     "use --precision bf16-mixed (bf16 compute, fp32 gradients), or --backend "
                     "ddp or apex for " + spec.name)
+        return None
+
+    @classmethod
+    def comm_refusal(cls, comm: GradComm, values: Mapping[str, Any]
+                     ) -> tuple[str, Any, str, str] | None:
+        if comm.compression == "bf16":
+            return comm.refused("--grad-compression", "has no bf16 tensors to allreduce",
+                                "use --grad-compression fp16 (Horovod's Compression.fp16), or "
+                                "--backend ddp or apex for bf16")
+        if comm.compression == "powersgd":
+            return comm.refused("--grad-compression", "has no PowerSGD",
+                                "use --grad-compression fp16, or --backend ddp or apex for "
+                                "powersgd")
         return None
 
     @classmethod
@@ -155,6 +169,8 @@ class HorovodBackend(Backend):
         # horovodrun, mpirun and `mpt launch` (which hosts Horovod's rendezvous) make hvd.init()
         # join the job; under any other launcher each process would be a job of its own.
         hvd = self.hvd = _import_horovod()
+        if self.comm.bucket_mb is not None:
+            os.environ[FUSION_THRESHOLD] = str(int(self.comm.bucket_mb * 2**20))
         hvd.init()
         if (hvd.rank(), hvd.size()) != (self.world.rank, self.world.world_size):
             raise UsageError("--backend", "horovod", f"Horovod sees rank {hvd.rank()} of "
@@ -245,7 +261,8 @@ class HorovodBackend(Backend):
         self._reduced.add(id(optimizer))
         hvd = self._require()
         ops = {"average": hvd.Average, "sum": hvd.Sum, "adasum": hvd.Adasum}
-        compression = hvd.Compression.fp16 if self.compression == "fp16" else hvd.Compression.none
+        compression = (hvd.Compression.fp16 if self.comm.compression == "fp16"
+                       else hvd.Compression.none)
         pending = []
         for param, name in self._grad_names[id(optimizer)].items():
             if param.grad is None:  # unused by this step's graph, on every rank alike: as

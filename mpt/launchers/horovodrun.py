@@ -4,9 +4,10 @@ Unlike torchrun's agent, which runs once per node, horovodrun starts every node'
 one place (over ssh for remote hosts), so it needs the job's host list: ``--hosts h1,h2`` (each
 with ``--gpus`` slots) or a ``--hostfile``. Each process runs mpt's worker shim with mpt's
 ``MPT_*`` settings in its environment; horovodrun forwards the environment to every host.
-Horovod's fusion threshold and cycle time are handed to horovodrun as its own flags, which it
-turns into ``HOROVOD_FUSION_THRESHOLD``/``HOROVOD_CYCLE_TIME`` before any worker starts: the
-only place they take effect is the environment ``hvd.init()`` reads.
+Horovod's cycle time is handed to horovodrun as its own flag, which it turns into
+``HOROVOD_CYCLE_TIME`` before any worker starts: the only place it takes effect is the
+environment ``hvd.init()`` reads (the fusion threshold, ``--bucket-mb``, is exported by the
+backend itself, just before ``hvd.init()``, under any launcher).
 """
 
 from __future__ import annotations
@@ -47,8 +48,7 @@ from mpt.launchers.spec import LaunchSpec, thread_env
 CONTROLLERS = ("gloo", "mpi")
 """How horovodrun's processes talk: gloo (built here) or MPI (clusters with Open MPI)."""
 
-HOROVODRUN_FLAGS = {"fusion_threshold_mb": "--fusion-threshold-mb",
-                    "cycle_time_ms": "--cycle-time-ms"}
+HOROVODRUN_FLAGS = {"cycle_time_ms": "--cycle-time-ms"}
 """Backend options that are horovodrun flags: Horovod reads them from the environment at init."""
 
 _FIRST_FAILURE = re.compile(r"Process name: (\S+)\s+Exit code: (-?\d+)")

@@ -24,7 +24,7 @@ STEPS, MICRO = 4, 4
 
 def test_apex_knobs_give_plain_ddp_gradients_on_two_ranks(tmp_path, free_port):
     result = run_mpt("launch", "--gpus", "2", "--master-port", str(free_port), "--backend",
-                     "apex", "--message-size", "40", "--gradient-predivide-factor", "2",
+                     "apex", "--bucket-mb", str(40 * 4 / 2**20), "--gradient-predivide-factor", "2",
                      "--allreduce-always-fp32", worker("apex_knobs.py"), str(tmp_path),
                      str(STEPS), str(MICRO))
     assert result.returncode == 0, result.stderr
@@ -32,10 +32,12 @@ def test_apex_knobs_give_plain_ddp_gradients_on_two_ranks(tmp_path, free_port):
     reference = reference_params(STEPS, 2 * MICRO)
     for r in ranks:
         assert r["backend"] == "apex" and r["wrapper"] == "ApexDistributedDataParallel"
-        assert r["launched"] == {"options": {"message_size": 40, "gradient_predivide_factor": 2.0,
+        assert r["launched"] == {"options": {"gradient_predivide_factor": 2.0,
                                              "allreduce_always_fp32": True, "delay_allreduce": None,
-                                             "gradient_average": None, "fused_optimizer": False},
-                                 "predivide": 2.0, "fp32": True}  # the flags reached the hook
+                                             "gradient_average": None, "fused_optimizer": False,
+                                             "powersgd_rank": 1, "powersgd_start_step": 1000},
+                                 "predivide": 2.0, "fp32": True,  # the flags reached the hook
+                                 "bucket_mb": 40 * 4 / 2**20}
         for got, want in zip(r["trained"], reference, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
         results = r["results"]
@@ -63,9 +65,9 @@ def backend(**options) -> ApexBackend:
 def test_backend_options_are_checked_even_on_one_process():
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    assert backend(delay_allreduce="true", message_size="100").setup(model, opt) == (model, opt)
-    with pytest.raises(UsageError, match=r"^--message-size=lots"):  # before any setup
-        backend(message_size="lots")
+    assert backend(delay_allreduce="true").setup(model, opt) == (model, opt)
+    with pytest.raises(UsageError, match=r"^--gradient-predivide-factor=lots"):  # before setup
+        backend(gradient_predivide_factor="lots")
     with pytest.raises(UsageError, match=r"^--delay-allreduce=perhaps"):
         backend(delay_allreduce="perhaps")
     with pytest.raises(UsageError, match=r"^backend option gradient_average=2"):

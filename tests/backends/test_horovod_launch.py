@@ -35,15 +35,15 @@ def test_hostfile_mpi_fusion_flags_and_settings(tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("# the job\nnode-a slots=2\n\nnode-b slots=2  # second\n")
     s = spec(nodes=2, gpus=2, precision="fp16-mixed",
-             backend_options={"op": "sum", "fusion_threshold_mb": 0, "cycle_time_ms": 2.5})
+             backend_options={"op": "sum", "cycle_time_ms": 2.5})
     assert read_hostfile(hostfile) == [("node-a", 2), ("node-b", 2)]
     command = horovodrun_command(s, job_hosts(s, None, hostfile), controller="mpi")
     assert command[:6] == ["horovodrun", "-np", "4", "-H", "node-a:2,node-b:2", "--mpi"]
-    assert command[6:10] == ["--fusion-threshold-mb", "0", "--cycle-time-ms", "2.5"]
+    assert command[6:8] == ["--cycle-time-ms", "2.5"]
     env = horovodrun_env(s)
     run = RunConfig.from_env(env)
     assert run.backend == "horovod" and run.precision == "fp16-mixed"
-    # horovodrun turns the fusion flags into HOROVOD_* variables; the rest reaches the backend
+    # horovodrun turns the cycle time into a HOROVOD_* variable; the rest reaches the backend
     assert run.backend_options == {"op": "sum"}
 
 

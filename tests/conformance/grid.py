@@ -1,7 +1,8 @@
 """The conformance grid: every backend x precision x world size x accumulation on one fixed job.
 
 usage: python tests/conformance/grid.py [--backends ddp,apex] [--precisions fp32,O2]
-                                        [--shapes 1x1,2x2] [--zero-stages 0,3] [--output FILE]
+                                        [--shapes 1x1,2x2] [--zero-stages 0,3]
+                                        [--compressions fp16,bf16,powersgd] [--output FILE]
 
 Each cell is one `mpt launch --gpus WS --backend B --precision P` of
 tests/workers/conformance_job.py (the model, data and optimizer are in conformance_model.py)
@@ -22,6 +23,13 @@ reference trained them from their initial values W_0).
   precision, before any worker process started.
 - F (fail): anything else (wrong numbers, NaN, a crash, a traceback, another exit code, a
   refusal after start). The grid exits with 1 when a cell fails.
+
+The compression rows run each backend in fp32 with `--grad-compression C`: fp16 and bf16 are
+judged as mixed cells of ``COMPRESSED_AS[C]`` (within that mixed-precision tolerance of the
+uncompressed run, and not equal to it: the compression was on); PowerSGD (``POWERSGD_OPTIONS``)
+within what losing one update of the ten does (see ``judge.judge_run``). A backend that cannot
+do C must refuse it before start, naming backend and compression. They run at world size 2
+only: one process has no gradients to communicate.
 
 The reference is itself a cell (ddp, fp32), checked the same way against plain torch fp32.
 The table is printed and written as Markdown to docs/support-matrix.md (``--output``).
@@ -47,7 +55,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conformance_model import STEPS, plain_run
 from judge import (
     BACKENDS,
+    COMPRESSIONS,
     FP32_CLASS,
+    POWERSGD_OPTIONS,
     PRECISIONS,
     SHAPES,
     Cell,
@@ -57,7 +67,7 @@ from judge import (
     judge_run,
     measure_baseline,
     measure_planted,
-    worst_of_dtype,
+    tolerance_of,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,9 +97,12 @@ def environment() -> dict[str, str]:
 
 def command(cell: Cell, out: Path) -> list[str]:
     stage = [] if cell.zero_stage is None else ["--zero-stage", str(cell.zero_stage)]
+    comm = [] if cell.compression == "none" else ["--grad-compression", cell.compression]
+    if cell.compression == "powersgd":
+        comm += ["--backend-options", json.dumps(POWERSGD_OPTIONS)]
     return [sys.executable, "-m", "mpt", "launch", "--gpus", str(cell.world_size),
             "--master-port", "auto", "--backend", cell.backend, "--precision", cell.precision,
-            *stage, str(JOB), str(out), str(cell.accumulate)]
+            *stage, *comm, str(JOB), str(out), str(cell.accumulate)]
 
 
 def launch(cell: Cell, out: Path) -> tuple[subprocess.CompletedProcess[str] | None, float]:
@@ -113,9 +126,10 @@ def read_run(out: Path, cell: Cell) -> Run:
         if (data["world_size"], data["accumulate"]) != (cell.world_size, acc):
             raise ValueError(f"rank {r} ran world size {data['world_size']}, accumulation "
                              f"{data['accumulate']}")
-        if (data["backend"], data["precision"]) != (cell.backend, cell.precision):
-            raise ValueError(f"rank {r} ran backend {data['backend']}, precision "
-                             f"{data['precision']}")
+        ran = (data["backend"], data["precision"], data["compression"])
+        if ran != (cell.backend, cell.precision, cell.compression):
+            raise ValueError(f"rank {r} ran backend {ran[0]}, precision {ran[1]}, compression "
+                             f"{ran[2]}")
         if len(data["losses"]) != STEPS * acc:
             raise ValueError(f"rank {r} ran {len(data['losses'])} micro-batches, not "
                              f"{STEPS * acc}")
@@ -170,15 +184,15 @@ def run_cell(cell: Cell, reference: Reference | None) -> tuple[Outcome, Run | No
         plain = plain_run("fp32", run.schedule)
         want = Run(losses=plain.losses, schedule=run.schedule, params=plain.params,
                    stepped=[True] * STEPS, off_boundary_steps=0)
-        baseline = (None if cell.precision in FP32_CLASS
-                    else worst_of_dtype(measure_baseline(run.schedule), cell.precision))
+        baseline = (None if cell.precision in FP32_CLASS and cell.compression == "none"
+                    else tolerance_of(measure_baseline(run.schedule), cell))
         outcome = judge_run(cell, run, want, baseline, seconds)
         outcome.detail += " (vs plain torch fp32)"
         return outcome, run
     if reference.run is None:
         return Outcome(cell, "F", f"no reference: ddp fp32 {cell.shape} failed", seconds), run
-    return judge_run(cell, run, reference.run, worst_of_dtype(reference.baseline,
-                                                              cell.precision), seconds), run
+    return judge_run(cell, run, reference.run, tolerance_of(reference.baseline, cell),
+                     seconds, reference.planted), run
 
 
 def make_reference(world_size: int, accumulate: int) -> Reference:
@@ -202,7 +216,8 @@ def run_grid(cells: Sequence[Cell], log=print) -> tuple[list[Outcome], dict[str,
             references[shape] = make_reference(*shape)
             log(f"{references[shape].outcome.verdict} ddp fp32 {cell.shape} (reference) "
                 f"{references[shape].outcome.seconds:5.1f} s  {references[shape].outcome.detail}")
-        if (cell.backend, cell.precision, cell.zero_stage) == ("ddp", "fp32", None):
+        if (cell.backend, cell.precision, cell.zero_stage, cell.compression) == (
+                "ddp", "fp32", None, "none"):
             outcome = references[shape].outcome
         else:
             outcome, _ = run_cell(cell, references[shape])
@@ -222,6 +237,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--zero-stages", default="",
                         help="also run deepspeed at these ZeRO stages (e.g. 0,1,2,3); "
                         "deepspeed's own row uses mpt's default stage")
+    parser.add_argument("--compressions", default=",".join(COMPRESSIONS),
+                        help="also run every backend in fp32 with each --grad-compression "
+                        "('' for none)")
     parser.add_argument("--output", default=str(ROOT / "docs" / "support-matrix.md"),
                         help="Markdown file to write ('' for none)")
     return parser.parse_args(argv)
@@ -232,10 +250,14 @@ def cells_of(args: argparse.Namespace) -> list[Cell]:
     precisions = [p for p in args.precisions.split(",") if p]
     shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",") if s]
     stages = [int(s) for s in args.zero_stages.split(",") if s]
+    compressions = [c for c in args.compressions.split(",") if c]
     rows = [(b, None) for b in backends]
     rows += [("deepspeed", s) for s in stages]
-    return [Cell(b, p, ws, acc, stage) for b, stage in rows for p in precisions
-            for ws, acc in shapes]
+    cells = [Cell(b, p, ws, acc, stage) for b, stage in rows for p in precisions
+             for ws, acc in shapes]
+    # one process communicates nothing: compression rows start at two
+    return cells + [Cell(b, "fp32", ws, acc, compression=c) for b in backends
+                    for c in compressions for ws, acc in shapes if ws > 1]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

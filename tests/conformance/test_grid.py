@@ -1,8 +1,10 @@
 """The conformance grid's fast subset, and checks of the instrument itself.
 
 `make conformance` (tests/conformance/grid.py) runs every backend x precision x world size x
-accumulation; here: each backend once in mixed precision at 2 ranks with accumulation 2, pairs
-that must be refused before start, and the judging rules on plain-torch runs (no launch).
+accumulation, and every backend x gradient compression; here: each backend once in mixed
+precision at 2 ranks with accumulation 2, the compressions no other fast test trains (Horovod's
+fp16, DeepSpeed's communication dtype, PowerSGD against its own limit), pairs that must be
+refused before start, and the judging rules on plain-torch runs (no launch).
 """
 
 from __future__ import annotations
@@ -115,6 +117,13 @@ def reference_2x2():
     ("deepspeed", "bf16-mixed"), ("fsdp", "fp16-mixed"), ("fsdp", "O2")])
 def test_each_backend_trains_a_mixed_precision_like_ddp_fp32(reference_2x2, backend, precision):
     outcome, _ = run_cell(Cell(backend, precision, 2, 2), reference_2x2)
+    assert outcome.verdict == "P", outcome.detail
+
+
+@pytest.mark.parametrize(("backend", "compression"), [
+    ("horovod", "fp16"), ("deepspeed", "bf16"), ("ddp", "powersgd")])
+def test_a_compression_trains_like_the_uncompressed_run(reference_2x2, backend, compression):
+    outcome, _ = run_cell(Cell(backend, "fp32", 2, 2, compression=compression), reference_2x2)
     assert outcome.verdict == "P", outcome.detail
 
 

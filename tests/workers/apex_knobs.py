@@ -29,7 +29,8 @@ for x, y in global_batches(steps, rt.world_size * micro):
 trained = [p.detach().clone() for p in rt.backend.unwrap(model).parameters()]
 settings = model.reduce_settings
 launched_knobs = {"options": rt.backend.option_values, "predivide":
-                  settings.gradient_predivide_factor, "fp32": settings.allreduce_always_fp32}
+                  settings.gradient_predivide_factor, "fp32": settings.allreduce_always_fp32,
+                  "bucket_mb": rt.backend.comm.bucket_mb}
 
 KNOBS = {
     "apex defaults": {},

@@ -44,5 +44,6 @@ if rt.rank == 0:
 (out / f"rank{rt.rank}.json").write_text(json.dumps({
     "rank": rt.rank, "world_size": rt.world_size, "accumulate": rt.accumulate,
     "backend": rt.backend.name, "precision": rt.precision.name,
+    "compression": rt.config.grad_compression,
     "losses": losses, "indices": indices, "stepped": stepped}))
 rt.close()
