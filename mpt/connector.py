@@ -17,6 +17,8 @@ import torch
 
 from mpt.backends import Backend, Topology, checked_precision, get_backend
 from mpt.environments import World, detect_world, device_name
+from mpt.pipeline.backend import PipelineBackend, pipeline_topology
+from mpt.pipeline.config import plan_pipeline
 from mpt.precision import LossScaleConfig, Precision
 from mpt.run_config import RunConfig
 from mpt.scaling import BatchPlan, plan_batch
@@ -58,7 +60,13 @@ def connect(env: Mapping[str, str], *, batch_size: int | None,
         **settings)
     device = torch.device(device_name(world.local_rank, torch.cuda.is_available()))
     backend_class = get_backend(config.backend)
-    topology = backend_class.topology(world, config.backend_options)
+    pipeline = config.pipeline
+    if pipeline is not None:  # the model cut over ranks: fewer data-parallel replicas
+        pipeline = plan_pipeline(pipeline.stages, pipeline.schedule, pipeline.microbatches,
+                                 config.pipeline_split, world.world_size)
+        topology = pipeline_topology(world, pipeline.stages)
+    else:
+        topology = backend_class.topology(world, config.backend_options)
     total = config.global_batch_size
     plan = None if total is None else plan_batch(total, topology.dp_size, batch_size=batch_size,
                                                  accumulate=config.accumulate)
@@ -73,6 +81,8 @@ def connect(env: Mapping[str, str], *, batch_size: int | None,
                             accumulate=accumulate, timeout=timedelta(seconds=config.timeout
                                                                      or 1800.0),
                             options=config.backend_options, comm=config.grad_comm)
+    if pipeline is not None:
+        backend = PipelineBackend(backend, pipeline)
     return Connection(config=config, world=world, device=device, topology=topology,
                       batch_plan=plan, accumulate=accumulate,
                       batch_size=plan.batch_size if plan else batch_size, precision=precision,

@@ -21,6 +21,7 @@ from typing import Any
 from mpt.comm import COMPRESSIONS, GradComm, parse_bucket_mb, parse_compression
 from mpt.errors import UsageError
 from mpt.parse import parse_bool, parse_int, parse_number
+from mpt.pipeline.config import PipelinePlan, plan_pipeline
 
 VARIABLE = "MPT_RUN_CONFIG"
 """The one environment variable that carries the run's settings from `mpt launch` to workers."""
@@ -103,6 +104,18 @@ class RunConfig:
                               parse=parse_int, metavar="STEPS")
     metrics_all_ranks: bool = _setting(False, "Every rank writes metrics, not only rank 0.",
                                        parse=parse_bool)
+    pipeline_stages: int = _setting(
+        1, "Cut the model into P pipeline stages over ranks (ddp); the world is P x the "
+        "data-parallel size (docs/pipeline.md).", parse=parse_int, metavar="P")
+    pipeline_schedule: str = _setting(
+        "1f1b", "Pipeline schedule: gpipe, 1f1b or interleaved-1f1b (two chunks per rank).",
+        metavar="NAME")
+    microbatches: int | None = _setting(
+        None, "Micro-batches per rt.forward_backward under a pipeline (default 2 x P).",
+        parse=parse_int, metavar="M")
+    pipeline_split: str | None = _setting(
+        None, "Where stages 1.. start: block names, comma-separated (default: balanced by "
+        "parameter count).", metavar="NAMES")
 
     def __post_init__(self) -> None:
         from mpt.backends import get_backend
@@ -125,8 +138,20 @@ class RunConfig:
             raise UsageError("--timeout", self.timeout, "it must be positive",
                              "pass --timeout 30, for example")
         check_root("--checkpoint-dir", self.checkpoint_dir)
+        if self.pipeline is not None and not backend.pipelines:
+            raise UsageError("--pipeline-stages", self.pipeline_stages, f"--backend "
+                             f"{self.backend} cannot cut a model into pipeline stages",
+                             "use --backend ddp, or drop --pipeline-stages")
         check_resume("--resume", self.resume)
         parse_log_every(self.log_every)
+
+    @property
+    def pipeline(self) -> PipelinePlan | None:
+        """The pipeline plan (checked: schedule, micro-batches, split), None for one stage."""
+        if self.pipeline_stages == 1 and self.pipeline_split is None:
+            return None
+        return plan_pipeline(self.pipeline_stages, self.pipeline_schedule, self.microbatches,
+                             self.pipeline_split)
 
     @property
     def grad_comm(self) -> GradComm:

@@ -9,7 +9,7 @@ asks which backend it runs on, so adding a backend never touches this file.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, overload
@@ -63,6 +63,8 @@ class Runtime:
                  log_every: int | None = None, metrics_all_ranks: bool | None = None,
                  checkpoint_dir: str | os.PathLike[str] | None = None,
                  async_save: bool | None = None, resume: str | None = None,
+                 pipeline_stages: int | None = None, pipeline_schedule: str | None = None,
+                 microbatches: int | None = None, pipeline_split: str | None = None,
                  env: Mapping[str, str] | None = None) -> None:
         env = os.environ if env is None else env
         note_runtime()  # `mpt launch` reports run flags no Runtime applied
@@ -74,7 +76,9 @@ class Runtime:
                       run_dir=None if run_dir is None else os.fspath(run_dir), quiet=quiet,
                       log_every=log_every, metrics_all_ranks=metrics_all_ranks,
                       checkpoint_dir=None if checkpoint_dir is None else os.fspath(checkpoint_dir),
-                      async_save=async_save, resume=resume)
+                      async_save=async_save, resume=resume, pipeline_stages=pipeline_stages,
+                      pipeline_schedule=pipeline_schedule, microbatches=microbatches,
+                      pipeline_split=pipeline_split)
         self._faults = WorkerFaults(run.world.rank, env)
         self.config: RunConfig = run.config
         """Every run setting, as this process trains with it."""
@@ -226,6 +230,26 @@ class Runtime:
         """Whether ``rt.step(optimizer)`` will only accumulate: its micro-batch is not the last
         of an optimizer step."""
         return self._step.accumulating(self.pairs.of_optimizer(optimizer, "accumulating"))
+
+    def forward_backward(self, inputs: Any, target: Any,
+                         loss_fn: Callable[[Any, Any], torch.Tensor], *,
+                         model: nn.Module | None = None) -> torch.Tensor:
+        """Forward ``inputs`` through the model (the only one set up with an optimizer, or
+        ``model``), ``loss_fn(output, target)`` and its backward, in the run's precision; return
+        the batch's loss (detached), on every rank.
+
+        The same call trains a model cut into pipeline stages (``--pipeline-stages``), where
+        the schedule runs the micro-batches' forwards and backwards over the ranks: a script
+        written with it trains with and without a pipeline. Call ``rt.step()`` after it.
+        """
+        return self._step.forward_backward(model, inputs, target, loss_fn)
+
+    def evaluate(self, inputs: Any, target: Any = None,
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, *,
+                 model: nn.Module | None = None) -> Any:
+        """The model's output for ``inputs`` without gradients, or ``loss_fn(output, target)``
+        when given; under a pipeline too (every rank gets it)."""
+        return self._step.evaluate(model, inputs, target, loss_fn)
 
     def backward(self, loss: torch.Tensor, *, model: nn.Module | None = None) -> None:
         """Backward of one micro-batch's loss, scaled for precision and divided for accumulation.

@@ -9,7 +9,7 @@ that runs forward and backward itself) supplies a subclass through ``Backend.mak
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -66,6 +66,28 @@ class TrainStep:
         self.mark("script")
         self.monitor.on_backward(loss)  # kept on the device; read every log_every steps
         self.micro_step += 1
+
+    def pair_of(self, model: nn.Module | None, method: str) -> Pair:
+        """The pair ``model`` belongs to; with none, the only one that has an optimizer."""
+        pair = self.pairs.of_model(model)
+        return pair if pair is not None else self.pairs.of_optimizer(None, method)
+
+    def forward_backward(self, model: nn.Module | None, inputs: Any, target: Any,
+                         loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
+        """Forward, loss and backward of one micro-batch (see ``Runtime.forward_backward``)."""
+        pair = self.pair_of(model, "forward_backward")
+        with self.backend.precision.autocast():
+            loss = loss_fn(pair.model(inputs), target)
+        self.backward(loss, pair.model)
+        return loss.detach()
+
+    def evaluate(self, model: nn.Module | None, inputs: Any, target: Any = None,
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> Any:
+        """A forward without gradients (see ``Runtime.evaluate``)."""
+        pair = self.pair_of(model, "evaluate")
+        with torch.no_grad(), self.backend.precision.autocast():
+            output = pair.model(inputs)
+            return output if loss_fn is None else loss_fn(output, target)
 
     def clip_grad_norm_(self, pair: Pair, max_norm: float,
                         norm_type: float) -> torch.Tensor | None:

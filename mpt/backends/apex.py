@@ -152,6 +152,7 @@ class ApexBackend(DDPBackend):
     """DDP with Apex DDP's knobs; pair it with ``--precision O0..O3`` for Apex's amp."""
 
     name = "apex"
+    pipelines: ClassVar[bool] = False
     options: ClassVar[dict[str, BackendOption]] = {
         "delay_allreduce": BackendOption(
             help="reduce all gradients after backward, in one bucket", parse=parse_bool,

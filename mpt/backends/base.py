@@ -68,6 +68,10 @@ class Topology:
     """Data-parallel replicas: the ranks that read distinct data and average gradients."""
     computes_loss: bool = True
     """Whether this rank's step produces the loss (a pipeline's last stage; every rank here)."""
+    stage: int = 0
+    """This rank's pipeline stage."""
+    stages: int = 1
+    """Pipeline stages one model replica spans (1: the whole model on every rank)."""
 
 
 def on_meta(module: nn.Module, recurse: bool = True) -> bool:
@@ -86,6 +90,9 @@ class Backend(ABC):
     """
 
     name: ClassVar[str]
+    pipelines: ClassVar[bool] = False
+    """Whether the model may be cut into pipeline stages with this backend data-parallel over
+    each stage's replicas (``--pipeline-stages``)."""
     launcher: ClassVar[str] = "elastic"
     """What `mpt launch` starts the processes with: torch's elastic agent, or ``horovodrun``."""
     options: ClassVar[dict[str, BackendOption]] = {}

@@ -81,6 +81,7 @@ class DDPBackend(Backend):
     """
 
     name = "ddp"
+    pipelines: ClassVar[bool] = True
     options: ClassVar[dict[str, BackendOption]] = dict(POWERSGD_OPTIONS)
     _control: dist.ProcessGroup | None = None
     """The CPU group of ``sum_async`` (set on first use)."""

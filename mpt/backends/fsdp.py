@@ -92,6 +92,7 @@ class FSDPBackend(DDPBackend):
     """
 
     name = "fsdp"
+    pipelines: ClassVar[bool] = False
     options: ClassVar[dict[str, BackendOption]] = {
         "wrap": BackendOption(help="module classes that become FSDP units, comma-separated "
                                    "(default: each submodule of at least "

@@ -15,6 +15,7 @@ from mpt.environments import World
 from mpt.errors import UsageError
 from mpt.launchers.local_rank import LOCAL_RANK_ARG
 from mpt.launchers.logs import DEFAULT_TEE
+from mpt.pipeline.config import plan_pipeline
 from mpt.precision import LossScaleConfig
 from mpt.run_config import RunConfig
 from mpt.scaling import plan_batch
@@ -90,8 +91,13 @@ class LaunchSpec:
             precision_options=run.precision_options, backend_options=run.backend_options,
             device_type="cuda" if torch.cuda.is_available() else "cpu")
         object.__setattr__(self, "run", dataclasses.replace(run, precision=resolved))
+        replicas = self.world.world_size
+        if (pipeline := self.run.pipeline) is not None:  # P must divide the world
+            plan_pipeline(pipeline.stages, pipeline.schedule, pipeline.microbatches,
+                          self.run.pipeline_split, self.world.world_size)
+            replicas //= pipeline.stages
         if self.run.global_batch_size is not None:  # the script's batch size is checked later
-            plan_batch(self.run.global_batch_size, self.world.world_size)
+            plan_batch(self.run.global_batch_size, replicas)
         if not self.script.is_file():
             raise UsageError("SCRIPT", str(self.script), "no such file",
                              "pass the path of the training script, e.g. examples/digits.py")

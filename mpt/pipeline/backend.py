@@ -1,0 +1,245 @@
+"""A data-parallel backend with its model cut into pipeline stages over ranks.
+
+The world is a (pipeline, data) mesh of P x D ranks, pipeline outermost: rank = stage x D +
+replica, so one replica's stages span nodes (they send only activations) while the replicas of
+a stage, which average gradients, share a node where they can. This class cuts the model, keeps
+this rank's chunks, runs the schedule (``PipelineStep``), averages each stage's gradients over
+its replicas once per optimizer step, and makes what the rest of mpt sees look like one model:
+state dicts under the whole model's parameter names, gradient norms over every stage, one
+overflow verdict for all. The inner backend (ddp) joins the processes, steps the optimizer in
+the run's precision and offers the collectives.
+
+The replicas' average is one flat allreduce per bucket after the schedule, not DDP's hooks:
+DDP's reducer fails under GPipe here (its bucket rebuild counts every micro-batch's backward),
+and an average after the schedule also reduces once per optimizer step under accumulation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mpt.backends.base import Backend, Topology
+from mpt.backends.ddp import CAST_DTYPES, DEFAULT_BUCKET_MB
+from mpt.comm import GradComm
+from mpt.environments import World
+from mpt.errors import UsageError
+from mpt.pipeline.config import PipelinePlan
+from mpt.pipeline.split import Stage, stage_blocks
+from mpt.pipeline.step import PipelineStep
+from mpt.state.named import from_named, to_named
+
+
+def pipeline_topology(world: World, stages: int) -> Topology:
+    """Rank r is stage r // D of replica r % D (D = world / P)."""
+    replicas = world.world_size // stages
+    stage = world.rank // replicas
+    return Topology(dp_rank=world.rank % replicas, dp_size=replicas,
+                    computes_loss=stage == stages - 1, stage=stage, stages=stages)
+
+
+class PipelineBackend(Backend):
+    """``inner`` (a data-parallel backend) over each stage's replicas, the stages in a pipe."""
+
+    launcher = "elastic"
+
+    def __init__(self, inner: Backend, plan: PipelinePlan) -> None:
+        self.inner = inner
+        self.plan = plan
+        self.name = inner.name  # type: ignore[misc]  # the run's backend, as it was asked for
+        self.option_values = inner.option_values
+        self.world, self.device, self.precision = inner.world, inner.device, inner.precision
+        self.accumulate, self.timeout, self.comm = inner.accumulate, inner.timeout, inner.comm
+        self.layout = pipeline_topology(inner.world, plan.stages)
+        """This rank's stage and replica."""
+        self.pp_group: dist.ProcessGroup | None = None
+        """The ranks of this rank's replica, one per stage (set by ``init_process_group``)."""
+        self.dp_group: dist.ProcessGroup | None = None
+        """The replicas of this rank's stage (set by ``init_process_group``)."""
+
+    # -- life cycle ---------------------------------------------------------------------------
+    def init_process_group(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.inner.init_process_group()
+        mesh = init_device_mesh(self.device.type, (self.plan.stages, self.layout.dp_size),
+                                mesh_dim_names=("pp", "dp"))
+        self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+
+    def place(self, model: nn.Module) -> nn.Module:
+        """Keep this rank's chunks of ``model`` (the others are dropped) and place them."""
+        if len([p for p in model.parameters() if p.requires_grad]) == 0:
+            raise UsageError("model", type(model).__name__, "a pipeline trains one model with "
+                             "an optimizer", "set up models without an optimizer (EMA, "
+                             "teachers) without --pipeline-stages")
+        chunks = stage_blocks(model, self.plan.chunks, self.plan.split)
+        mine = [chunks[self.layout.stage + k * self.plan.stages]
+                for k in range(self.plan.chunks_per_rank)]
+        return self.inner.place(Stage(mine))
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+              ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        if optimizer is None:
+            raise UsageError("optimizer", None, "a pipeline splits one model with its "
+                             "optimizer over the ranks", "pass the model's optimizer to "
+                             "rt.setup, and set up other models without --pipeline-stages")
+        assert isinstance(model, Stage)
+        own = {id(p) for p in model.parameters()}
+        for group in optimizer.param_groups:  # this rank steps its own stage's parameters
+            group["params"] = [p for p in group["params"] if id(p) in own]
+        if self.layout.dp_size > 1:  # replicas start equal, as DDP would make them
+            for tensor in model.state_dict().values():
+                dist.broadcast(tensor, group_src=0, group=self.dp_group)
+        return model, optimizer
+
+    @classmethod
+    def comm_refusal(cls, comm: GradComm, values: Any) -> tuple[str, Any, str, str] | None:
+        if comm.compression == "powersgd":
+            return comm.refused("--grad-compression", "has no PowerSGD under a pipeline (its "
+                                "replicas average one flat bucket after the schedule)",
+                                "use --grad-compression bf16 or fp16, or no pipeline")
+        return None
+
+    def average_gradients(self, model: nn.Module) -> None:
+        """Average this stage's gradients over its replicas: flat buckets of ``--bucket-mb``
+        (25 MiB by default), sent in the ``--grad-compression`` dtype."""
+        if self.layout.dp_size == 1:
+            return
+        wire = CAST_DTYPES.get(self.comm.compression)
+        limit = int((self.comm.bucket_mb or DEFAULT_BUCKET_MB) * 2**20)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        bucket: list[torch.Tensor] = []
+        for index, grad in enumerate(grads):
+            bucket.append(grad)
+            size = sum(g.numel() * (wire or g.dtype).itemsize for g in bucket)
+            last = index == len(grads) - 1
+            if size >= limit or last or grads[index + 1].dtype != grad.dtype:
+                flat = torch.cat([g.reshape(-1).to(wire or g.dtype) for g in bucket])
+                dist.all_reduce(flat, group=self.dp_group)
+                flat /= self.layout.dp_size
+                for g, part in zip(bucket, flat.split([g.numel() for g in bucket]),
+                                   strict=True):
+                    g.copy_(part.view_as(g))
+                bucket = []
+
+    def make_step(self, **parts: Any) -> PipelineStep:
+        return PipelineStep(backend=self, **parts)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    # -- the step -----------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, model: nn.Module | None = None) -> None:
+        raise UsageError("rt.backward", "under --pipeline-stages", "the pipeline's schedule "
+                         "runs forward and backward itself, micro-batch by micro-batch",
+                         "call loss = rt.forward_backward(inputs, target, loss_fn), which "
+                         "works without a pipeline too")
+
+    def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
+        pass  # the schedule reduces on the last micro-batch of each rt.forward_backward
+
+    def clip_grad_norm_(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """The norm over every stage's gradients (replicas of a stage hold the same ones)."""
+        self.precision.unscale_(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"]
+                  if p.grad is not None]
+        local = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type).float()
+        if norm_type == float("inf"):
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.pp_group)
+            total = local
+        else:
+            power = local.pow(norm_type)
+            dist.all_reduce(power, group=self.pp_group)
+            total = power.pow(1.0 / norm_type)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+        """One overflow verdict for all stages: a stage whose gradients are finite while
+        another's overflowed skips the step too (its scaler sees the overflow), so every scale
+        backs off the same way."""
+        if self.precision.spec.loss_scaling != "none":
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"]
+                     if p.grad is not None]
+            bad = torch.tensor([float(any(not torch.isfinite(g).all() for g in grads))],
+                               device=self.device)
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+            if bad.item() and grads and all(torch.isfinite(g).all() for g in grads):
+                grads[0].fill_(float("inf"))
+        return self.inner.optimizer_step(model, optimizer)
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        self.inner.zero_grad(optimizer)
+
+    def update_loss_scale(self) -> None:
+        self.inner.update_loss_scale()
+
+    # -- state: the whole model's names, whichever stage holds them ---------------------------
+    def _gather(self, local: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every stage's ``local`` (of this rank's replica), in stage order."""
+        found: list[Any] = [None] * self.plan.stages
+        dist.all_gather_object(found, local, group=self.pp_group)
+        return found
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        local = self.precision.weights_to_save(model, model.state_dict())
+        merged: dict[str, torch.Tensor] = {}
+        for part in self._gather({k: v.detach().cpu() for k, v in local.items()}):
+            merged.update(part)
+        return merged
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        own = model.state_dict().keys()
+        missing = sorted(set(own) - set(state))
+        if missing:
+            raise UsageError("checkpoint", ", ".join(missing[:3]), "it has no weights for "
+                             "these parameters of this stage", "load it into the model it was "
+                             "saved from")
+        mine = {k: state[k] for k in own}
+        model.load_state_dict(mine)
+        self.precision.weights_loaded(model, mine)
+
+    def optimizer_state_dict(self, model: nn.Module,
+                             optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        local = to_named(optimizer.state_dict(), self.parameter_names(model, optimizer))
+        parts = self._gather(local)
+        merged: dict[str, Any] = {"state": {}, "param_groups": []}
+        for part in parts:
+            merged["state"].update(part["state"])
+        for index, group in enumerate(parts[0]["param_groups"]):
+            merged["param_groups"].append({**group, "params": [
+                name for part in parts for name in part["param_groups"][index]["params"]]})
+        return merged
+
+    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                                  state: dict[str, Any]) -> None:
+        names = self.parameter_names(model, optimizer)
+        own = set(names)
+        mine = {"state": {k: v for k, v in state["state"].items() if k in own},
+                "param_groups": [{**group, "params": [n for n in group["params"] if n in own]}
+                                 for group in state["param_groups"]]}
+        optimizer.load_state_dict(from_named(mine, names))
+
+    # -- collectives over the whole world: the inner backend's --------------------------------
+    def broadcast_tensor_(self, tensor: torch.Tensor, src: int = 0) -> None:
+        self.inner.broadcast_tensor_(tensor, src)
+
+    def barrier(self) -> None:
+        self.inner.barrier()
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        return self.inner.all_reduce(tensor, op)
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return self.inner.broadcast_object(obj, src)
+
+    def sum_async(self, tensor: torch.Tensor) -> Callable[[], None]:
+        return self.inner.sum_async(tensor)

@@ -1,0 +1,68 @@
+"""Pipeline settings and the rank layout they imply, checked before any process starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mpt.errors import UsageError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+"""``--pipeline-schedule`` values: torch.distributed.pipelining's GPipe, 1F1B and interleaved
+1F1B (two model chunks per rank), each checked on gloo."""
+LOOPED = {"interleaved-1f1b": 2}
+"""Model chunks per rank of the looped schedules."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PipelinePlan:
+    """How the model is cut over ranks, and the batch over micro-batches."""
+
+    stages: int
+    """Ranks one model replica spans (P); the world is P x the data-parallel size."""
+    schedule: str
+    """Order of micro-batch forwards and backwards (``SCHEDULES``)."""
+    microbatches: int
+    """Micro-batches each replica's batch is cut into per ``rt.forward_backward`` (M)."""
+    split: tuple[str, ...] = ()
+    """Names of the blocks where stages 1.. start; empty: balanced by parameter count."""
+
+    @property
+    def chunks_per_rank(self) -> int:
+        """Model chunks each rank holds (2 under a looped schedule)."""
+        return LOOPED.get(self.schedule, 1)
+
+    @property
+    def chunks(self) -> int:
+        """Pieces the model is cut into."""
+        return self.stages * self.chunks_per_rank
+
+    @property
+    def bubble(self) -> float:
+        """The idle fraction of a step of GPipe or 1F1B: (P - 1) / (M + P - 1)."""
+        return (self.stages - 1) / (self.microbatches + self.stages - 1)
+
+
+def plan_pipeline(stages: int, schedule: str, microbatches: int | None, split: str | None,
+                  world_size: int | None = None) -> PipelinePlan:
+    """The plan, or a UsageError naming the flag: P must divide the world, M >= P."""
+    if stages < 1:
+        raise UsageError("--pipeline-stages", stages, "it must be at least 1",
+                         "pass 1 (no pipeline) or more")
+    if schedule not in SCHEDULES:
+        raise UsageError("--pipeline-schedule", schedule, "torch has no such schedule here",
+                         f"pass one of {', '.join(SCHEDULES)}")
+    if world_size is not None and world_size % stages:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise UsageError("--pipeline-stages", stages, f"it does not divide the world of "
+                         f"{world_size} processes into whole model replicas",
+                         f"pass one of {', '.join(map(str, divisors))}, or change --gpus/--nodes")
+    count = 2 * stages if microbatches is None else microbatches
+    if count < stages and schedule in ("gpipe", "1f1b"):
+        raise UsageError("--microbatches", count, f"{schedule} keeps every one of the "
+                         f"{stages} stages busy only with as many micro-batches as stages",
+                         f"pass --microbatches {stages} or more")
+    if schedule in LOOPED and count % stages:
+        raise UsageError("--microbatches", count, f"{schedule} runs micro-batches in rounds "
+                         f"of {stages} (the stages)", f"pass a multiple of {stages}")
+    names = tuple(name for name in (split or "").split(",") if name)
+    return PipelinePlan(stages=stages, schedule=schedule, microbatches=count, split=names)

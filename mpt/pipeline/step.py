@@ -1,0 +1,133 @@
+"""The training step of a pipelined model: torch's schedule runs forward and backward over the
+micro-batches; mpt scales the loss, divides the gradients once, and hands every rank the loss.
+
+Gradients are divided exactly once: each micro-batch's loss by M x ``accumulate`` before its
+backward (the schedule's own ``scale_grads`` stays off, so accumulation on top of it is not
+divided twice), and the loss is scaled by the precision's loss scale there, where the schedule
+calls the loss function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mpt.errors import UsageError
+from mpt.pairs import Pair
+from mpt.step import TrainStep
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+    from mpt.pipeline.backend import PipelineBackend
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class PipelineStep(TrainStep):
+    """``TrainStep`` whose forward and backward are a pipeline schedule's."""
+
+    backend: PipelineBackend
+
+    def __init__(self, **parts: Any) -> None:
+        super().__init__(**parts)
+        self._schedules: dict[int, _PipelineSchedule] = {}
+        self._loss_fn: LossFn | None = None
+        self._losses: list[torch.Tensor] = []  # this call's micro-batch losses, unscaled
+
+    def _schedule(self, pair: Pair) -> _PipelineSchedule:
+        """The pair's schedule, built on first use: one PipelineStage per chunk of this rank."""
+        if id(pair) in self._schedules:
+            return self._schedules[id(pair)]
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
+
+        backend, plan = self.backend, self.backend.plan
+        stages = [PipelineStage(chunk, stage_index=backend.layout.stage + k * plan.stages,
+                                num_stages=plan.chunks, device=backend.device,
+                                group=backend.pp_group)
+                  for k, chunk in enumerate(pair.model.chunks)]  # type: ignore[union-attr]
+        kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+                "interleaved-1f1b": ScheduleInterleaved1F1B}[plan.schedule]
+        schedule = kind(stages if plan.chunks_per_rank > 1 else stages[0],  # type: ignore[arg-type]
+                        n_microbatches=plan.microbatches, loss_fn=self._scaled_loss,
+                        scale_grads=False)
+        self._schedules[id(pair)] = schedule
+        return schedule
+
+    def _scaled_loss(self, output: Any, target: Any) -> torch.Tensor:
+        """What the schedule backpropagates for one micro-batch: the script's loss, divided for
+        micro-batches and accumulation, times the loss scale."""
+        assert self._loss_fn is not None
+        loss = self._loss_fn(output, target)
+        self._losses.append(loss.detach().float())
+        divided = loss / (self.backend.plan.microbatches * self.accumulate)
+        return self.backend.precision.scale_loss(divided)
+
+    def _run(self, pair: Pair, inputs: Any, target: Any, loss_fn: LossFn | None,
+             train: bool) -> Any:
+        """One schedule call; returns the last stage's merged output there, else None."""
+        layout, plan = self.backend.layout, self.backend.plan
+        first, last = layout.stage == 0, layout.stage == plan.stages - 1
+        for name, value in (("inputs", inputs if first else None),
+                            ("target", target if last else None)):
+            if isinstance(value, torch.Tensor) and value.shape[0] % plan.microbatches:
+                raise UsageError(name, f"a batch of {value.shape[0]}", "it does not split "
+                                 f"into the {plan.microbatches} micro-batches of the pipeline",
+                                 f"make the per-replica batch a multiple of "
+                                 f"{plan.microbatches}, or pass another --microbatches")
+        schedule = self._schedule(pair)
+        self._loss_fn, self._losses = loss_fn, []
+        args = (inputs,) if first else ()
+        if train and not last:
+            # Only the last stage scales a loss; a scaler that never scaled refuses to unscale,
+            # so the other stages' scalers take up their (equal) scale here.
+            self.backend.precision.scale_loss(torch.zeros((), device=self.backend.device))
+        with self.backend.precision.autocast():
+            if train:
+                return schedule.step(*args, target=target if last else None)
+            with torch.no_grad():
+                return schedule.eval(*args, target=target if last and loss_fn else None)
+
+    def _from_last_stage(self, value: torch.Tensor | None) -> torch.Tensor:
+        """``value`` of the last stage, on every stage of this replica."""
+        box = [value]
+        dist.broadcast_object_list(box, group_src=self.backend.plan.stages - 1,
+                                   group=self.backend.pp_group)
+        assert box[0] is not None
+        return box[0]
+
+    def _batch_loss(self) -> torch.Tensor | None:
+        """The mean of this call's micro-batch losses (the last M: on its first call torch's
+        stage also runs the loss once to learn the shapes)."""
+        losses = self._losses[-self.backend.plan.microbatches:]
+        return torch.stack(losses).mean() if losses else None
+
+    def forward_backward(self, model: nn.Module | None, inputs: Any, target: Any,
+                         loss_fn: LossFn) -> torch.Tensor:
+        self.mark("backward")
+        pair = self.pair_of(model, "forward_backward")
+        self._run(pair, inputs, target, loss_fn, train=True)
+        if not self.accumulating(pair):  # the step's last micro-batch: replicas agree now
+            self.backend.average_gradients(pair.model)
+        loss = self._from_last_stage(self._batch_loss())
+        self.mark("script")
+        self.monitor.on_backward(loss)
+        self.micro_step += 1
+        return loss
+
+    def evaluate(self, model: nn.Module | None, inputs: Any, target: Any = None,
+                 loss_fn: LossFn | None = None) -> Any:
+        output = self._run(self.pair_of(model, "evaluate"), inputs, target, loss_fn,
+                           train=False)
+        if loss_fn is not None:
+            return self._from_last_stage(self._batch_loss())
+        return self._from_last_stage(None if output is None else output.detach().cpu())

@@ -1,0 +1,137 @@
+"""Pipeline stages over real gloo ranks train exactly as one process on the same global batch.
+
+workers/pipeline_train.py trains a 7-module nn.Sequential through rt.forward_backward; each job
+is compared with the same loop in plain torch, in this process: losses, clipped gradient norms,
+evaluation losses and the final weights. A checkpoint moves between pipelines and backends.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import find_free_port, run_mpt, worker
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
+from pipeline_train import GLOBAL_BATCH, make_data, make_model
+
+STEPS = 4
+
+
+def reference(steps: int = STEPS, clip: float | None = None) -> dict:
+    """The loop in plain torch, one process, the whole global batch per step."""
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    data = make_data(steps)
+    losses, norms, evals = {}, [], []
+    for step in range(steps):
+        x, y = (t[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH] for t in data.tensors)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses[str(step + 1)] = loss.item()
+        with torch.no_grad():
+            evals.append(nn.functional.mse_loss(model(x), y).item())
+    return {"losses": losses, "norms": norms, "evals": evals,
+            "weights": {k: v.flatten().tolist() for k, v in model.state_dict().items()}}
+
+
+def launch(out: Path, gpus: int, *flags: str, script_args: tuple[str, ...] = ()) -> dict:
+    result = run_mpt("launch", "--gpus", str(gpus), "--master-port", str(find_free_port()),
+                     *flags, worker("pipeline_train.py"), str(out), *script_args, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def assert_close(got: dict, want: dict, rel: float) -> None:
+    for key in ("losses", "norms", "evals"):
+        assert got[key] == pytest.approx(want[key], rel=rel), key
+    assert got["weights"].keys() == want["weights"].keys()
+    for name, values in want["weights"].items():
+        assert got["weights"][name] == pytest.approx(values, rel=rel, abs=rel), name
+
+
+CASES = [pytest.param(2, "1f1b", (), id="P2xD1-1f1b", marks=pytest.mark.slow),
+         pytest.param(4, "gpipe", (), id="P2xD2-gpipe"),
+         pytest.param(2, "gpipe", (), id="P2xD1-gpipe", marks=pytest.mark.slow),
+         pytest.param(4, "1f1b", (), id="P2xD2-1f1b", marks=pytest.mark.slow),
+         pytest.param(2, "interleaved-1f1b", (), id="P2xD1-interleaved",
+                      marks=pytest.mark.slow),
+         pytest.param(4, "interleaved-1f1b", ("--microbatches", "2"), id="P2xD2-interleaved-M2",
+                      marks=pytest.mark.slow),
+         pytest.param(2, "1f1b", ("--accumulate", "2"), id="P2xD1-1f1b-accumulate2",
+                      marks=pytest.mark.slow),
+         pytest.param(2, "1f1b", ("--pipeline-split", "4"), id="P2xD1-split-by-name",
+                      marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize(("gpus", "schedule", "flags"), CASES)
+def test_a_pipeline_trains_as_one_process_on_the_global_batch(tmp_path, gpus, schedule, flags):
+    got = launch(tmp_path / "out.json", gpus, "--pipeline-stages", "2", "--pipeline-schedule",
+                 schedule, *flags, script_args=("--clip", "0.5"))
+    assert_close(got, reference(clip=0.5), rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("precision", "rel"), [("bf16-mixed", 5e-2), ("fp16-mixed", 5e-3)])
+def test_mixed_precision_pipelines_train_within_the_conformance_tolerance(tmp_path, precision,
+                                                                          rel):
+    got = launch(tmp_path / "out.json", 2, "--pipeline-stages", "2", "--precision", precision)
+    want = reference()
+    assert got["losses"] == pytest.approx(want["losses"], rel=rel)
+    if precision == "fp16-mixed":
+        assert got["scale"] == 65536.0  # one verdict for both stages: no step was skipped
+
+
+CHAIN = [("ddp", 1, ()), ("ddp", 4, ("--pipeline-stages", "2")),
+         ("fsdp", 2, ()), ("deepspeed", 2, ("--zero-stage", "2"))]
+
+
+@pytest.mark.parametrize(("backend", "gpus", "flags"),
+                         [pytest.param(*CHAIN[0], id="P2xD1-to-ddp-P1"),
+                          *(pytest.param(*c, id=f"P2xD1-to-{c[0]}-{c[1]}",
+                                         marks=pytest.mark.slow) for c in CHAIN[1:])])
+def test_a_pipeline_checkpoint_resumes_on_the_uninterrupted_curve(tmp_path, backend, gpus,
+                                                                  flags):
+    steps = ("--steps", "6")
+    whole = launch(tmp_path / "whole.json", 2, "--pipeline-stages", "2",
+                   script_args=(*steps, "--save-at", "3", "--ckpt", str(tmp_path / "ckpt")))
+    resumed = launch(tmp_path / "resumed.json", gpus, "--backend", backend, *flags,
+                     script_args=(*steps, "--resume", str(tmp_path / "ckpt")))
+    assert sorted(resumed["losses"], key=int) == ["4", "5", "6"]
+    assert [resumed["losses"][s] for s in "456"] == pytest.approx(
+        [whole["losses"][s] for s in "456"], rel=1e-6)
+    for name, values in whole["weights"].items():
+        assert resumed["weights"][name] == pytest.approx(values, rel=1e-6, abs=1e-7), name
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (("--gpus", "3", "--pipeline-stages", "2"), "--pipeline-stages=2 is invalid"),
+    (("--gpus", "2", "--pipeline-stages", "2", "--microbatches", "1"),
+     "--microbatches=1 is invalid"),
+    (("--gpus", "2", "--pipeline-stages", "2", "--pipeline-schedule", "zb"),
+     "--pipeline-schedule=zb is invalid"),
+    (("--gpus", "2", "--pipeline-stages", "2", "--backend", "deepspeed"),
+     "--backend deepspeed cannot cut a model into pipeline stages")])
+def test_bad_pipeline_flags_are_refused_before_any_process_starts(tmp_path, flags, words):
+    result = run_mpt("launch", *flags, worker("pipeline_train.py"), str(tmp_path / "out.json"))
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0], result.stderr
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_a_model_that_cannot_be_split_names_the_blocks_that_exist(tmp_path):
+    result = run_mpt("launch", "--gpus", "2", "--master-port", str(find_free_port()),
+                     "--pipeline-stages", "2", "--pipeline-split", "9",
+                     worker("pipeline_train.py"), str(tmp_path / "out.json"), timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "--pipeline-split=9 is invalid" in result.stderr
+    assert "name blocks among: 1, 2, 3, 4, 5, 6" in result.stderr
