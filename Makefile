@@ -122,5 +122,13 @@ GPU_CHECK_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 gpu-check:
 	@$(GPU_CHECK_PYTHON) benchmarks/gpu_check.py
 
+# Scaling over 1, 2 and 4 nodes x 1 process on an emulated cluster (mpt.cluster: network
+# namespaces, so root), links of 1 and 10 Gbit/s and unshaped, every backend, the 25 M-parameter
+# MLP and ResNet-18, each against the raw library in the same processes; prints the table and
+# writes runs/scaling/results.json and efficiency.png (hours on 2 cores). A subset:
+# SCALING_ARGS="--models mlp --backends ddp,horovod --nodes 1,2 --rates 1gbit,100gbit".
+scaling: $(STAMP)
+	$(BIN)/python benchmarks/scaling.py $(SCALING_ARGS)
+
 clean:
 	rm -rf $(VENV) build *.egg-info mpt/_C*.so

@@ -1,0 +1,336 @@
+"""Scaling over nodes on an emulated cluster, against the ring-allreduce bound and the raw library.
+
+    sudo .venv/bin/python benchmarks/scaling.py                       # the whole grid (long)
+    .venv/bin/python benchmarks/scaling.py --models mlp --backends ddp,horovod --nodes 1,2 \
+        --rates 1gbit,100gbit
+
+Each cell is one job on ``mpt.cluster``: N nodes (network namespaces) x 1 process, each node's
+link shaped by a tc token bucket, every node its own `mpt launch --nr i --backend B`. Inside that
+job the same processes train two copies of the model in alternating rounds: **mpt** (``rt.setup``,
+``rt.backward``, ``rt.step``) and **raw**, the library by hand on the process group mpt opened
+(torch DDP for ddp and apex, ``hvd.DistributedOptimizer`` for horovod, ``deepspeed.initialize``
+with the config mpt built, ``fully_shard`` on the units mpt's fsdp picks; plain torch on one
+node). Same weights, same batches (8 per process, fp32), SGD with momentum.
+
+Per cell it prints the median step time (max over ranks of each step), samples/s, scaling
+efficiency (throughput at N / (N x throughput at 1 node, same backend)), the ring-allreduce bound
+of the gradients, 2(N-1)/N x bytes / rate, the bound of the bytes each node actually sent
+(``/sys/class/net/eth0`` of its namespace, per step) / rate, the overlap and the ratio mpt/raw.
+
+On a machine with fewer cores than nodes, the nodes share CPUs: 4 nodes on 2 cores compute ~2x
+slower per step, whatever the network. So every N is also run on an unshaped link (``100gbit``:
+tbf then never limits; the veth itself moves ~8 Gbit/s here), and that cell's step is the
+compute (with CPU sharing) of N nodes: T_compute(N). The overlap is
+(T_compute(N) + T_ring - T_step) / min(T_compute(N), T_ring): 1 when communication hides
+entirely behind compute, 0 when they add up. This is a benchmark: it prints figures and never
+fails on them. Results also go to runs/scaling/results.json, the plot to
+runs/scaling/efficiency.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCH = 8
+UNSHAPED = "100gbit"
+
+
+def build_model(name: str):  # -> nn.Module (torch is imported inside, for the driver's sake)
+    """The communication-bound MLP (25.2 M parameters, 100.7 MB of fp32 gradients) or
+    examples/imagenet.py's default model: torchvision's ResNet-18, 10 classes, 32 px."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    if name == "mlp":
+        return nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
+                             nn.Linear(4096, 1024))
+    import torchvision
+
+    return torchvision.models.get_model("resnet18", weights=None, num_classes=10)
+
+
+def batches(name: str, rank: int, count: int):
+    import torch
+
+    g = torch.Generator().manual_seed(100 + rank)
+    if name == "mlp":
+        return [(torch.randn(BATCH, 1024, generator=g), torch.randn(BATCH, 1024, generator=g))
+                for _ in range(count)]
+    return [(torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,),
+                                                                        generator=g))
+            for _ in range(count)]
+
+
+def tx_bytes() -> int:
+    """Bytes this node's interface has sent (0 outside an emulated node)."""
+    try:
+        return int(Path("/sys/class/net/eth0/statistics/tx_bytes").read_text())
+    except OSError:
+        return 0
+
+
+def raw_side(backend: str, model, rt):
+    """The library by hand on ``model`` (a twin of mpt's): a step function."""
+    import torch
+    from torch import nn
+
+    loss_fn = nn.MSELoss() if isinstance(model, nn.Sequential) else nn.CrossEntropyLoss()
+    if rt.world_size == 1:  # one process: the raw job is plain torch, whatever the library
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+        def step(x, y) -> None:
+            opt.zero_grad(set_to_none=True)
+            loss_fn(model(x), y).backward()
+            opt.step()
+    elif backend in ("ddp", "apex"):
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
+
+        def step(x, y) -> None:
+            opt.zero_grad(set_to_none=True)
+            loss_fn(ddp(x), y).backward()
+            opt.step()
+    elif backend == "horovod":
+        import horovod.torch as hvd
+
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3,
+                                                       momentum=0.9),
+                                       named_parameters=model.named_parameters())
+
+        def step(x, y) -> None:
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+    elif backend == "deepspeed":
+        import deepspeed
+
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9),
+            config=rt.backend.config, dist_init_required=False)
+
+        def step(x, y) -> None:
+            engine.backward(loss_fn(engine(x), y))
+            engine.step()
+    elif backend == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from mpt.backends.fsdp import units
+
+        mesh = init_device_mesh("cpu", (rt.world_size,))
+        for unit in units(model, None):
+            fully_shard(unit, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+        def step(x, y) -> None:
+            opt.zero_grad(set_to_none=True)
+            loss_fn(model(x), y).backward()
+            opt.step()
+    else:
+        raise SystemExit(f"no raw loop for backend {backend}")
+    return step
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank of a cell: both sides, alternating rounds; rank 0 writes the cell's JSON."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    import mpt
+
+    rt = mpt.Runtime(quiet=True)
+    base = build_model(args.model)
+    grad_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
+    params = sum(p.numel() for p in base.parameters())
+    twin = copy.deepcopy(base)
+    model, _ = rt.setup(base, torch.optim.SGD(base.parameters(), lr=1e-3, momentum=0.9))
+    loss_fn = nn.MSELoss() if args.model == "mlp" else nn.CrossEntropyLoss()
+
+    def mpt_step(x, y) -> None:
+        with rt.autocast():
+            loss = loss_fn(model(x), y)
+        rt.backward(loss)
+        rt.step()
+
+    sides = {"mpt": mpt_step, "raw": raw_side(rt.backend.name, twin, rt)}
+    data = batches(args.model, rt.rank, args.steps)
+    times: dict[str, list[float]] = {"mpt": [], "raw": []}
+    sent: dict[str, list[float]] = {"mpt": [], "raw": []}
+    for side in sides.values():  # warm-up: buffers, DeepSpeed's and Horovod's first steps
+        side(*data[0])
+    for round_ in range(args.rounds):
+        order = ["mpt", "raw"] if round_ % 2 == 0 else ["raw", "mpt"]
+        for name in order:
+            rt.barrier()
+            before = tx_bytes()
+            steps = []
+            for x, y in data:
+                started = time.perf_counter()
+                sides[name](x, y)
+                steps.append(time.perf_counter() - started)
+            sent[name].append((tx_bytes() - before) / len(data))
+            worst = torch.tensor(steps)
+            if rt.world_size > 1:  # the job steps at its slowest rank
+                dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            times[name] += worst.tolist()
+    if rt.rank == 0:
+        Path(args.worker).write_text(json.dumps({
+            "grad_bytes": grad_bytes, "world_size": rt.world_size,
+            "params": params,
+            "threads": torch.get_num_threads(),
+            **{f"{name}_step": statistics.median(times[name]) for name in times},
+            **{f"{name}_tx_per_step": max(sent[name]) for name in sent}}))
+    rt.close()
+
+
+def run_cell(model: str, backend: str, nodes: int, rate: str, args: argparse.Namespace,
+             out: Path) -> dict | None:
+    """One job on a fresh emulated cluster; its worker's JSON, or None (with the nodes' output
+    printed) when it failed."""
+    from mpt.cluster import EmulatedCluster, LinkShape, launch_command, run_nodes
+
+    result = out / f"{model}-{backend}-{nodes}-{rate}.json"
+    result.unlink(missing_ok=True)
+    worker_args = ["--worker", str(result), "--model", model, "--steps", str(args.steps),
+                   "--rounds", str(args.rounds)]
+    with EmulatedCluster(nodes=nodes, shape=LinkShape(rate=rate)) as cluster:
+        commands = [launch_command(cluster, nr, Path(__file__).resolve(), worker_args,
+                                   launch_args=["--backend", backend])
+                    for nr in range(nodes)]
+        run = run_nodes(cluster, commands, timeout=args.timeout, cwd=str(ROOT),
+                        env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    if not run.ok or not result.exists():
+        print(f"  {model} {backend} {nodes} node(s) {rate}: failed\n{run.report()[-3000:]}",
+              flush=True)
+        return None
+    return {"model": model, "backend": backend, "nodes": nodes, "rate": rate,
+            "seconds": run.seconds, **json.loads(result.read_text())}
+
+
+def rate_bits(rate: str) -> float:
+    from mpt.cluster import LinkShape
+
+    return LinkShape(rate=rate).rate_bits()
+
+
+def analyse(cells: list[dict]) -> list[dict]:
+    """Each cell with samples/s, efficiency, the two bounds, overlap and mpt/raw."""
+    by = {(c["model"], c["backend"], c["nodes"], c["rate"]): c for c in cells}
+    one = {(c["model"], c["backend"]): c for c in cells if c["nodes"] == 1}
+    rows = []
+    for c in cells:
+        n, bits = c["nodes"], rate_bits(c["rate"])
+        row = {**c, "samples_per_s": n * BATCH / c["mpt_step"], "ratio": c["mpt_step"] /
+               c["raw_step"], "ring_bound": 2 * (n - 1) / n * c["grad_bytes"] * 8 / bits,
+               "sent_bound": c["mpt_tx_per_step"] * 8 / bits}
+        base = one.get((c["model"], c["backend"]))
+        if base is not None:
+            row["efficiency"] = base["mpt_step"] / c["mpt_step"]  # (N/T_N) / (N x 1/T_1)
+        compute = by.get((c["model"], c["backend"], n, UNSHAPED))
+        if n > 1 and compute is not None and c["rate"] != UNSHAPED:
+            t_c, t_r = compute["mpt_step"], row["ring_bound"]
+            row["overlap"] = (t_c + t_r - c["mpt_step"]) / min(t_c, t_r)
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    def f(value: float | None, fmt: str) -> str:
+        return "" if value is None else format(value, fmt)
+
+    lines = ["| model | backend | nodes | link | step (s) | samples/s | efficiency | ring bound "
+             "(s) | sent/rate (s) | overlap | mpt/raw |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in sorted(rows, key=lambda r: (r["model"], r["backend"], r["nodes"],
+                                         rate_bits(r["rate"]))):
+        link = "-" if r["nodes"] == 1 else ("unshaped" if r["rate"] == UNSHAPED else r["rate"])
+        lines.append(f"| {r['model']} | {r['backend']} | {r['nodes']} | {link} | "
+                     f"{r['mpt_step']:.3f} | {r['samples_per_s']:.1f} | "
+                     f"{f(r.get('efficiency'), '.2f')} | "
+                     f"{f(r['ring_bound'] if r['nodes'] > 1 else None, '.3f')} | "
+                     f"{f(r['sent_bound'] if r['nodes'] > 1 else None, '.3f')} | "
+                     f"{f(r.get('overlap'), '.2f')} | {r['ratio']:.3f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Efficiency against nodes, one line per backend and link, one panel per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        lines = sorted({(r["backend"], r["rate"]) for r in rows
+                        if r["model"] == model and r["nodes"] > 1})
+        for backend, rate in lines:
+            points = sorted((r["nodes"], r["efficiency"]) for r in rows
+                            if r["model"] == model and r["backend"] == backend and
+                            "efficiency" in r and (r["nodes"] == 1 or r["rate"] == rate))
+            ax.plot(*zip(*points, strict=True), marker="o", label=f"{backend} {rate}")
+        ax.set(title=model, xlabel="nodes", ylabel="scaling efficiency", ylim=(0, 1.1))
+        if lines:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # set by the driver: rank mode
+    parser.add_argument("--models", "--model", dest="model", default="mlp,resnet18")
+    parser.add_argument("--backends", default="ddp,apex,horovod,deepspeed,fsdp")
+    parser.add_argument("--nodes", default="1,2,4")
+    parser.add_argument("--rates", default=f"1gbit,10gbit,{UNSHAPED}")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per side per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per cell")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "scaling")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    from mpt.cluster import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        raise SystemExit(f"scaling: {reason}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(f"scaling: {os.cpu_count()} CPU(s) shared by every node, 1 process and 1 thread per "
+          f"node, batch {BATCH}/process, fp32, {args.steps} steps x {args.rounds} rounds per "
+          "side", flush=True)
+    cells = []
+    for model in args.model.split(","):
+        for backend in args.backends.split(","):
+            for nodes in map(int, args.nodes.split(",")):
+                for rate in (args.rates.split(",") if nodes > 1 else [UNSHAPED]):
+                    cell = run_cell(model, backend, nodes, rate, args, args.out)
+                    if cell is not None:
+                        cells.append(cell)
+                        print(f"  {model} {backend} {nodes} node(s) {rate}: mpt "
+                              f"{cell['mpt_step']:.3f} s, raw {cell['raw_step']:.3f} s "
+                              f"({cell['seconds']:.0f} s)", flush=True)
+    rows = analyse(cells)
+    (args.out / "results.json").write_text(json.dumps(rows, indent=1))
+    print(table(rows))
+    plot(rows, args.out / "efficiency.png")
+    print(f"results: {args.out / 'results.json'}, plot: {args.out / 'efficiency.png'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
