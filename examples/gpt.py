@@ -6,6 +6,7 @@ newly written English); ``--data FILE`` trains on any UTF-8 text instead. Meant 
     mpt launch --gpus 2 --precision bf16-mixed examples/gpt.py --steps 300
     mpt launch --gpus 2 --backend deepspeed --zero-stage 2 --precision bf16-mixed \\
         examples/gpt.py --steps 300
+    mpt launch --gpus 2 --pipeline-stages 2 examples/gpt.py --steps 300   # blocks over 2 ranks
     mpt launch --gpus 8 --precision bf16-mixed --run-dir runs/gpt examples/gpt.py \\
         --data big.txt --layers 12 --heads 12 --embed 768 --block 1024 --batch-size 16
 
@@ -145,20 +146,45 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+class Embed(nn.Module):
+    """Token and learned position embeddings."""
+
+    def __init__(self, c: GPTConfig) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(c.vocab, c.embed)
+        self.wpe = nn.Embedding(c.block, c.embed)
+        self.drop = nn.Dropout(c.dropout)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+
+class Head(nn.Module):
+    """The final LayerNorm and the output layer."""
+
+    def __init__(self, c: GPTConfig) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(c.embed)
+        self.head = nn.Linear(c.embed, c.vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(x))
+
+
 class GPT(nn.Module):
-    """Token and learned position embeddings, ``layers`` blocks, a final LayerNorm and an output
-    layer that shares the token embedding's weights (as GPT-2)."""
+    """Embeddings, ``layers`` blocks, and an output layer that shares the token embedding's
+    weights (as GPT-2). ``pipeline_blocks`` lists them in forward order, so `mpt launch
+    --pipeline-stages P` can cut the model between any two of them (the shared weights' gradients
+    are summed across the stages that hold them)."""
 
     def __init__(self, c: GPTConfig) -> None:
         super().__init__()
         self.config = c
-        self.wte = nn.Embedding(c.vocab, c.embed)
-        self.wpe = nn.Embedding(c.block, c.embed)
-        self.drop = nn.Dropout(c.dropout)
+        self.embed = Embed(c)
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
-        self.ln_f = nn.LayerNorm(c.embed)
-        self.head = nn.Linear(c.embed, c.vocab, bias=False)
-        self.head.weight = self.wte.weight
+        self.out = Head(c)
+        self.out.head.weight = self.embed.wte.weight
         self.apply(self._init)
         for name, p in self.named_parameters():  # GPT-2's scaled init of the residual outputs
             if name.endswith(("proj.weight", "mlp.2.weight")):
@@ -171,19 +197,20 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
+    def pipeline_blocks(self) -> list[nn.Module]:
+        return [self.embed, *self.blocks, self.out]
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
+        for block in self.pipeline_blocks():
+            idx = block(idx)
+        return idx
 
 
 def flops_per_token(model: GPT) -> float:
     """PaLM's model FLOPs per trained token: 6 N + 12 L d T (N without position embeddings;
     the tied output layer counts once, through the token embedding)."""
     c = model.config
-    n = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
+    n = sum(p.numel() for p in model.parameters()) - model.embed.wpe.weight.numel()
     return 6.0 * n + 12.0 * c.layers * c.embed * c.block
 
 
@@ -227,21 +254,25 @@ def measured_matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
     return 2.0 * n ** 3 / best
 
 
+def next_token_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of each position's next character, in fp32."""
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+
 @torch.no_grad()
 def evaluate(rt: mpt.Runtime, model: nn.Module, held_out: Windows, batches: int,
              batch_size: int, seed: int) -> float:
     """Mean loss over ``batches`` fixed random batches of held-out windows per rank, averaged
     over ranks (the same windows at every evaluation, so the curve is comparable)."""
     model.eval()
-    gen = torch.Generator().manual_seed(seed + 1000 + rt.rank)
+    # By replica, not rank: the stages of a pipelined replica must read the same rows.
+    gen = torch.Generator().manual_seed(seed + 1000 + rt.topology.dp_rank)
     total = torch.zeros(1, device=rt.device)
     for _ in range(batches):
         rows = torch.randint(len(held_out), (batch_size,), generator=gen).tolist()
         x = torch.stack([held_out[i][0] for i in rows]).to(rt.device)
         y = torch.stack([held_out[i][1] for i in rows]).to(rt.device)
-        with rt.autocast():
-            logits = model(x)
-        total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        total += rt.evaluate(x, y, next_token_loss)
     model.train()
     return float(rt.all_reduce(total / batches, op="mean"))
 
@@ -288,6 +319,7 @@ def main() -> None:
     model = GPT(GPTConfig(vocab=len(tok.chars), block=args.block, layers=args.layers,
                           heads=args.heads, embed=args.embed, dropout=args.dropout))
     fpt = flops_per_token(model)
+    n_params = sum(p.numel() for p in model.parameters())  # before a pipeline keeps a stage
     # One parameter group, decaying biases and LayerNorm gains too (nanoGPT spares them): mpt's
     # deepspeed backend cannot yet checkpoint the optimizer state of several groups at ZeRO
     # stages >= 1. Over a few hundred steps the difference is a few per cent of their size.
@@ -299,8 +331,8 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_factor(min(args.warmup_steps, args.steps), args.steps))
     peak, peak_source = peak_flops(rt, args.peak_tflops)
-    tokens_per_step = args.batch_size * args.block * rt.world_size * rt.accumulate
-    n_params = sum(p.numel() for p in model.parameters())
+    # Each data-parallel replica reads its own batch (a pipeline's stages share theirs).
+    tokens_per_step = args.batch_size * args.block * rt.topology.dp_size * rt.accumulate
     rt.print(f"rank 0 of {rt.world_size}: backend {rt.backend.name}, precision "
              f"{rt.precision.name}; GPT {args.layers} layers x {args.embed} wide, "
              f"{args.heads} heads, context {args.block}, {n_params / 1e6:.2f} M parameters, "
@@ -315,10 +347,7 @@ def main() -> None:
     clock, clock_step = time.perf_counter(), step
     while step < args.steps:
         for x, y in loader:
-            with rt.autocast():
-                logits = model(x)
-                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-            rt.backward(loss)
+            loss = rt.forward_backward(x, y, next_token_loss)  # pipelined or not, one call
             rt.clip_grad_norm_(1.0)
             rt.step()
             scheduler.step()
@@ -339,7 +368,9 @@ def main() -> None:
                 break
     if math.isnan(val_loss):  # resumed at the end: score what was loaded
         val_loss = evaluate(rt, model, held_out, args.eval_batches, args.batch_size, args.seed)
-    if args.sample:  # every rank runs the forwards (ZeRO-3 gathers weights collectively)
+    if args.sample and rt.topology.stages > 1:
+        rt.print("no sample: a model cut into pipeline stages generates one token per schedule")
+    elif args.sample:  # every rank runs the forwards (ZeRO-3 gathers weights collectively)
         rt.print(sample(model, rt, tok, "The ", args.sample, args.block))
     rt.print(f"final val loss {val_loss:.4f} after {step} steps")
     rt.close()

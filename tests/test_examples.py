@@ -65,3 +65,17 @@ def test_example_runs_three_steps_under_every_backend_in_bf16(example, backend, 
     assert (tmp_path / "ckpt" / "latest").is_file()
     if resumes:
         assert "resumed from" in result.stdout and "at step 2" in result.stdout, result.stdout
+
+
+def test_gpt_cut_into_two_pipeline_stages_trains_as_one_process(tmp_path, free_port):
+    """examples/gpt.py's blocks over 2 ranks (its embedding and output layer share weights on
+    the first and last stage) reach the one-process run's train and val losses (fp32)."""
+    args = [str(EXAMPLES / "gpt.py"), *TINY["gpt"], "--sample", "0", "--steps", "3"]
+    reports = []
+    for gpus, flags in ((1, ()), (2, ("--pipeline-stages", "2"))):
+        result = run_mpt("launch", "--gpus", str(gpus), *flags, "--master-port",
+                         str(free_port), *args, timeout=300)
+        assert result.returncode == 0, result.stdout + result.stderr
+        reports.append([re.sub(r"\s+[\d,]+ tokens/s.*", "", line)
+                        for line in result.stdout.splitlines() if "val loss" in line])
+    assert reports[0] and reports[0] == reports[1], reports

@@ -60,6 +60,9 @@ class PipelineBackend(Backend):
         """The ranks of this rank's replica, one per stage (set by ``init_process_group``)."""
         self.dp_group: dist.ProcessGroup | None = None
         """The replicas of this rank's stage (set by ``init_process_group``)."""
+        self._ties: list[tuple[nn.Parameter, Any]] = []  # shared across stages: (param, group)
+        self._aliases: dict[str, str] = {}  # a shared parameter's name here -> its owner's
+        self._not_owned: set[int] = set()  # ids of shared parameters another stage owns
 
     # -- life cycle ---------------------------------------------------------------------------
     def init_process_group(self) -> None:
@@ -77,9 +80,38 @@ class PipelineBackend(Backend):
                              "an optimizer", "set up models without an optimizer (EMA, "
                              "teachers) without --pipeline-stages")
         chunks = stage_blocks(model, self.plan.chunks, self.plan.split)
+        self._tie(chunks)
         mine = [chunks[self.layout.stage + k * self.plan.stages]
                 for k in range(self.plan.chunks_per_rank)]
         return self.inner.place(Stage(mine))
+
+    def _tie(self, chunks: list[list[tuple[str, nn.Module]]]) -> None:
+        """Find the parameters that blocks on several stages share (a GPT's token embedding and
+        output layer), and a group of the ranks holding each, per replica: their gradients are
+        summed there, as one process sums both uses. Collective: every rank makes every group.
+        The first stage holding one owns it: its name keys the optimizer state, and its
+        gradient alone counts in the clip norm."""
+        holders: dict[int, list[tuple[int, str, nn.Parameter]]] = {}
+        for index, blocks in enumerate(chunks):
+            for name, block in blocks:
+                for local, param in block.named_parameters(prefix=name, remove_duplicate=False):
+                    holders.setdefault(id(param), []).append(
+                        (index % self.plan.stages, local, param))
+        replicas = self.layout.dp_size
+        for held in holders.values():
+            stages = sorted({stage for stage, _, _ in held})
+            if len(stages) < 2:
+                continue
+            owner_name = min((stage, name) for stage, name, _ in held)[1]
+            for replica in range(replicas):
+                group = dist.new_group([stage * replicas + replica for stage in stages])
+                if replica == self.layout.dp_rank and self.layout.stage in stages:
+                    self._ties.append((held[0][2], group))
+            for stage, name, param in held:
+                if stage == self.layout.stage and name != owner_name:
+                    self._aliases[name] = owner_name
+                    if stage != stages[0]:
+                        self._not_owned.add(id(param))
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
               ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
@@ -105,8 +137,12 @@ class PipelineBackend(Backend):
         return None
 
     def average_gradients(self, model: nn.Module) -> None:
-        """Average this stage's gradients over its replicas: flat buckets of ``--bucket-mb``
-        (25 MiB by default), sent in the ``--grad-compression`` dtype."""
+        """Sum the gradients of parameters shared across stages, then average this stage's
+        gradients over its replicas: flat buckets of ``--bucket-mb`` (25 MiB by default), sent
+        in the ``--grad-compression`` dtype."""
+        for param, group in self._ties:
+            if param.grad is not None:
+                dist.all_reduce(param.grad, group=group)
         if self.layout.dp_size == 1:
             return
         wire = CAST_DTYPES.get(self.comm.compression)
@@ -151,7 +187,8 @@ class PipelineBackend(Backend):
         self.precision.unscale_(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]
                   if p.grad is not None]
-        local = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type).float()
+        counted = [p.grad for p in params if id(p) not in self._not_owned]  # ties once
+        local = torch.nn.utils.get_total_norm(counted, norm_type).float()
         if norm_type == float("inf"):
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.pp_group)
             total = local
@@ -207,6 +244,11 @@ class PipelineBackend(Backend):
         model.load_state_dict(mine)
         self.precision.weights_loaded(model, mine)
 
+    def parameter_names(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+        """As one process names them: a shared parameter by its owner's name on every stage."""
+        return [self._aliases.get(name, name)
+                for name in super().parameter_names(model, optimizer)]
+
     def optimizer_state_dict(self, model: nn.Module,
                              optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         local = to_named(optimizer.state_dict(), self.parameter_names(model, optimizer))
@@ -215,8 +257,8 @@ class PipelineBackend(Backend):
         for part in parts:
             merged["state"].update(part["state"])
         for index, group in enumerate(parts[0]["param_groups"]):
-            merged["param_groups"].append({**group, "params": [
-                name for part in parts for name in part["param_groups"][index]["params"]]})
+            names = [name for part in parts for name in part["param_groups"][index]["params"]]
+            merged["param_groups"].append({**group, "params": list(dict.fromkeys(names))})
         return merged
 
     def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
