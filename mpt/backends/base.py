@@ -94,7 +94,9 @@ class Backend(ABC):
     """Whether the model may be cut into pipeline stages with this backend data-parallel over
     each stage's replicas (``--pipeline-stages``)."""
     launcher: ClassVar[str] = "elastic"
-    """What `mpt launch` starts the processes with: torch's elastic agent, or ``horovodrun``."""
+    """``horovodrun`` where `mpt launch --hosts/--hostfile` may hand the whole job to horovodrun;
+    without those flags every backend's processes are started by torch's elastic agent, one
+    `mpt launch --nr R` per node."""
     options: ClassVar[dict[str, BackendOption]] = {}
     """The backend's own options (``Runtime(backend_options=...)``, `--backend-options`, and the
     flags `mpt launch` generates from them), by name. A subclass reads them, parsed and with
