@@ -1,4 +1,5 @@
-"""`mpt launch --backend horovod`: build the ``horovodrun`` command for a job and run it.
+"""`mpt launch --backend horovod --hosts/--hostfile`: build the ``horovodrun`` command for a job
+and run it (without those flags, each node's `mpt launch` starts its own processes).
 
 Unlike torchrun's agent, which runs once per node, horovodrun starts every node's processes from
 one place (over ssh for remote hosts), so it needs the job's host list: ``--hosts h1,h2`` (each
@@ -97,22 +98,21 @@ def check_hosts(hosts: list[tuple[str, int]], spec: LaunchSpec, argument: str) -
 
 
 def job_hosts(spec: LaunchSpec, hosts: str | None, hostfile: Path | None) -> list[tuple[str, int]]:
-    """The job's hosts from ``--hosts`` or ``--hostfile``; ``localhost:G`` on a single node."""
+    """The job's hosts from ``--hosts`` or ``--hostfile``, whichever was given."""
     if hosts and hostfile:
         raise UsageError("--hostfile", str(hostfile), "--hosts is given too",
                          "pass either --hosts or --hostfile")
     if spec.nr != 0:
-        raise UsageError("--nr", spec.nr, "horovodrun starts every node's processes from one "
-                         "place", "run `mpt launch --backend horovod` once, without --nr")
+        raise UsageError("--nr", spec.nr, "with --hosts/--hostfile horovodrun starts every "
+                         "node's processes from one place", "run it once, without --nr, or leave "
+                         "--hosts/--hostfile out and run `mpt launch --nr R` on every node")
     if hosts:
         parsed, argument = parse_hosts(hosts, spec.gpus), "--hosts"
-    elif hostfile:
+    elif hostfile is not None:
         parsed, argument = read_hostfile(hostfile), "--hostfile"
-    elif spec.nodes == 1:
-        parsed, argument = [("localhost", spec.gpus)], "--gpus"
     else:
-        raise UsageError("--hosts", "<unset>", f"horovodrun must know the {spec.nodes} hosts "
-                         "it starts processes on", "pass --hosts h1,h2 or --hostfile FILE")
+        raise UsageError("--hosts", "<unset>", "horovodrun must know the hosts it starts "
+                         "processes on", "pass --hosts h1,h2 or --hostfile FILE")
     check_hosts(parsed, spec, argument)
     return parsed
 

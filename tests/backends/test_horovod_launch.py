@@ -47,17 +47,17 @@ def test_hostfile_mpi_fusion_flags_and_settings(tmp_path):
     assert run.backend_options == {"op": "sum"}
 
 
-def test_one_node_without_hosts_is_localhost():
+def test_one_node_on_localhost_gets_gpus_slots():
     s = spec(gpus=3)
-    assert horovodrun_command(s, job_hosts(s, None, None))[1:5] == ["-np", "3", "-H",
-                                                                    "localhost:3"]
+    assert horovodrun_command(s, job_hosts(s, "localhost", None))[1:5] == ["-np", "3", "-H",
+                                                                           "localhost:3"]
 
 
 @pytest.mark.parametrize(("hosts", "nodes", "argument"), [
     ("h1,h2,h3", 2, "--hosts"),     # one host too many
     ("h1:4,h2:2", 2, "--hosts"),    # slots differ from --gpus
     ("h1:x", 1, "--hosts"),         # not HOST:SLOTS
-    (None, 2, "--hosts"),           # two nodes, nobody said where
+    (None, 2, "--hosts"),           # nobody said where
 ])
 def test_hosts_that_do_not_match_nodes_and_gpus(hosts, nodes, argument):
     with pytest.raises(UsageError) as info:
