@@ -43,8 +43,8 @@ USAGE_ERROR = 2
 # Options `mpt launch` and `mpt horovodrun` share.
 LogDirOption = Annotated[Path | None, typer.Option(
     metavar="DIR", help="Write each rank's stdout and stderr to DIR/rank<R>.log (an earlier job's "
-    "logs move to DIR/previous-<time>/; horovodrun's own lines go to DIR/horovodrun.log); only "
-    "--tee ranks reach the console.")]
+    "logs move to DIR/previous-<time>/; the launchers' own reports go to DIR/horovodrun.log or "
+    "DIR/elastic.node<N>.log); only --tee ranks reach the console.")]
 TeeOption = Annotated[str | None, typer.Option(
     metavar="RANKS", help="With --log-dir: the global ranks also shown on the console, each line "
     "prefixed with its rank; comma-separated, or 'all' (default 0).")]
@@ -309,16 +309,27 @@ def _print_plan(spec: LaunchSpec, cuda_devices: int) -> None:
     table = Table(title=f"{spec.script} on {spec.world.world_size} process(es): backend "
                   f"{spec.backend}, precision {spec.run.precision}, rendezvous "
                   f"{spec.master_addr}:{spec.master_port}")
-    for column in ("node", "local rank", "global rank", "device"):
+    run = spec.run
+    pipeline = run.pipeline
+    replicas = spec.world.world_size // (pipeline.stages if pipeline else 1)
+    columns = ("node", "local rank", "global rank", *(("stage", "replica") if pipeline else ()),
+               "device")
+    for column in columns:
         table.add_column(column, justify="right" if column != "device" else "left")
     for node, local_rank, rank in spec.world.all_processes():
-        table.add_row(str(node), str(local_rank), str(rank),
+        place = (str(rank // replicas), str(rank % replicas)) if pipeline else ()
+        table.add_row(str(node), str(local_rank), str(rank), *place,
                       device_name(local_rank, cuda_devices > 0))
     out.print(table)
-    run = spec.run
+    if pipeline is not None:
+        out.print(f"pipeline: {pipeline.stages} stages x {replicas} data-parallel replica(s), "
+                  f"{pipeline.schedule}, {pipeline.microbatches} micro-batches per "
+                  f"rt.forward_backward (GPipe/1F1B bubble {pipeline.bubble:.0%}); each "
+                  "stage's blocks and bytes: mpt estimate-memory MODEL --pipeline-stages "
+                  f"{pipeline.stages}")
     if run.global_batch_size is not None:
         out.print(f"global batch size {run.global_batch_size}: "
-                  f"{run.global_batch_size // spec.world.world_size} samples per process per "
+                  f"{run.global_batch_size // replicas} samples per data-parallel replica per "
                   "optimizer step (micro-batch size x accumulation)")
     if run.lr_scaling is not None:
         from mpt.scaling import lr_factor
@@ -397,6 +408,9 @@ def estimate_memory(
         help="One rank's batch, e.g. 8,3,224,224, for the activations (default: none).")] = None,
     input_dtype: Annotated[str, typer.Option(help="float32, or int64 for token ids.")
                            ] = "float32",
+    pipeline_stages: Annotated[int, typer.Option(
+        help="Also show each of P pipeline stages' blocks and bytes (as `mpt launch "
+        "--pipeline-stages`).")] = 1,
 ) -> None:
     """Per-rank bytes of parameters, gradients, optimizer state and activations under every
     backend and the options that change them, for a model built on the meta device."""
@@ -440,6 +454,30 @@ def estimate_memory(
               "Not counted: communication buffers, the allocator's slack and the process "
               "itself (a few hundred MiB at least); activations as saved for backward in the "
               "model's own dtype (autocast keeps some in 16 bits: fewer bytes).")
+    if pipeline_stages > 1:
+        _print_stages(net, pipeline_stages, spec, states)
+
+
+def _print_stages(net: Any, stages: int, spec: Any, states: int) -> None:
+    """Each pipeline stage's blocks and its bytes of parameters, gradients and optimizer state
+    (a parameter two stages share counts on both)."""
+    from mpt.pipeline.split import stage_blocks
+
+    gib = 2.0**30
+    table = Table(title=f"per-stage memory, {stages} pipeline stages, GiB")
+    for column in ("stage", "blocks", "count", "parameters", "gradients", "optimizer"):
+        table.add_column(column, justify="left" if column == "blocks" else "right")
+    for index, blocks in enumerate(stage_blocks(net, stages)):
+        params = {id(p): p for _, block in blocks for p in block.parameters()}.values()
+        count = sum(p.numel() for p in params)
+        trained = sum(p.numel() for p in params if p.requires_grad)
+        masters = 4 * trained if spec.master != spec.params else 0
+        names = [name for name, _ in blocks]
+        table.add_row(str(index), names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} "
+                      f"({len(names)})", f"{count:,}", f"{count * spec.params.itemsize / gib:.3f}",
+                      f"{trained * spec.params.itemsize / gib:.3f}",
+                      f"{(4 * states * trained + masters) / gib:.3f}")
+    Console(width=max(out.width, 120)).print(table)
 
 
 @app.command()

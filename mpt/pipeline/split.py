@@ -150,15 +150,3 @@ class Stage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("a pipeline stage runs under its schedule: call "
                            "rt.forward_backward(inputs, target, loss_fn) or rt.evaluate(inputs)")
-
-
-def describe(stages: Sequence[Sequence[tuple[str, nn.Module]]], itemsize: int = 4) -> list[str]:
-    """One line per stage: its blocks and its parameters' bytes (for --dry-run and estimates)."""
-    lines = []
-    for index, blocks in enumerate(stages):
-        count = sum(p.numel() for _, block in blocks for p in block.parameters())
-        first, last = blocks[0][0], blocks[-1][0]
-        span = first if first == last else f"{first} .. {last}"
-        lines.append(f"stage {index}: {len(blocks)} block(s) {span}, {count:,} parameters, "
-                     f"{count * itemsize / 2**20:.1f} MiB")
-    return lines

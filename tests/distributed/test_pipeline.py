@@ -8,6 +8,7 @@ evaluation losses and the final weights. A checkpoint moves between pipelines an
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -135,3 +136,20 @@ def test_a_model_that_cannot_be_split_names_the_blocks_that_exist(tmp_path):
     assert result.returncode == 2, result.stderr[-2000:]
     assert "--pipeline-split=9 is invalid" in result.stderr
     assert "name blocks among: 1, 2, 3, 4, 5, 6" in result.stderr
+
+
+def test_dry_run_and_estimate_memory_show_each_stage(tmp_path):
+    plan = run_mpt("launch", "--dry-run", "--gpus", "4", "--pipeline-stages", "2",
+                   worker("pipeline_train.py"), str(tmp_path / "out.json"))
+    assert plan.returncode == 0, plan.stderr
+    rows = [line.split("│")[1:-2] for line in plan.stdout.splitlines() if line.startswith("│")]
+    assert [[cell.strip() for cell in row[-2:]] for row in rows] == [
+        ["0", "0"], ["0", "1"], ["1", "0"], ["1", "1"]]  # rank = stage x replicas + replica
+    assert "pipeline: 2 stages x 2 data-parallel replica(s), 1f1b, 4 micro-batches" in plan.stdout
+    estimate = run_mpt("estimate-memory", f"{worker('pipeline_train.py')}:make_model",
+                       "--pipeline-stages", "2")
+    assert estimate.returncode == 0, estimate.stderr
+    assert "per-stage memory, 2 pipeline stages" in estimate.stdout
+    # Balanced by parameter count: 112 + 272 parameters, then 272 + 17.
+    assert re.search(r"│\s+0 │ 0 \.\. 3 \(4\) │\s+384 │", estimate.stdout), estimate.stdout
+    assert re.search(r"│\s+1 │ 4 \.\. 6 \(3\) │\s+289 │", estimate.stdout), estimate.stdout
