@@ -148,5 +148,6 @@ class Stage(nn.Module):
         """What each of this rank's pipeline stages runs."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("a pipeline stage runs under its schedule: call "
-                           "rt.forward_backward(inputs, target, loss_fn) or rt.evaluate(inputs)")
+        raise UsageError("model(...)", "a pipeline stage", "under --pipeline-stages the "
+                         "schedule runs the stages' forwards", "call rt.forward_backward(inputs, "
+                         "target, loss_fn) or rt.evaluate(inputs)")

@@ -1,0 +1,133 @@
+"""Pipeline stages against their ideal: step time and each stage's share of the training state.
+
+    .venv/bin/python benchmarks/pipeline.py [--stages 2] [--microbatches 8] [--steps 12]
+
+Runs `mpt launch` several times on this machine: examples/gpt.py's model trained by one process
+(P = 1), then by P processes under each schedule (gpipe, 1f1b, interleaved-1f1b), every one with
+one intra-op thread per process so that P processes use P cores and the one-process run one.
+Each prints:
+
+- the median step time against the ideal ``(T_one / P) x (M + P - 1) / M`` (the bubble of GPipe
+  and 1F1B; interleaved 1F1B's is smaller, so its ratio may fall below 1);
+- each stage's parameters + gradients + optimizer state, in bytes, against the one-process
+  figure (the shared embedding/output weight counts on both stages that hold it).
+
+Goals (issue 24): 1F1B step <= 1.15 x the ideal at P = 2, M = 8; each stage <= 0.55 x the state.
+A benchmark, not a test: it prints figures and never fails on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+
+def state_bytes(model: Any, optimizer: Any) -> int:
+    """Parameters, their gradients and the optimizer's tensors held by this rank."""
+    import torch
+
+    params = list({id(p): p for p in model.parameters()}.values())
+    total = sum(p.numel() * p.element_size() for p in params)
+    total += sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    for state in optimizer.state.values():
+        total += sum(t.numel() * t.element_size() for t in state.values()
+                     if isinstance(t, torch.Tensor))
+    return total
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Under `mpt launch`: train the GPT for --steps steps; rank 0 of each stage writes its
+    step times and state bytes."""
+    import torch
+    import torch.nn.functional as F
+    from gpt import GPT, GPTConfig
+
+    import mpt
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    rt = mpt.Runtime(quiet=True)
+    model = GPT(GPTConfig(vocab=64, block=args.block, layers=args.layers, heads=4,
+                          embed=args.embed))
+    model, optimizer = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(64, (args.batch_size, args.block), generator=g).to(rt.device)
+    y = torch.randint(64, (args.batch_size, args.block), generator=g).to(rt.device)
+
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+
+    times = []
+    for _ in range(args.steps):
+        rt.barrier()
+        start = time.perf_counter()
+        rt.forward_backward(x, y, loss_fn)
+        rt.step()
+        elapsed = torch.tensor([time.perf_counter() - start])
+        times.append(rt.all_reduce(elapsed, op="max").item())  # the slowest stage's step
+    own = torch.tensor([float(state_bytes(model, optimizer))])
+    everyone = [torch.zeros(1) for _ in range(rt.world_size)]
+    torch.distributed.all_gather(everyone, own) if rt.world_size > 1 else everyone[0].copy_(own)
+    if rt.rank == 0:
+        Path(args.out).write_text(json.dumps({
+            "times": times, "state": [t.item() for t in everyone]}))
+    rt.close()
+
+
+def launch(args: argparse.Namespace, gpus: int, *flags: str) -> dict:
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "out.json"
+        command = [sys.executable, "-m", "mpt", "launch", "--gpus", str(gpus), "--quiet",
+                   *flags, __file__, "--worker", "--out", str(out), "--steps", str(args.steps),
+                   "--layers", str(args.layers), "--embed", str(args.embed), "--block",
+                   str(args.block), "--batch-size", str(args.batch_size)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        subprocess.run(command, check=True, env=env, cwd=ROOT)
+        return json.loads(out.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=12, help="timed steps (the first 2 warm up)")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--embed", type=int, default=256)
+    parser.add_argument("--block", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    p, m = args.stages, args.microbatches
+    one = launch(args, 1)
+    t_one = statistics.median(one["times"][2:])
+    print(f"GPT {args.layers} layers x {args.embed}, context {args.block}, batch "
+          f"{args.batch_size}; P = {p}, M = {m}; one process: {t_one * 1e3:.1f} ms per step, "
+          f"{one['state'][0] / 2**20:.1f} MiB of state")
+    print(f"{'schedule':<18}{'step ms':>9}{'ideal ms':>10}{'ratio':>7}   state per stage / one")
+    for schedule in ("gpipe", "1f1b", "interleaved-1f1b"):
+        run = launch(args, p, "--pipeline-stages", str(p), "--pipeline-schedule", schedule,
+                     "--microbatches", str(m))
+        step = statistics.median(run["times"][2:])
+        ideal = t_one / p * (m + p - 1) / m
+        shares = " ".join(f"{s / one['state'][0]:.3f}" for s in run["state"])
+        print(f"{schedule:<18}{step * 1e3:>9.1f}{ideal * 1e3:>10.1f}{step / ideal:>7.3f}   "
+              f"{shares}")
+
+
+if __name__ == "__main__":
+    main()
