@@ -74,6 +74,12 @@ class Topology:
     """Pipeline stages one model replica spans (1: the whole model on every rank)."""
 
 
+def devices_of(module: nn.Module) -> set[torch.device]:
+    """The devices ``module``'s parameters and buffers are on: several for a model whose parts
+    the script placed on several GPUs itself (model parallelism inside one process)."""
+    return {t.device for t in (*module.parameters(), *module.buffers())}
+
+
 def on_meta(module: nn.Module, recurse: bool = True) -> bool:
     """Whether ``module`` (or, ``recurse=False``, its own tensors) is on the meta device."""
     return any(t.is_meta for t in (*module.parameters(recurse=recurse),
@@ -247,6 +253,8 @@ class Backend(ABC):
             raise UsageError("model", type(model).__name__, f"it is on the meta device, and "
                              f"--backend {self.name} needs its weights", "build it on the CPU, "
                              "or use --backend fsdp, which initialises it one unit at a time")
+        if len(devices_of(model)) > 1:
+            return model  # its parts placed on several GPUs by the script: left where they are
         return model.to(self.device)
 
     def shutdown(self) -> None:

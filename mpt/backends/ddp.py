@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from mpt.backends.base import Availability, Backend, BackendOption
+from mpt.backends.base import Availability, Backend, BackendOption, devices_of
 from mpt.backends.powersgd import DEFAULT_RANK, DEFAULT_START_STEP, PowerSGD, powersgd_hook
 from mpt.comm import GradComm
 from mpt.errors import UsageError
@@ -162,7 +162,10 @@ class DDPBackend(Backend):
 
     def wrap(self, model: nn.Module, bucket_mb: float | None) -> DistributedDataParallel:
         """``model`` in torch's DDP with buckets of ``bucket_mb`` and the compression's hook."""
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        # One device: DDP's device_ids. A model spread over several GPUs by the script (the
+        # seeds' model parallelism): None, as torch asks, and DDP reduces each part where it is.
+        one_gpu = self.device.type == "cuda" and len(devices_of(model)) == 1
+        device_ids = [self.device.index] if one_gpu else None
         ddp = DistributedDataParallel(model, device_ids=device_ids, **bucket_kwargs(bucket_mb))
         compression = self.comm.compression
         if compression in CAST_HOOKS:

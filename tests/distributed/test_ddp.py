@@ -3,6 +3,7 @@ overflow case also under apex and horovod)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -67,3 +68,16 @@ def test_ddp_on_gpus_with_nccl_matches_one_process(tmp_path, free_port):
     for r in ranks:
         for got, want in zip(r["params"], reference, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # TF32/cuBLAS order
+
+
+@pytest.mark.gpu
+def test_a_model_the_script_spread_over_two_gpus_trains_under_ddp(tmp_path, free_port):
+    """The seeds' pattern: each process's model in two halves on two GPUs, wrapped by DDP with
+    device_ids=None; mpt leaves the halves where they are. One process per pair of GPUs."""
+    pairs = torch.cuda.device_count() // 2
+    if pairs == 0:
+        pytest.skip("needs 2 CUDA devices; one is visible")
+    result = run_mpt("launch", "--gpus", str(pairs), "--master-port", str(free_port),
+                     worker("model_parallel.py"), str(tmp_path / "out.json"), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((tmp_path / "out.json").read_text())["diff"] < 1e-5
