@@ -45,7 +45,7 @@ ARGS_digits    := examples/digits.py --steps 150
 ARGS_imagenet  := examples/imagenet.py --steps 150 --eval-every 50
 ARGS_gpt       := examples/gpt.py --steps 300 --sample 0
 ARGS_gpt-zero2 := --backend deepspeed --zero-stage 2 $(ARGS_gpt)
-ARGS_pix2pix   := examples/pix2pix.py --steps 20
+ARGS_pix2pix   := examples/pix2pix.py --steps 100
 
 .PHONY: demo test conformance bench examples gpu-check clean horovod-wheel
 

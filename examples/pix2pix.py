@@ -7,7 +7,7 @@ the adversarial loss plus 100 x L1 to the target, through a discriminator whose 
 frozen for that step. The paired images are drawn here, so nothing is downloaded:
 
     mpt launch --gpus 2 --precision bf16-mixed examples/pix2pix.py --steps 200
-    mpt launch --gpus 2 --backend deepspeed --zero-stage 1 examples/pix2pix.py --steps 50
+    mpt launch --gpus 2 --backend deepspeed examples/pix2pix.py --steps 50  # ZeRO stage 1
     mpt launch --gpus 2 --run-dir runs/pix2pix examples/pix2pix.py && mpt visualize runs/pix2pix
     mpt launch --gpus 2 --checkpoint-dir ckpt/pix2pix examples/pix2pix.py   # a rerun resumes
 """
