@@ -48,6 +48,7 @@ from mpt.backends.deepspeed_config import (
     parse_stage,
     precision_refusal,
 )
+from mpt.backends.deepspeed_zero3 import share_fp32_partitions
 from mpt.comm import GradComm
 from mpt.environments import World
 from mpt.errors import MissingDependencyError, UsageError
@@ -264,6 +265,8 @@ class DeepSpeedBackend(DDPBackend):
         groups = [[names[p] for p in g["params"]] for g in optimizer.param_groups if g["params"]]
         engine, _, _, _ = self._ds.initialize(model=model, optimizer=optimizer,
                                               config=self.config, dist_init_required=False)
+        if stage == 3:  # one fp32 copy of each partition, as DeepSpeed means (see the module)
+            share_fp32_partitions(engine.optimizer)
         self._engines[id(engine)] = _Engine(
             engine=engine, state=FlatState(engine, groups),
             default_clip=float(getattr(engine.optimizer, "clip_grad", 0.0) or 0.0))
