@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -18,7 +18,9 @@ from mpt.estimate import MemoryEstimate, parameter_counts
 from mpt.parse import parse_bool, parse_text
 from mpt.precision import Precision, PrecisionSpec
 from mpt.state.named import from_named, to_named
-from mpt.step import TrainStep
+
+if TYPE_CHECKING:
+    from mpt.step import TrainStep
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -264,6 +266,8 @@ class Backend(ABC):
     def make_step(self, **parts: Any) -> TrainStep:
         """The object that runs ``rt.backward``/``rt.clip_grad_norm_``/``rt.step`` (``parts``:
         ``TrainStep``'s arguments). A backend whose step has another shape returns its own."""
+        from mpt.step import TrainStep  # the Runtime's: `mpt launch` imports this module too
+
         return TrainStep(backend=self, **parts)
 
     def backward(self, loss: torch.Tensor, model: nn.Module | None = None) -> None:
