@@ -13,6 +13,13 @@ Each prints:
   figure (the shared embedding/output weight counts on both stages that hold it).
 
 Goals (issue 24): 1F1B step <= 1.15 x the ideal at P = 2, M = 8; each stage <= 0.55 x the state.
+
+    .venv/bin/python benchmarks/pipeline.py --crossover [--rate 1gbit] [--width 1024]
+
+runs on two emulated nodes (mpt.cluster; needs root) joined by links of --rate, one process per
+node, an MLP of --layers Linear layers --width wide, for batch sizes from 16 up: P = 2 (a stage
+per node: activations cross the link) against D = 2 (DDP: the gradients' allreduce crosses it),
+and prints where P = 2 stops beating D = 2.
 A benchmark, not a test: it prints figures and never fails on them.
 """
 
@@ -26,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,21 +60,32 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.nn.functional as F
     from gpt import GPT, GPTConfig
+    from torch import nn
 
     import mpt
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     rt = mpt.Runtime(quiet=True)
-    model = GPT(GPTConfig(vocab=64, block=args.block, layers=args.layers, heads=4,
-                          embed=args.embed))
-    model, optimizer = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     g = torch.Generator().manual_seed(1)
-    x = torch.randint(64, (args.batch_size, args.block), generator=g).to(rt.device)
-    y = torch.randint(64, (args.batch_size, args.block), generator=g).to(rt.device)
+    batch = args.batch_size // rt.topology.dp_size  # per replica: the global batch is kept
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    if args.width:  # the crossover's MLP: gradients large next to its activations
+        model: nn.Module = nn.Sequential(*(layer for _ in range(args.layers) for layer in (
+            nn.Linear(args.width, args.width), nn.ReLU())))
+        x = torch.randn(batch, args.width, generator=g).to(rt.device)
+        y = torch.randn(batch, args.width, generator=g).to(rt.device)
+        loss_fn = F.mse_loss
+    else:
+        model = GPT(GPTConfig(vocab=64, block=args.block, layers=args.layers, heads=4,
+                              embed=args.embed))
+        x = torch.randint(64, (batch, args.block), generator=g).to(rt.device)
+        y = torch.randint(64, (batch, args.block), generator=g).to(rt.device)
 
-    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+        def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+
+    model, optimizer = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
 
     times = []
     for _ in range(args.steps):
@@ -85,16 +104,56 @@ def worker(args: argparse.Namespace) -> None:
     rt.close()
 
 
+def worker_args(args: argparse.Namespace, out: Path) -> list[str]:
+    return [__file__, "--worker", "--out", str(out), "--steps", str(args.steps), "--layers",
+            str(args.layers), "--embed", str(args.embed), "--block", str(args.block),
+            "--batch-size", str(args.batch_size), "--width", str(args.width)]
+
+
 def launch(args: argparse.Namespace, gpus: int, *flags: str) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "out.json"
         command = [sys.executable, "-m", "mpt", "launch", "--gpus", str(gpus), "--quiet",
-                   *flags, __file__, "--worker", "--out", str(out), "--steps", str(args.steps),
-                   "--layers", str(args.layers), "--embed", str(args.embed), "--block",
-                   str(args.block), "--batch-size", str(args.batch_size)]
+                   *flags, *worker_args(args, out)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         subprocess.run(command, check=True, env=env, cwd=ROOT)
         return json.loads(out.read_text())
+
+
+def on_two_nodes(args: argparse.Namespace, *flags: str) -> float:
+    """The median step of a job of two emulated nodes, one process each."""
+    from mpt.cluster import EmulatedCluster, LinkShape, launch_command, run_nodes
+
+    with tempfile.TemporaryDirectory() as folder, EmulatedCluster(
+            nodes=2, shape=LinkShape(rate=args.rate)) as cluster:
+        out = Path(folder) / "out.json"
+        commands = [launch_command(cluster, nr, worker_args(args, out)[0],
+                                   worker_args(args, out)[1:], launch_args=["--quiet", *flags])
+                    for nr in range(2)]
+        run = run_nodes(cluster, commands, timeout=600, env={"OMP_NUM_THREADS": "1"}, cwd=ROOT)
+        if not run.ok:
+            raise SystemExit(run.report())
+        return statistics.median(json.loads(out.read_text())["times"][2:])
+
+
+def crossover(args: argparse.Namespace) -> None:
+    """P = 2 against D = 2 across the link, batch by batch, until D = 2 wins."""
+    grads = args.layers * (args.width * args.width + args.width) * 4
+    print(f"MLP {args.layers} x {args.width} ({grads / 1e6:.1f} MB of fp32 gradients), "
+          f"2 nodes x 1 process, links of {args.rate}, M = {args.microbatches}")
+    print(f"{'global batch':>12}{'P=2 ms':>9}{'D=2 ms':>9}{'activations MB':>16}  faster")
+    batch = 16
+    while batch <= args.max_batch:
+        args.batch_size = batch
+        pipe = on_two_nodes(args, "--pipeline-stages", "2", "--microbatches",
+                            str(args.microbatches))
+        data = on_two_nodes(args)
+        sent = 2 * batch * args.width * 4 / 1e6  # forward activations and their gradients
+        print(f"{batch:>12}{pipe * 1e3:>9.1f}{data * 1e3:>9.1f}{sent:>16.2f}  "
+              f"{'P=2' if pipe < data else 'D=2'}")
+        if data <= pipe:
+            break
+        batch *= 4
 
 
 def main() -> None:
@@ -105,12 +164,21 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--embed", type=int, default=256)
     parser.add_argument("--block", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=16, help="global, over replicas")
+    parser.add_argument("--crossover", action="store_true",
+                        help="P = 2 against D = 2 on two emulated nodes (root)")
+    parser.add_argument("--rate", default="1gbit", help="--crossover: each node's link")
+    parser.add_argument("--width", type=int, default=0, help="an MLP this wide, not the GPT")
+    parser.add_argument("--max-batch", type=int, default=4096, help="--crossover: last batch")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
+        return
+    if args.crossover:
+        args.width = args.width or 1024
+        crossover(args)
         return
     p, m = args.stages, args.microbatches
     one = launch(args, 1)
