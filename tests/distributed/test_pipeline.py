@@ -91,19 +91,22 @@ def test_mixed_precision_pipelines_train_within_the_conformance_tolerance(tmp_pa
         assert got["scale"] == 65536.0  # one verdict for both stages: no step was skipped
 
 
-CHAIN = [("ddp", 1, ()), ("ddp", 4, ("--pipeline-stages", "2")),
-         ("fsdp", 2, ()), ("deepspeed", 2, ("--zero-stage", "2"))]
+P2 = (2, ("--pipeline-stages", "2"))
+CHAIN = [pytest.param(P2, ("ddp", 1, ()), id="P2xD1-to-ddp-P1"),
+         *(pytest.param(P2, to, id=f"P2xD1-to-{to[0]}-{to[1]}", marks=pytest.mark.slow)
+           for to in (("ddp", 4, ("--pipeline-stages", "2")), ("fsdp", 2, ()),
+                      ("deepspeed", 2, ("--zero-stage", "2")))),
+         pytest.param((1, ()), ("ddp", 2, ("--pipeline-stages", "2")), id="P1-to-P2xD1",
+                      marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize(("backend", "gpus", "flags"),
-                         [pytest.param(*CHAIN[0], id="P2xD1-to-ddp-P1"),
-                          *(pytest.param(*c, id=f"P2xD1-to-{c[0]}-{c[1]}",
-                                         marks=pytest.mark.slow) for c in CHAIN[1:])])
-def test_a_pipeline_checkpoint_resumes_on_the_uninterrupted_curve(tmp_path, backend, gpus,
-                                                                  flags):
+@pytest.mark.parametrize(("source", "target"), CHAIN)
+def test_a_pipeline_checkpoint_resumes_on_the_uninterrupted_curve(tmp_path, source, target):
     steps = ("--steps", "6")
-    whole = launch(tmp_path / "whole.json", 2, "--pipeline-stages", "2",
+    gpus, flags = source
+    whole = launch(tmp_path / "whole.json", gpus, *flags,
                    script_args=(*steps, "--save-at", "3", "--ckpt", str(tmp_path / "ckpt")))
+    backend, gpus, flags = target
     resumed = launch(tmp_path / "resumed.json", gpus, "--backend", backend, *flags,
                      script_args=(*steps, "--resume", str(tmp_path / "ckpt")))
     assert sorted(resumed["losses"], key=int) == ["4", "5", "6"]
