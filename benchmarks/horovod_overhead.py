@@ -1,7 +1,7 @@
 """Step time of mpt's ``horovod`` backend against a hand-written Horovod loop, in one run.
 
     .venv/bin/mpt launch --backend horovod --gpus 2 benchmarks/horovod_overhead.py
-    .venv/bin/mpt launch --backend horovod --gpus 2 --fusion-threshold-mb 0 \
+    .venv/bin/mpt launch --backend horovod --gpus 2 --bucket-mb 0 \
         benchmarks/horovod_overhead.py --fusion-only     # per-tensor allreduce
     .venv/bin/mpt launch --backend horovod --gpus 2 benchmarks/horovod_overhead.py --fusion-only
 
@@ -15,7 +15,7 @@ the median step. After the run both sides' weights are compared: they must be eq
 
 ``--fusion-only`` times the raw loop on a model of 1,000 small parameters (32 values each):
 Horovod's tensor fusion packs their allreduces into one buffer. Fusion is set when Horovod starts
-(HOROVOD_FUSION_THRESHOLD, from `mpt launch --fusion-threshold-mb`), so the fused and per-tensor
+(HOROVOD_FUSION_THRESHOLD, from `mpt launch --bucket-mb`), so the fused and per-tensor
 figures come from two runs; their ratio is in docs/benchmarks.md.
 This is a benchmark, not a test: it prints figures and never fails on them.
 """
