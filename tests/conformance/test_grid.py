@@ -103,6 +103,16 @@ def test_a_refusal_is_one_line_before_start_naming_backend_and_precision(tmp_pat
     assert refusal(line, 0, tmp_path, seconds=60.0).startswith("R ")
 
 
+def test_a_compression_refusal_names_backend_and_compression(tmp_path):
+    cell = Cell("horovod", "fp32", 2, 2, compression="bf16")
+    result = subprocess.CompletedProcess([], 2, "", "mpt: --grad-compression=bf16 is invalid: "
+                                         "--backend horovod has no bf16 tensors to allreduce\n")
+    assert judge_refusal(cell, result, tmp_path, 1.0).verdict == "R"
+    vague = subprocess.CompletedProcess([], 2, "", "mpt: --backend horovod refused fp32\n")
+    assert "does not name backend and compression" in judge_refusal(cell, vague, tmp_path,
+                                                                      1.0).detail
+
+
 # -- the fast subset of the grid: real launches ------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -121,7 +131,8 @@ def test_each_backend_trains_a_mixed_precision_like_ddp_fp32(reference_2x2, back
 
 
 @pytest.mark.parametrize(("backend", "compression"), [
-    ("horovod", "fp16"), ("deepspeed", "bf16"), ("ddp", "powersgd")])
+    ("horovod", "fp16"), ("deepspeed", "bf16"),
+    pytest.param("ddp", "powersgd", marks=pytest.mark.slow)])  # exact vs torch: test_grad_comm
 def test_a_compression_trains_like_the_uncompressed_run(reference_2x2, backend, compression):
     outcome, _ = run_cell(Cell(backend, "fp32", 2, 2, compression=compression), reference_2x2)
     assert outcome.verdict == "P", outcome.detail
