@@ -15,13 +15,14 @@ node). Same weights, same batches (8 per process, fp32), SGD with momentum.
 Per cell it prints the median step time (max over ranks of each step), samples/s, scaling
 efficiency (throughput at N / (N x throughput at 1 node, same backend)), the ring-allreduce bound
 of the gradients, 2(N-1)/N x bytes / rate, the bound of the bytes each node actually sent
-(``/sys/class/net/eth0`` of its namespace, per step) / rate, the overlap and the ratio mpt/raw.
+(``/sys/class/net/eth0`` of its namespace, per step) / rate: T_sent, the overlap and the ratio
+mpt/raw.
 
 On a machine with fewer cores than nodes, the nodes share CPUs: 4 nodes on 2 cores compute ~2x
 slower per step, whatever the network. So every N is also run on an unshaped link (``100gbit``:
 tbf then never limits; the veth itself moves ~8 Gbit/s here), and that cell's step is the
 compute (with CPU sharing) of N nodes: T_compute(N). The overlap is
-(T_compute(N) + T_ring - T_step) / min(T_compute(N), T_ring): 1 when communication hides
+(T_compute(N) + T_sent - T_step) / min(T_compute(N), T_sent): 1 when communication hides
 entirely behind compute, 0 when they add up. This is a benchmark: it prints figures and never
 fails on them. Results also go to runs/scaling/results.json, the plot to
 runs/scaling/efficiency.png.
@@ -241,7 +242,7 @@ def analyse(cells: list[dict]) -> list[dict]:
             row["efficiency"] = base["mpt_step"] / c["mpt_step"]  # (N/T_N) / (N x 1/T_1)
         compute = by.get((c["model"], c["backend"], n, UNSHAPED))
         if n > 1 and compute is not None and c["rate"] != UNSHAPED:
-            t_c, t_r = compute["mpt_step"], row["ring_bound"]
+            t_c, t_r = compute["mpt_step"], row["sent_bound"]
             row["overlap"] = (t_c + t_r - c["mpt_step"]) / min(t_c, t_r)
         rows.append(row)
     return rows
