@@ -128,7 +128,8 @@ def judge_refusal(cell: Cell, result: subprocess.CompletedProcess[str], out: Pat
     if "Traceback" in result.stderr:
         problems.append("a traceback")
     text = " ".join(lines)
-    named = cell.precision if cell.compression == "none" else cell.compression
+    named = cell.precision if cell.compression == "none" else \
+        f"--grad-compression={cell.compression} "
     if cell.backend not in text or named not in text:
         problems.append("the message does not name backend and "
                         + ("precision" if cell.compression == "none" else "compression"))
