@@ -6,6 +6,7 @@ argument, the value and the fix, not a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -150,10 +151,13 @@ def launch(
     config: Annotated[Path | None, typer.Option(  # read by its callback, before the others
         metavar="FILE", is_eager=True, callback=load_into_context,
         help="YAML or TOML file of launch options (`mpt config init`); flags win.")] = None,
-    nodes: Annotated[str, typer.Option(metavar="N", help="Nodes in the job.")] = "1",
+    nodes: Annotated[str, typer.Option(metavar="N|MIN:MAX", help="Nodes in the job; MIN:MAX "
+                                       "for an elastic job (ranks from the rendezvous, no "
+                                       "--nr; it goes on while MIN nodes remain).")] = "1",
     gpus: Annotated[str, typer.Option(metavar="G", help="Processes per node (one per GPU; "
                                       "CPU processes on gloo without CUDA).")] = "1",
-    nr: Annotated[str, typer.Option(metavar="R", help="Rank of this node, 0..nodes-1.")] = "0",
+    nr: Annotated[str | None, typer.Option(metavar="R", help="Rank of this node, 0..nodes-1 "
+                                           "(default 0).")] = None,
     master_addr: Annotated[str, typer.Option(help="Address of node 0.")] = "127.0.0.1",
     master_port: Annotated[str, typer.Option(
         metavar="PORT", help="Rendezvous port on node 0; auto picks a free one (one node "
@@ -168,8 +172,9 @@ def launch(
         "float32.")] = None,
     log_dir: LogDirOption = None,
     tee: TeeOption = None,
-    max_restarts: Annotated[str, typer.Option(
-        metavar="K", help="Restart the whole gang this often after a failure.")] = "0",
+    max_restarts: Annotated[str | None, typer.Option(
+        metavar="K", help="Restart the whole gang this often after a failure (default 0; "
+        "with --nodes MIN:MAX: MAX-MIN+3, a lost node counts as one).")] = None,
     heartbeat_timeout: Annotated[str, typer.Option(
         metavar="SECONDS", help="Report a rank that made no progress for this long; 0 = "
         "never.")] = "300",
@@ -197,6 +202,7 @@ def launch(
     import torch
 
     from mpt import launchers
+    from mpt.elastic import check_node_rank, default_max_restarts, parse_nodes
     from mpt.launchers.horovod_join import check_port, check_restarts
     from mpt.launchers.node_rank import NodeRankClaim, RendezvousError
 
@@ -208,11 +214,15 @@ def launch(
                                    "master_weights": master_weights,
                                    "cast_model_type": cast_model_type}.items() if v is not None}
     settings = settings.replace(backend_options=backend_flags, precision_options=overrides)
+    node_range = parse_nodes(nodes)
+    check_node_rank(node_range, nr)
     spec = launchers.LaunchSpec(
-        script=script, script_args=tuple(script_args or ()), nodes=parse_int("--nodes", nodes),
-        gpus=parse_int("--gpus", gpus), nr=parse_int("--nr", nr), master_addr=master_addr,
-        master_port=launchers.parse_port(master_port, parse_int("--nodes", nodes)), run=settings,
-        log_dir=log_dir, max_restarts=parse_int("--max-restarts", max_restarts),
+        script=script, script_args=tuple(script_args or ()), nodes=node_range.max,
+        min_nodes=node_range.min if node_range.elastic else None,
+        gpus=parse_int("--gpus", gpus), nr=parse_int("--nr", nr or "0"), master_addr=master_addr,
+        master_port=launchers.parse_port(master_port, node_range.max), run=settings,
+        log_dir=log_dir, max_restarts=default_max_restarts(node_range) if max_restarts is None
+        else parse_int("--max-restarts", max_restarts),
         heartbeat_timeout=parse_number("--heartbeat-timeout", heartbeat_timeout),
         grace_period=parse_int("--grace-period", grace_period),
         rdzv_timeout=parse_int("--rdzv-timeout", rdzv_timeout), local_rank_arg=local_rank_arg)
@@ -226,12 +236,14 @@ def launch(
         _print_plan(spec, cuda_devices)
         return
     spec.check_machine(cuda_devices)
-    check_port(spec)
+    if not spec.elastic:  # an elastic job runs no Horovod rendezvous (Horovod is refused)
+        check_port(spec)
     check_restarts(spec)
     if not cuda_devices:
         err.print(f"mpt: no CUDA device here: running {spec.gpus} CPU process(es) per node on gloo")
     try:
-        with NodeRankClaim(spec):  # two nodes given the same --nr: the second stops here
+        # Two nodes given the same --nr: the second stops here (elastic jobs have no --nr).
+        with contextlib.nullcontext() if spec.elastic else NodeRankClaim(spec):
             outcome = launchers.run(spec, report=err.print,
                                     runtime_flags=_runtime_flags({**(run or {}), **overrides},
                                                                  backend_flags or {},
@@ -306,7 +318,9 @@ def _launch_horovodrun(spec: LaunchSpec, hosts: str | None, hostfile: Path | Non
 def _print_plan(spec: LaunchSpec, cuda_devices: int) -> None:
     from mpt.environments import device_name
 
-    table = Table(title=f"{spec.script} on {spec.world.world_size} process(es): backend "
+    size = (f"{spec.node_range.min * spec.gpus}..{spec.world.world_size}" if spec.elastic
+            else str(spec.world.world_size))
+    table = Table(title=f"{spec.script} on {size} process(es): backend "
                   f"{spec.backend}, precision {spec.run.precision}, rendezvous "
                   f"{spec.master_addr}:{spec.master_port}")
     run = spec.run
@@ -327,7 +341,15 @@ def _print_plan(spec: LaunchSpec, cuda_devices: int) -> None:
                   f"rt.forward_backward (GPipe/1F1B bubble {pipeline.bubble:.0%}); each "
                   "stage's blocks and bytes: mpt estimate-memory MODEL --pipeline-stages "
                   f"{pipeline.stages}")
-    if run.global_batch_size is not None:
+    if spec.elastic:
+        from mpt.elastic import describe_sizes
+
+        out.print(f"elastic: --nodes {spec.node_range}, node ranks assigned at the rendezvous "
+                  f"(the table shows {spec.nodes} nodes), up to {spec.max_restarts} restart(s)")
+        for line in describe_sizes(spec.node_range, spec.gpus, pipeline.stages if pipeline
+                                   else 1, run.global_batch_size, run.accumulate):
+            out.print(line)
+    elif run.global_batch_size is not None:
         out.print(f"global batch size {run.global_batch_size}: "
                   f"{run.global_batch_size // replicas} samples per data-parallel replica per "
                   "optimizer step (micro-batch size x accumulation)")

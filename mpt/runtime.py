@@ -22,6 +22,7 @@ from mpt.backends import Backend, Topology
 from mpt.checkpoint.session import CheckpointSession, Schedulers
 from mpt.connector import connect
 from mpt.data import DistributedLoader, Loaders
+from mpt.elastic import report_resize
 from mpt.environments import World
 from mpt.fault import REQUEUE_EXIT_CODE
 from mpt.fault.worker import WorkerFaults
@@ -400,6 +401,9 @@ class Runtime:
             return {"step": 0}
         info = self.load(found)
         self.print(f"mpt: resumed from {found} at step {info['step']}")
+        report_resize(found, world_size=self.world_size, plan=self.batch_plan,
+                      samples_per_step=self.monitor.samples_per_step, say=self.print,
+                      log=self.monitor.log)  # an elastic job's new world, or a manual resize
         return info
 
     # -- teardown -----------------------------------------------------------------------------

@@ -31,11 +31,15 @@ LABELS = {
 }
 COMPANIONS = {"memory_mib": "memory_peak_mib"}
 """Metrics drawn dashed in another one's plot rather than in their own."""
+RESIZE = ("resize_world", "resize_from", "resize_time_lost_s")
+"""An elastic job's resize record (mpt.elastic): a marked step on every plot, no plot of its
+own."""
 """The built-in metrics, in the order they are drawn; the script's own (rt.log) come after."""
 
 
 def metric_names(ranks: list[RankMetrics]) -> list[str]:
-    present = {name for rank in ranks for name in rank.series} - set(COMPANIONS.values())
+    present = ({name for rank in ranks for name in rank.series} - set(COMPANIONS.values())
+               - set(RESIZE))
     return [n for n in LABELS if n in present] + sorted(present - set(LABELS))
 
 
@@ -64,6 +68,12 @@ def plot_metric(name: str, ranks: list[RankMetrics]) -> bytes:
         if COMPANIONS.get(name) in rank.series:
             ax.plot(*rank.series[COMPANIONS[name]], linestyle="--", linewidth=1,
                     color=line.get_color())
+    resizes = {step: world for rank in ranks
+               for step, world in zip(*rank.series.get("resize_world", ([], [])), strict=True)}
+    for step, world in sorted(resizes.items()):
+        ax.axvline(step, color="grey", linestyle=":", linewidth=1)
+        ax.annotate(f"{world:g} proc.", (step, 1), xycoords=("data", "axes fraction"),
+                    fontsize=7, color="grey", ha="left", va="top")
     positive = [v for v in values_seen if v > 0]
     if name in ("loss", "loss_scale", "grad_norm") and len(positive) == len(values_seen) \
             and positive and max(positive) / min(positive) > 50:

@@ -22,8 +22,10 @@ from types import FrameType
 from torch.distributed import DistError
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from mpt.elastic import ELASTIC_AGENT_ENV, below_min, rendezvous_configs
 from mpt.environments.settings import FAILURE_DIR, LAUNCHER_PID
 from mpt.fault import REQUEUE_EXIT_CODE, Beat, StallWatch, read_beats, suspects
 from mpt.fault.heartbeat import WAITING_PHASES
@@ -50,16 +52,20 @@ class Failure:
 
 
 def torch_launch_config(spec: LaunchSpec) -> LaunchConfig:
-    """The torchrun ``LaunchConfig`` equivalent of ``spec``."""
+    """The torchrun ``LaunchConfig`` equivalent of ``spec``: a static rendezvous (ranks from
+    ``--nr``), or for ``--nodes MIN:MAX`` torch's c10d one, whose store the first node to bind
+    ``--master-port`` at ``--master-addr`` hosts (see mpt.elastic)."""
     logs = rank_logs(spec.log_dir, spec.tee)
+    static = spec.min_nodes is None
     return LaunchConfig(
-        min_nodes=spec.nodes,
+        min_nodes=spec.nodes if spec.min_nodes is None else spec.min_nodes,
         max_nodes=spec.nodes,
         nproc_per_node=spec.gpus,
         run_id=f"mpt-{spec.master_port}",
-        rdzv_backend="static",
+        rdzv_backend="static" if static else "c10d",
         rdzv_endpoint=f"{spec.master_addr}:{spec.master_port}",
-        rdzv_configs={"rank": spec.nr, "timeout": spec.rdzv_timeout},
+        rdzv_configs={"rank": spec.nr, "timeout": spec.rdzv_timeout} if static
+        else rendezvous_configs(spec.rdzv_timeout),
         max_restarts=spec.max_restarts,
         shutdown_timeout=spec.grace_period,
         # SIGTERM and SIGUSR1 are mpt's own (PreemptionRelay): they preempt rather than kill.
@@ -219,9 +225,12 @@ def run(spec: LaunchSpec, report: Callable[[str], None],
     heartbeat watch while it runs. ``runtime_flags``: the flags given that only an
     ``mpt.Runtime`` applies, reported when the script never made one."""
     with agent_log(spec), tempfile.TemporaryDirectory(prefix="mpt-launch-") as scratch:
-        rendezvous = HorovodRendezvous.start(spec)  # a Horovod script's hvd.init() joins us
+        # A Horovod script's hvd.init() joins us (a static job's: Horovod's world is fixed).
+        rendezvous = HorovodRendezvous(address="") if spec.elastic else \
+            HorovodRendezvous.start(spec)
         # The elastic agent passes its own environment on to the workers.
-        os.environ.update({**worker_env(spec, scratch), **rendezvous.env()})
+        os.environ.update({**worker_env(spec, scratch), **rendezvous.env(),
+                           **(ELASTIC_AGENT_ENV if spec.elastic else {})})
         watch = StallWatch(scratch, spec.heartbeat_timeout, report)
         preemption = PreemptionRelay()
         try:
@@ -231,6 +240,14 @@ def run(spec: LaunchSpec, report: Callable[[str], None],
             return Outcome(failure.exit_code, describe(failure, spec, read_beats(scratch)))
         except SignalException:
             return preemption.outcome(spec, Note.read_all(scratch))
+        except RendezvousTimeoutError:  # an elastic job's survivors, fewer than MIN
+            return Outcome(1, (below_min(spec.node_range, spec.rdzv_timeout,
+                                         spec.run.checkpoint_dir),))
+        except RendezvousError as err:  # the c10d store's node is gone, or never came
+            return Outcome(1, (f"mpt: this node lost the rendezvous at {spec.master_addr}:"
+                               f"{spec.master_port} ({' '.join(str(err).split())}); the node "
+                               "that hosts it must stay for the whole job (see "
+                               "docs/fault-tolerance.md)",))
         except DistError as err:  # raised by the agent itself: its store, the rendezvous
             return Outcome(1, (f"mpt: node {spec.nr} could not meet the other nodes at "
                                f"{spec.master_addr}:{spec.master_port} ({err}); start `mpt "

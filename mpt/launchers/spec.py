@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from mpt.backends import resolve_precision
+from mpt.elastic import NodeRange, check_elastic, plan_sizes
 from mpt.environments import World
 from mpt.errors import UsageError
 from mpt.launchers.local_rank import LOCAL_RANK_ARG
@@ -48,7 +49,10 @@ class LaunchSpec:
     script_args: tuple[str, ...] = ()
     """Arguments passed to the script unchanged."""
     nodes: int = 1
-    """Nodes in the job; each runs one `mpt launch`."""
+    """Nodes in the job; each runs one `mpt launch`. With ``min_nodes``: the most nodes."""
+    min_nodes: int | None = None
+    """``--nodes MIN:MAX``'s MIN: the job is elastic, node ranks come from torch's c10d
+    rendezvous (``nr`` is unused) and it goes on while at least MIN nodes remain. None: static."""
     gpus: int = 1
     """Processes on this node: one per GPU, or CPU processes on gloo where there is no GPU."""
     nr: int = 0
@@ -77,8 +81,20 @@ class LaunchSpec:
     """Pass ``--local_rank=<N>`` to the script, as ``torch.distributed.launch`` did."""
 
     @property
+    def elastic(self) -> bool:
+        """True for ``--nodes MIN:MAX``: the world may shrink and grow between restarts."""
+        return self.min_nodes is not None
+
+    @property
+    def node_range(self) -> NodeRange:
+        """``--nodes`` as given: N, or MIN:MAX."""
+        return NodeRange(self.nodes if self.min_nodes is None else self.min_nodes, self.nodes,
+                         elastic=self.elastic)
+
+    @property
     def world(self) -> World:
-        """The job's rank layout as seen from local rank 0 of this node."""
+        """The job's rank layout as seen from local rank 0 of this node (the largest world of
+        an elastic job)."""
         return World(nodes=self.nodes, gpus=self.gpus, nr=self.nr, master_addr=self.master_addr,
                      master_port=self.master_port, source="mpt launch")
 
@@ -91,13 +107,20 @@ class LaunchSpec:
             precision_options=run.precision_options, backend_options=run.backend_options,
             device_type="cuda" if torch.cuda.is_available() else "cpu")
         object.__setattr__(self, "run", dataclasses.replace(run, precision=resolved))
-        replicas = self.world.world_size
-        if (pipeline := self.run.pipeline) is not None:  # P must divide the world
-            plan_pipeline(pipeline.stages, pipeline.schedule, pipeline.microbatches,
-                          self.run.pipeline_split, self.world.world_size)
-            replicas //= pipeline.stages
+        if self.elastic:
+            check_elastic(self.node_range, self.backend)
+        stages = 1
+        for count in self.node_range.sizes:  # every world the job may run at
+            world_size = count * self.gpus
+            if (pipeline := self.run.pipeline) is not None:  # P must divide the world
+                plan_pipeline(pipeline.stages, pipeline.schedule, pipeline.microbatches,
+                              self.run.pipeline_split, world_size)
+                stages = pipeline.stages
         if self.run.global_batch_size is not None:  # the script's batch size is checked later
-            plan_batch(self.run.global_batch_size, replicas)
+            if self.elastic:
+                plan_sizes(self.run.global_batch_size, self.node_range, self.gpus, stages)
+            else:
+                plan_batch(self.run.global_batch_size, self.world.world_size // stages)
         if not self.script.is_file():
             raise UsageError("SCRIPT", str(self.script), "no such file",
                              "pass the path of the training script, e.g. examples/digits.py")
@@ -136,7 +159,7 @@ class LaunchSpec:
             raise UsageError("--gpus", self.gpus, f"this node has only {cuda_devices} visible "
                              f"GPU(s)", f"pass --gpus {cuda_devices} or fewer, or check "
                              "CUDA_VISIBLE_DEVICES")
-        if self.nr == 0 and not port_is_free(self.master_port):
+        if self.nr == 0 and not self.elastic and not port_is_free(self.master_port):
             raise UsageError("--master-port", self.master_port, "the port is already in use on "
                              "this node", "pick another port, or stop the job that holds it")
 

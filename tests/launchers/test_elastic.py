@@ -1,0 +1,381 @@
+"""`mpt launch --nodes MIN:MAX`: the checks before start, and real elastic jobs that lose a node.
+
+The jobs are several one-process `mpt launch` nodes on 127.0.0.1 (gloo, CPU), all started with
+the same command, running tests/workers/elastic_train.py with a global batch of 12 and a
+checkpoint after every step. The node started first hosts the c10d store and stays; another
+node's launcher and its worker are SIGKILLed mid-run.
+
+- Shrink (3 nodes, ``--nodes 2:3``): the job finishes at 2; its loss curve equals (1e-5) a run
+  of 3 processes to the restored step and 2 processes from its checkpoint, in this test; at most
+  one step (the checkpoint interval) is redone; every sample of every epoch is trained on once.
+- Below MIN (2 nodes, ``--nodes 2:2``): the survivor ends in one line with a non-zero code, and
+  the newest checkpoint still loads.
+
+Every case: no process outlives the job. ddp runs in `make test`; fsdp and DeepSpeed ZeRO-2
+shrink in `make conformance` (slow). The kill-to-next-step figure is printed with ``-s``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import find_free_port, mpt_command, pid_alive, wait_for, worker
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
+from common import make_model
+
+import mpt
+from mpt.elastic import (
+    LAST_CALL,
+    NodeRange,
+    default_max_restarts,
+    parse_nodes,
+    plan_sizes,
+    resize,
+)
+from mpt.errors import UsageError
+from mpt.launchers import LaunchSpec
+from mpt.launchers.elastic import torch_launch_config
+from mpt.scaling import plan_batch
+
+STEPS = 14
+GLOBAL_BATCH = 12  # 3 x 4 and 2 x 6
+SAMPLES, PER_EPOCH = 48, 4  # as in elastic_train.py: 4 steps per epoch
+BACKENDS = {"ddp": ("--backend", "ddp"), "fsdp": ("--backend", "fsdp"),
+            "deepspeed": ("--backend", "deepspeed", "--zero-stage", "2")}
+JOB_TIMEOUT = 240  # seconds any launcher of a case may run (2 busy cores)
+
+
+# -- before any process starts ----------------------------------------------------------------
+def test_nodes_parses_a_count_or_a_range():
+    assert parse_nodes("2") == NodeRange(2, 2, elastic=False)
+    assert parse_nodes("2:4") == NodeRange(2, 4, elastic=True)
+    assert list(parse_nodes(" 1:3").sizes) == [1, 2, 3]
+    assert str(parse_nodes("2:4")) == "2:4"
+
+
+@pytest.mark.parametrize(("value", "says"), [("3:2", "MIN is larger than MAX"),
+                                              ("0:2", "MIN must be at least 1"),
+                                              ("2:x", "neither a whole number"),
+                                              ("two", "neither a whole number")])
+def test_a_bad_range_is_one_line_naming_nodes(run_cli, value, says):
+    result = run_cli("launch", "--nodes", value, "--dry-run", worker("elastic_train.py"))
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and f"--nodes={value}" in result.stderr
+    assert says in result.stderr
+
+
+def test_nr_with_a_range_is_refused(run_cli):
+    result = run_cli("launch", "--nodes", "2:3", "--nr", "1", "--dry-run",
+                     worker("elastic_train.py"))
+    assert result.returncode == 2
+    assert "--nr=1 is invalid" in result.stderr and "without --nr" in result.stderr
+
+
+def test_horovod_is_refused_with_a_range(run_cli):
+    result = run_cli("launch", "--nodes", "2:3", "--backend", "horovod", "--dry-run",
+                     worker("elastic_train.py"))
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "--backend horovod" in result.stderr
+
+
+def test_dry_run_shows_the_plan_of_every_size(run_cli):
+    result = run_cli("launch", "--nodes", "2:4", "--global-batch-size", "12", "--dry-run",
+                     worker("elastic_train.py"))
+    assert result.returncode == 0, result.stderr
+    for count, per_rank in ((2, 6), (3, 4), (4, 3)):
+        assert (f"{count} node(s), {count} process(es): global batch 12 = {count} process(es) x "
+                f"{per_rank} per micro-batch") in result.stdout
+    assert f"up to {default_max_restarts(parse_nodes('2:4'))} restart(s)" in result.stdout
+
+
+def test_a_global_batch_that_does_not_divide_at_some_size_names_the_sizes_that_work(run_cli):
+    result = run_cli("launch", "--nodes", "2:4", "--global-batch-size", "10", "--dry-run",
+                     worker("elastic_train.py"))
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1
+    assert "cannot be divided over 3, 4 node(s)" in result.stderr
+    assert "the node counts that work: 2)" in result.stderr
+    assert "--global-batch-size 12" in result.stderr  # 12 divides by 2, 3 and 4
+
+
+def test_plans_follow_the_world_and_keep_the_global_batch():
+    plans = plan_sizes(24, parse_nodes("2:3"), gpus=2)
+    assert {n: (p.world_size, p.batch_size, p.accumulate) for n, p in plans.items()} == {
+        2: (4, 6, 1), 3: (6, 4, 1)}
+    with pytest.raises(UsageError, match=r"cannot be divided over 2 node.*that work: 3\)"):
+        plan_sizes(24, parse_nodes("2:3"), gpus=2, accumulate=4)  # 4 x 4 does not divide 24
+
+
+def test_restarts_default_to_one_per_node_it_may_lose_plus_three():
+    assert default_max_restarts(parse_nodes("2")) == 0
+    assert default_max_restarts(parse_nodes("2:5")) == 6
+
+
+def test_a_range_gets_torchs_c10d_rendezvous_and_a_count_the_static_one(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    elastic = torch_launch_config(LaunchSpec(script=script, nodes=3, min_nodes=2,
+                                             master_port=29555, rdzv_timeout=40))
+    assert (elastic.min_nodes, elastic.max_nodes, elastic.rdzv_backend) == (2, 3, "c10d")
+    assert elastic.rdzv_endpoint == "127.0.0.1:29555"
+    assert elastic.rdzv_configs["join_timeout"] == 40
+    assert elastic.rdzv_configs["last_call_timeout"] == LAST_CALL
+    static = torch_launch_config(LaunchSpec(script=script, nodes=2, nr=1))
+    assert (static.min_nodes, static.max_nodes, static.rdzv_backend) == (2, 2, "static")
+    assert static.rdzv_configs["rank"] == 1
+
+
+def test_a_resize_keeps_the_global_batch_or_else_the_per_rank_batch():
+    saved = {"world_size": 3, "step": 7, "saved_at": 100.0}
+    kept = resize(saved, world_size=2, plan=plan_batch(12, 2), samples_per_step=12, now=104.5)
+    assert kept is not None and kept.line() == (
+        "mpt: resized from 3 to 2 process(es) at step 7: 4.5 s since that step was saved; "
+        "global batch 12 = 2 process(es) x 6 per micro-batch x 1 accumulation step(s) (kept; "
+        "lr unchanged)")
+    assert kept.metrics() == {"resize_world": 2.0, "resize_from": 3.0,
+                              "resize_time_lost_s": 4.5, "global_batch": 12.0}
+    grown = resize(saved, world_size=4, plan=None, samples_per_step=16, now=101.0)
+    assert grown is not None and "global batch 16 (it was 12" in grown.line()
+    assert resize(saved, world_size=3, plan=None, samples_per_step=12) is None
+
+
+def test_visualize_marks_a_resize_on_every_plot_and_gives_it_no_plot_of_its_own():
+    from mpt.metrics.reader import RankMetrics
+    from mpt.visualize import metric_names, plot_metric
+
+    plain = RankMetrics(rank=0, series={"loss": ([1, 2, 3, 4], [1.0, 0.9, 0.8, 0.7])})
+    resized = RankMetrics(rank=0, series={**plain.series, "resize_world": ([2], [2.0]),
+                                          "resize_from": ([2], [3.0]),
+                                          "resize_time_lost_s": ([2], [4.5])})
+    assert metric_names([resized]) == ["loss"]
+    assert plot_metric("loss", [resized]) != plot_metric("loss", [plain])
+
+
+# -- real jobs --------------------------------------------------------------------------------
+def launch_env() -> dict[str, str]:
+    """DeepSpeed's JIT-built op cached in the venv (as tests/backends/test_deepspeed.py does)."""
+    return {**os.environ, "COLUMNS": "200", "TORCH_EXTENSIONS_DIR": os.environ.get(
+        "TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch-extensions"))}
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (a launcher's workers)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(") ", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+@dataclass
+class Node:
+    """One `mpt launch` of the job."""
+
+    proc: subprocess.Popen[str]
+    output: str = ""
+
+    def wait(self, timeout: float) -> int:
+        try:
+            self.output, _ = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self.output, _ = self.proc.communicate()
+            raise
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the launcher and its workers, as a lost machine would end them."""
+        for pid in [*children(self.proc.pid), self.proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+class Job:
+    """Nodes of one elastic job on this host, started one after the other."""
+
+    def __init__(self, tmp: Path, nodes: str, count: int, backend: str, *flags: str,
+                 steps: int = STEPS) -> None:
+        self.out, self.ck, self.run_dir = tmp / "out", tmp / "ck", tmp / "run"
+        self.out.mkdir(parents=True)
+        port = find_free_port()
+        command = mpt_command("launch", "--nodes", nodes, "--master-port", str(port),
+                              *BACKENDS[backend], "--global-batch-size", str(GLOBAL_BATCH),
+                              "--checkpoint-dir", str(self.ck), "--run-dir", str(self.run_dir),
+                              *flags, worker("elastic_train.py"), str(self.out), "--steps",
+                              str(steps))
+        self.nodes: list[Node] = []
+        for index in range(count):
+            self.nodes.append(Node(subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                env=launch_env())))
+            if index == 0:  # the first node hosts the store: it is never the one lost
+                assert wait_for(lambda: listening(port), 60), "node 0 never bound the port"
+
+    def curve(self) -> list[tuple[int, int, float, float]]:
+        path = self.out / "curve.txt"
+        if not path.exists():
+            return []
+        rows = [line.split() for line in path.read_text().splitlines()]
+        return [(int(s), int(w), float(loss), float(t)) for s, w, loss, t in rows if t]
+
+    def pids(self) -> list[int]:
+        return [int(p.name) for p in (self.out / "pids").iterdir()]
+
+    def assert_no_process_left(self) -> None:
+        left = [pid for pid in [*self.pids(), *(n.proc.pid for n in self.nodes)]
+                if pid_alive(pid)]
+        assert not left, f"processes of the job outlived it: {left}"
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            if node.proc.poll() is None:
+                node.kill()
+                node.proc.communicate()
+
+
+def last_values(curve: list[tuple[int, int, float, float]]) -> dict[int, float]:
+    """The loss of every step as the run that went on from it computed it (redone steps:
+    the later value)."""
+    return {step: loss for step, _, loss, _ in curve}
+
+
+def reference_curve(tmp: Path, backend: str, restored: int) -> dict[int, float]:
+    """3 processes to step ``restored``, then 2 from its checkpoint: one static node each."""
+    out, ck = tmp / "out", tmp / "ck"
+    out.mkdir(parents=True)
+    for gpus, stop in ((3, restored), (2, 0)):
+        command = mpt_command("launch", "--gpus", str(gpus), "--master-port", "auto",
+                              *BACKENDS[backend], "--global-batch-size", str(GLOBAL_BATCH),
+                              "--checkpoint-dir", str(ck), worker("elastic_train.py"),
+                              str(out), "--steps", str(STEPS), "--stop-at", str(stop),
+                              "--sleep", "0")
+        done = subprocess.run(command, capture_output=True, text=True, timeout=JOB_TIMEOUT,
+                              env=launch_env())
+        assert done.returncode == 0, done.stderr[-4000:]
+    curve = [line.split() for line in (out / "curve.txt").read_text().splitlines()]
+    return {int(s): float(loss) for s, _, loss, _ in curve}
+
+
+def assert_every_sample_once_per_epoch(out: Path) -> None:
+    """Per step, the samples of the latest gang start that ran it; per epoch, each sample once."""
+    latest: dict[int, tuple[float, list[int]]] = {}
+    for path in out.glob("seen-rank*.txt"):
+        for line in path.read_text().splitlines():
+            start, step, sample = line.split()
+            begun, samples = latest.get(int(step), (-1.0, []))
+            if float(start) > begun:
+                latest[int(step)] = (float(start), [int(sample)])
+            elif float(start) == begun:
+                samples.append(int(sample))
+    assert sorted(latest) == list(range(1, STEPS + 1))
+    for first in range(1, STEPS + 1, PER_EPOCH):
+        epoch = [s for step in range(first, min(first + PER_EPOCH, STEPS + 1))
+                 for s in latest[step][1]]
+        if first + PER_EPOCH <= STEPS + 1:
+            assert sorted(epoch) == list(range(SAMPLES)), f"epoch from step {first}"
+        else:  # the last, partial epoch: no sample twice
+            assert len(epoch) == len(set(epoch)) == GLOBAL_BATCH * (STEPS + 1 - first)
+
+
+def shrink(tmp_path: Path, backend: str) -> None:
+    job = Job(tmp_path / "elastic", "2:3", 3, backend)
+    try:
+        # Lose the last node once the 3-process world has done a few steps.
+        assert wait_for(lambda: sum(w == 3 for _, w, _, _ in job.curve()) >= 4, 150), \
+            "the 3-node world never trained"
+        job.nodes[2].kill()
+        killed_at = time.time()
+        codes = [node.wait(JOB_TIMEOUT) for node in job.nodes[:2]]
+        job.nodes[2].wait(10)
+    finally:
+        job.stop()
+    output = "\n".join(node.output for node in job.nodes[:2])
+    assert codes == [0, 0], output[-6000:]
+    job.assert_no_process_left()
+
+    curve = job.curve()
+    assert curve[-1][:2] == (STEPS, 2), "the job did not finish at 2 processes"
+    before = [step for step, world, _, t in curve if world == 3 and t <= killed_at]
+    restored = int((job.out / "resumed.txt").read_text().splitlines()[-1].split()[2])
+    assert 0 < restored <= max(before)
+    assert max(before) - restored <= 1, "more steps redone than the checkpoint interval (1)"
+    assert f"resized from 3 to 2 process(es) at step {restored}" in output
+    records = [json.loads(line) for line in (job.run_dir / "metrics.jsonl").read_text()
+               .splitlines()]
+    assert any(r.get("resize_world") == 2 and r.get("resize_from") == 3 for r in records)
+
+    assert_every_sample_once_per_epoch(job.out)
+    reference = reference_curve(tmp_path / "reference", backend, restored)
+    got = last_values(curve)
+    assert sorted(got) == sorted(reference) == list(range(1, STEPS + 1))
+    worst = max(abs(got[s] - reference[s]) for s in got)
+    assert worst <= 1e-5, {s: (got[s], reference[s]) for s in got}
+
+    first_after = min(t for step, world, _, t in curve if world == 2 and t > killed_at)
+    print(f"\nelastic shrink ({backend}): 3 -> 2 nodes, kill to next completed step "
+          f"{first_after - killed_at:.1f} s; steps redone {max(before) - restored}; worst "
+          f"loss difference {worst:.1e}")
+
+
+def test_a_lost_node_shrinks_the_job_which_keeps_the_global_batch_and_the_curve(tmp_path):
+    shrink(tmp_path, "ddp")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["fsdp", "deepspeed"])
+def test_shrink_under_sharding_backends(tmp_path, backend):
+    shrink(tmp_path, backend)
+
+
+def test_below_min_the_job_ends_in_one_line_and_the_checkpoint_stays(tmp_path):
+    job = Job(tmp_path, "2:2", 2, "ddp", "--rdzv-timeout", "12", steps=60)
+    try:
+        assert wait_for(lambda: len(job.curve()) >= 3, 150), "the job never trained"
+        job.nodes[1].kill()
+        killed_at = time.time()
+        code = job.nodes[0].wait(JOB_TIMEOUT)
+        ended_at = time.time()
+        job.nodes[1].wait(10)
+    finally:
+        job.stop()
+    lines = [line for line in job.nodes[0].output.splitlines() if line.startswith("mpt: ")]
+    assert code == 1, job.nodes[0].output[-6000:]
+    assert lines[-1].startswith("mpt: fewer than 2 node(s) (--nodes 2:2) met again within "
+                                "--rdzv-timeout 12 s: the job ended; the newest checkpoint, ")
+    assert ended_at - killed_at < 12 + 30, "the survivor waited far past --rdzv-timeout"
+    job.assert_no_process_left()
+
+    rt = mpt.Runtime(env={})  # the newest checkpoint loads, in a 1-process run
+    model = make_model()
+    model, _ = rt.setup(model, torch.optim.Adam(model.parameters(), lr=0.01))
+    try:
+        step = rt.load(job.ck)["step"]
+    finally:
+        rt.close()
+    assert step >= max(s for s, _, _, _ in job.curve()) - 1
+    by_step: dict[int, int] = defaultdict(int)
+    for s, _, _, _ in job.curve():
+        by_step[s] += 1
+    assert max(by_step.values()) == 1, "a step ran twice: the survivor restarted training alone"
