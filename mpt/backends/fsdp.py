@@ -326,15 +326,15 @@ class FSDPBackend(DDPBackend):
         from torch.distributed.tensor import DTensor
 
         if not _holds_tensors(state["state"]):
-            # Nothing per parameter to place (plain SGD): torch's loader needs a tensor to find
-            # the device by, so only the hyper-parameters load, as torch.optim would load them.
+            # No tensor per parameter (saved before the first step, or plain SGD): torch's
+            # loader needs one to find the device by. The hyper-parameters load, and the state
+            # is as fresh as it was saved.
             for group, saved in zip(optimizer.param_groups, state["param_groups"], strict=True):
                 group.update({k: v for k, v in saved.items() if k != "params"})
+            optimizer.state.clear()
             return
         set_optimizer_state_dict(model, optimizer, state, options=_options(
             full=not holds(DTensor, state["state"])))
-        if not state["state"]:  # saved before its first step: fresh again, as it was saved
-            optimizer.state.clear()
 
 
 def _holds_tensors(state: dict[str, Any]) -> bool:
