@@ -169,7 +169,7 @@ def test_deepspeed_gets_its_communication_data_type_and_buckets():
 
 def test_horovod_takes_the_bucket_size_as_its_fusion_threshold(monkeypatch):
     pytest.importorskip("horovod.torch")
-    monkeypatch.delenv("HOROVOD_FUSION_THRESHOLD", raising=False)
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "1")  # restored (unset) after the test
     backend = get_backend("horovod")(world=World(), device=torch.device("cpu"),
                                      precision=make_precision("fp32", "cpu"),
                                      comm=GradComm(compression="fp16", bucket_mb=1.5))
