@@ -24,7 +24,8 @@ a failure half-way through building, a timed-out run):
    of the host name, which this machine's ``/etc/hosts`` maps to 127.0.0.1.
 4. ``Node.popen`` starts a process inside a namespace (``ip netns exec``), in a session of its
    own.
-5. ``close()``: SIGKILL to every process in each namespace (``ip netns pids``, which also finds
+5. ``close()`` (also on SIGTERM, which an open cluster turns into SystemExit where nothing else
+   handles it): SIGKILL to every process in each namespace (``ip netns pids``, which also finds
    processes that left their session), then the namespaces and their hosts files, the host ends
    of the veth pairs (some kernels, gVisor's among them, keep them when the namespace goes) and
    the bridge.
@@ -42,11 +43,12 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import IO
 
 from mpt.errors import MptError
@@ -208,6 +210,10 @@ class Node:
         return namespace_pids(self.namespace)
 
 
+def _raise_exit(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
 @dataclass(kw_only=True)
 class EmulatedCluster:
     """``nodes`` namespaces on one bridge, each link shaped by ``shape``; use it with ``with``."""
@@ -220,6 +226,8 @@ class EmulatedCluster:
     members: list[Node] = field(default_factory=list)
     _created: list[tuple[str, str]] = field(default_factory=list)
     """("netns" | "link" | "etc", name) of everything made so far, in order."""
+    _sigterm: object = None
+    """SIGTERM's handler before ``open()`` made it an exit (see ``_exit_on_sigterm``)."""
 
     @property
     def bridge(self) -> str:
@@ -237,6 +245,7 @@ class EmulatedCluster:
         if reason:
             raise ClusterError(reason)
         self.shape.rate_bits()  # a bad rate before anything is built
+        self._exit_on_sigterm()
         try:
             self._build()
         except BaseException:
@@ -280,8 +289,20 @@ class EmulatedCluster:
                  *(f"{address} node{j}" for j, address in enumerate(addresses))]
         (folder / "hosts").write_text("\n".join(lines) + "\n")
 
+    def _exit_on_sigterm(self) -> None:
+        """SIGTERM (``timeout``, a scheduler) would end the process without unwinding, and the
+        namespaces would outlive it: while the cluster is open it raises SystemExit instead, so
+        ``close()`` runs. Only where nobody handles SIGTERM yet, and only in the main thread
+        (the only one that can set handlers)."""
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+            self._sigterm = signal.signal(signal.SIGTERM, _raise_exit)
+
     def close(self) -> None:
         """Step 5: every process, namespace and link of this cluster, gone; idempotent."""
+        if self._sigterm is not None:
+            signal.signal(signal.SIGTERM, self._sigterm)  # type: ignore[arg-type]
+            self._sigterm = None
         for kind, name in reversed(self._created):
             if kind == "netns":
                 kill_namespace(name)

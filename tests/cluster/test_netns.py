@@ -102,6 +102,33 @@ def test_a_timed_out_run_is_killed_on_every_node_and_reports_it(tmp_path):
 
 
 @needs_cluster
+def test_a_sigterm_to_the_process_that_holds_the_cluster_removes_everything(tmp_path):
+    # what `timeout` or a scheduler sends: the process exits 143 and leaves nothing behind
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import os, sys, time
+from mpt.cluster import EmulatedCluster
+with EmulatedCluster(nodes=2) as cluster:
+    with open({str(tmp_path / "out")!r}, "w") as out:
+        cluster.members[0].popen([sys.executable, "-c", {SLEEPER!r}, {str(tmp_path / "pid")!r}],
+                                 env=dict(os.environ), output=out)
+    print(cluster.prefix, flush=True)
+    time.sleep(600)
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        prefix = holder.stdout.readline().strip()
+        while not (tmp_path / "pid").exists() or not (tmp_path / "pid").read_text():
+            time.sleep(0.05)
+        holder.terminate()
+        assert holder.wait(timeout=60) == 143
+    finally:
+        holder.kill()
+    assert prefix.startswith("mpt")
+    made = namespaces() | links() | {p.name for p in NETNS_ETC.glob("*")}
+    assert {name for name in made if name.startswith(f"{prefix}-")} == set()
+    assert not os.path.exists(f"/proc/{int((tmp_path / 'pid').read_text())}")
+
+
+@needs_cluster
 def test_a_cluster_that_fails_half_built_removes_what_it_built():
     # tc refuses the rate once the bridge, the first namespace and its link exist
     cluster = EmulatedCluster(nodes=2, shape=LinkShape(rate="0.0001bit"))
