@@ -46,35 +46,33 @@ def test_each_compression_reduces_as_plain_torch_does(tmp_path, free_port):
         assert saved["buckets"] == [[f"{k}.bias", f"{k}.weight"] for k in range(5, -1, -1)]
 
 
-def resume_run(out: Path, port: int, *flags: str) -> None:
+def resume_run(out: Path, port: int, *bucket_mb: str) -> dict:
     result = run_mpt("launch", "--gpus", "2", "--master-port", str(port), "--grad-compression",
                      "powersgd", "--backend-options", '{"powersgd_start_step": 2}',
-                     "--checkpoint-dir", str(out / "checkpoints"), *flags,
-                     worker("powersgd_resume.py"), str(out), "6", "3")
+                     "--checkpoint-dir", str(out / "checkpoints"),
+                     worker("powersgd_resume.py"), str(out), "6", "3", *bucket_mb)
     assert result.returncode == 0, result.stderr
+    return torch.load(out / "result.pt")
 
 
 def test_powersgd_error_feedback_resumes_exactly(tmp_path, free_port):
-    """A job saved at step 3 of 6 resumes to the weights the uninterrupted job reached: the
-    checkpoint holds every rank's error feedback (not zero) and PowerSGD's factors and step,
-    and the resumed job's first step, whose DDP buckets hold the parameters in another order
-    until DDP rebuilds them, carries each parameter's error with it."""
-    resume_run(tmp_path, free_port)
-    resume_run(tmp_path, free_port)
-    whole, resumed = torch.load(tmp_path / "from0.pt"), torch.load(tmp_path / "from3.pt")
-    assert all(norm > 0 for rank in whole["errors"] for norm in rank) and len(whole["errors"]) == 2
-    for got, want in zip(resumed["params"], whole["params"], strict=True):
+    """A job saved at step 3 of 6 and loaded into a fresh DDP wrapper ends bit for bit where the
+    uninterrupted job did: the checkpoint holds every rank's error feedback (not zero), and
+    PowerSGD's factors and step; the wrapper's first step, whose bucket holds the parameters in
+    another order until DDP rebuilds it, carries each parameter's error with it."""
+    saved = resume_run(tmp_path, free_port)
+    assert len(saved["errors"]) == 2 and all(norm > 0 for rank in saved["errors"]
+                                             for norm in rank)
+    for got, want in zip(saved["resumed"], saved["whole"], strict=True):
         assert torch.equal(got, want)
 
 
 @pytest.mark.slow
 def test_powersgd_state_resumes_into_other_buckets(tmp_path, free_port):
-    """Resumed with another --bucket-mb (each parameter its own bucket), the saved error of one
-    bucket goes back to its parameters and into the new buckets: the job trains on."""
-    resume_run(tmp_path, free_port)
-    resume_run(tmp_path, free_port, "--bucket-mb", "0.0001")
-    whole, resumed = torch.load(tmp_path / "from0.pt"), torch.load(tmp_path / "from3.pt")
-    for got, want in zip(resumed["params"], whole["params"], strict=True):
+    """Loaded into other buckets (each parameter its own), the saved error of one bucket goes
+    back to its parameters and into the new buckets: the job trains on, near the other."""
+    saved = resume_run(tmp_path, free_port, "0.0001")
+    for got, want in zip(saved["resumed"], saved["whole"], strict=True):
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, want, rtol=0.1, atol=0.05)
 
