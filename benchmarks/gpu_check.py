@@ -38,6 +38,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -125,19 +126,21 @@ def mpt_launch(*args: str) -> list[str]:
 
 
 def run(name: str, command: list[str], timeout: float, env: dict[str, str]) -> Result:
-    """Run one check to its end or its timeout; pass where it exits 0."""
+    """Run one check to its end or its timeout; pass where it exits 0. The check runs in a
+    process group of its own, which a timeout ends whole: a launcher's workers must not hold the
+    GPU while the next check runs."""
     start = time.monotonic()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, cwd=ROOT, env=env, start_new_session=True)
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                              cwd=ROOT, env=env)
-    except subprocess.TimeoutExpired as exc:
-        output = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) \
-            else (exc.stdout or "")
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
         return Result(name, "timeout", time.monotonic() - start, command,
-                      tail=tail_of(output + f"\n(stopped after {timeout:.0f} s)"))
-    output = done.stdout + done.stderr
-    return Result(name, "pass" if done.returncode == 0 else "fail", time.monotonic() - start,
-                  command, done.returncode, tail_of(output))
+                      tail=tail_of(f"{output}\n(stopped after {timeout:.0f} s)"))
+    return Result(name, "pass" if process.returncode == 0 else "fail",
+                  time.monotonic() - start, command, process.returncode, tail_of(output))
 
 
 def tail_of(text: str, lines: int = 25) -> str:

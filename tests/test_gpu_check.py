@@ -9,6 +9,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,15 @@ def test_an_examples_figures_come_from_its_metrics(tmp_path, free_port):
     assert figures["mfu_note"] == "the example counts no FLOPs"
     assert gpu_check.datasheet_tflops("NVIDIA H100 80GB HBM3") == 989.0
     assert gpu_check.datasheet_tflops("Some Future GPU") is None
+
+
+def test_a_check_past_its_timeout_is_stopped_with_everything_it_started(tmp_path):
+    marker = tmp_path / "child.pid"
+    command = ["bash", "-c", f"sleep 60 & echo $! > {marker}; echo started; wait"]
+    result = gpu_check.run("slow", command, timeout=2, env=dict(os.environ))
+    assert result.status == "timeout" and result.tail.startswith("started")
+    child = int(marker.read_text())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and Path(f"/proc/{child}").exists():
+        time.sleep(0.05)
+    assert not Path(f"/proc/{child}").exists(), "the check's own child outlived its timeout"
