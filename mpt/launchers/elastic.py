@@ -154,7 +154,9 @@ class PreemptionRelay:
     def outcome(self, spec: LaunchSpec, notes: dict[int, Note]) -> Outcome:
         """Requeue when every rank of this node saved and exited; else the signal's code."""
         codes = {note.rank: note.exit_code for note in notes.values()}
-        ranks = [rank for node, _, rank in spec.world.all_processes() if node == spec.nr]
+        # An elastic job's node learns its ranks at the rendezvous: those that left a note.
+        ranks = sorted(codes) if spec.elastic else [
+            rank for node, _, rank in spec.world.all_processes() if node == spec.nr]
         missing = [r for r in ranks if codes.get(r) not in (0, REQUEUE_EXIT_CODE)]
         if not missing:
             code = REQUEUE_EXIT_CODE if REQUEUE_EXIT_CODE in codes.values() else 0
@@ -172,7 +174,8 @@ def describe(failure: Failure, spec: LaunchSpec, beats: dict[int, Beat]) -> tupl
     rank died waiting in a collective (a timeout) while a peer was elsewhere."""
     how = (f"was killed by {failure.signal}" if failure.signal
            else f"exited with code {failure.exit_code}")
-    lines = [f"mpt: rank {failure.rank} (node {spec.nr}, local rank {failure.local_rank}) {how};"
+    node = "this node" if spec.elastic else f"node {spec.nr}"  # elastic: from the rendezvous
+    lines = [f"mpt: rank {failure.rank} ({node}, local rank {failure.local_rank}) {how};"
              " the job was stopped"]
     failed = beats.get(failure.rank)
     if failed is not None and failed.phase in WAITING_PHASES:

@@ -46,11 +46,13 @@ from mpt.elastic import (
     resize,
 )
 from mpt.errors import UsageError
+from mpt.fault import REQUEUE_EXIT_CODE
 from mpt.launchers import LaunchSpec
-from mpt.launchers.elastic import torch_launch_config
+from mpt.launchers.elastic import Failure, PreemptionRelay, describe, torch_launch_config
+from mpt.launchers.notes import Note
 from mpt.scaling import plan_batch
 
-STEPS = 14
+STEPS = 10
 GLOBAL_BATCH = 12  # 3 x 4 and 2 x 6
 SAMPLES, PER_EPOCH = 48, 4  # as in elastic_train.py: 4 steps per epoch
 BACKENDS = {"ddp": ("--backend", "ddp"), "fsdp": ("--backend", "fsdp"),
@@ -138,6 +140,23 @@ def test_a_range_gets_torchs_c10d_rendezvous_and_a_count_the_static_one(tmp_path
     assert static.rdzv_configs["rank"] == 1
 
 
+def test_an_elastic_nodes_reports_name_the_ranks_it_got_at_the_rendezvous(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    spec = LaunchSpec(script=script, nodes=3, min_nodes=2)
+    failure = Failure(rank=2, local_rank=0, exit_code=1)
+    assert describe(failure, spec, {})[0] == ("mpt: rank 2 (this node, local rank 0) exited with "
+                                              "code 1; the job was stopped")
+    relay = PreemptionRelay()
+    try:
+        relay.received = "SIGTERM"
+        # Rank 2 is this node's rank in the world the rendezvous formed; rank 0 is elsewhere.
+        saved = relay.outcome(spec, {7: Note(failed_at=1, exit_code=REQUEUE_EXIT_CODE, rank=2)})
+    finally:
+        relay.restore()
+    assert saved.exit_code == REQUEUE_EXIT_CODE
+
+
 def test_a_resize_keeps_the_global_batch_or_else_the_per_rank_batch():
     saved = {"world_size": 3, "step": 7, "saved_at": 100.0}
     kept = resize(saved, world_size=2, plan=plan_batch(12, 2), samples_per_step=12, now=104.5)
@@ -216,7 +235,7 @@ class Job:
     """Nodes of one elastic job on this host, started one after the other."""
 
     def __init__(self, tmp: Path, nodes: str, count: int, backend: str, *flags: str,
-                 steps: int = STEPS) -> None:
+                 steps: int = STEPS, sleep: float = 0.2) -> None:
         self.out, self.ck, self.run_dir = tmp / "out", tmp / "ck", tmp / "run"
         self.out.mkdir(parents=True)
         port = find_free_port()
@@ -224,7 +243,7 @@ class Job:
                               *BACKENDS[backend], "--global-batch-size", str(GLOBAL_BATCH),
                               "--checkpoint-dir", str(self.ck), "--run-dir", str(self.run_dir),
                               *flags, worker("elastic_train.py"), str(self.out), "--steps",
-                              str(steps))
+                              str(steps), "--sleep", str(sleep))
         self.nodes: list[Node] = []
         for index in range(count):
             self.nodes.append(Node(subprocess.Popen(
@@ -278,7 +297,7 @@ def reference_curve(tmp: Path, backend: str, restored: int) -> dict[int, float]:
     return {int(s): float(loss) for s, _, loss, _ in curve}
 
 
-def assert_every_sample_once_per_epoch(out: Path) -> None:
+def assert_every_sample_once_per_epoch(out: Path, steps: int = STEPS) -> None:
     """Per step, the samples of the latest gang start that ran it; per epoch, each sample once."""
     latest: dict[int, tuple[float, list[int]]] = {}
     for path in out.glob("seen-rank*.txt"):
@@ -289,21 +308,21 @@ def assert_every_sample_once_per_epoch(out: Path) -> None:
                 latest[int(step)] = (float(start), [int(sample)])
             elif float(start) == begun:
                 samples.append(int(sample))
-    assert sorted(latest) == list(range(1, STEPS + 1))
-    for first in range(1, STEPS + 1, PER_EPOCH):
-        epoch = [s for step in range(first, min(first + PER_EPOCH, STEPS + 1))
+    assert sorted(latest) == list(range(1, steps + 1))
+    for first in range(1, steps + 1, PER_EPOCH):
+        epoch = [s for step in range(first, min(first + PER_EPOCH, steps + 1))
                  for s in latest[step][1]]
-        if first + PER_EPOCH <= STEPS + 1:
+        if first + PER_EPOCH <= steps + 1:
             assert sorted(epoch) == list(range(SAMPLES)), f"epoch from step {first}"
         else:  # the last, partial epoch: no sample twice
-            assert len(epoch) == len(set(epoch)) == GLOBAL_BATCH * (STEPS + 1 - first)
+            assert len(epoch) == len(set(epoch)) == GLOBAL_BATCH * (steps + 1 - first)
 
 
 def shrink(tmp_path: Path, backend: str) -> None:
     job = Job(tmp_path / "elastic", "2:3", 3, backend)
     try:
         # Lose the last node once the 3-process world has done a few steps.
-        assert wait_for(lambda: sum(w == 3 for _, w, _, _ in job.curve()) >= 4, 150), \
+        assert wait_for(lambda: sum(w == 3 for _, w, _, _ in job.curve()) >= 3, 150), \
             "the 3-node world never trained"
         job.nodes[2].kill()
         killed_at = time.time()
@@ -349,10 +368,52 @@ def test_shrink_under_sharding_backends(tmp_path, backend):
     shrink(tmp_path, backend)
 
 
-def test_below_min_the_job_ends_in_one_line_and_the_checkpoint_stays(tmp_path):
-    job = Job(tmp_path, "2:2", 2, "ddp", "--rdzv-timeout", "12", steps=60)
+@pytest.mark.slow
+def test_a_node_that_returns_grows_the_job_back(tmp_path):
+    steps = 30
+    job = Job(tmp_path / "elastic", "2:3", 3, "ddp", "--rdzv-timeout", "60", steps=steps,
+              sleep=1.0)  # the returning node's start-up takes seconds of steps
+    command = job.nodes[2].proc.args
     try:
-        assert wait_for(lambda: len(job.curve()) >= 3, 150), "the job never trained"
+        assert wait_for(lambda: sum(w == 3 for _, w, _, _ in job.curve()) >= 3, 150), \
+            "the 3-node world never trained"
+        job.nodes[2].kill()
+        assert wait_for(lambda: any(w == 2 for _, w, _, _ in job.curve()), 120), \
+            "the job never went on at 2"
+        job.nodes.append(Node(subprocess.Popen(command, stdout=subprocess.PIPE,
+                                               stderr=subprocess.STDOUT, text=True,
+                                               env=launch_env())))
+        codes = [node.wait(JOB_TIMEOUT) for node in (*job.nodes[:2], job.nodes[3])]
+        job.nodes[2].wait(10)
+    finally:
+        job.stop()
+    output = "\n".join(node.output for node in job.nodes)
+    assert codes == [0, 0, 0], output[-6000:]
+    job.assert_no_process_left()
+    worlds = [world for _, world, _, _ in job.curve()]
+    assert worlds[-1] == 3 and 2 in worlds, "the job did not grow back to 3"
+    assert "resized from 2 to 3 process(es)" in output
+    assert_every_sample_once_per_epoch(job.out, steps)
+    # The global batch is kept: a static 3-process run's curve, up to the reduction order.
+    out = tmp_path / "reference"
+    out.mkdir()
+    done = subprocess.run(mpt_command(
+        "launch", "--gpus", "3", "--master-port", "auto", *BACKENDS["ddp"],
+        "--global-batch-size", str(GLOBAL_BATCH), "--checkpoint-dir", str(tmp_path / "ck"),
+        worker("elastic_train.py"), str(out), "--steps", str(steps), "--sleep", "0"),
+        capture_output=True, text=True,
+        timeout=JOB_TIMEOUT, env=launch_env())
+    assert done.returncode == 0, done.stderr[-4000:]
+    reference = {int(s): float(loss) for s, _, loss, _ in
+                 (line.split() for line in (out / "curve.txt").read_text().splitlines())}
+    got = last_values(job.curve())
+    assert max(abs(got[s] - reference[s]) for s in reference) <= 1e-5
+
+
+def test_below_min_the_job_ends_in_one_line_and_the_checkpoint_stays(tmp_path):
+    job = Job(tmp_path, "2:2", 2, "ddp", "--rdzv-timeout", "8", steps=60)
+    try:
+        assert wait_for(lambda: len(job.curve()) >= 1, 150), "the job never trained"
         job.nodes[1].kill()
         killed_at = time.time()
         code = job.nodes[0].wait(JOB_TIMEOUT)
@@ -363,8 +424,8 @@ def test_below_min_the_job_ends_in_one_line_and_the_checkpoint_stays(tmp_path):
     lines = [line for line in job.nodes[0].output.splitlines() if line.startswith("mpt: ")]
     assert code == 1, job.nodes[0].output[-6000:]
     assert lines[-1].startswith("mpt: fewer than 2 node(s) (--nodes 2:2) met again within "
-                                "--rdzv-timeout 12 s: the job ended; the newest checkpoint, ")
-    assert ended_at - killed_at < 12 + 30, "the survivor waited far past --rdzv-timeout"
+                                "--rdzv-timeout 8 s: the job ended; the newest checkpoint, ")
+    assert ended_at - killed_at < 8 + 30, "the survivor waited far past --rdzv-timeout"
     job.assert_no_process_left()
 
     rt = mpt.Runtime(env={})  # the newest checkpoint loads, in a 1-process run

@@ -41,9 +41,9 @@ SAMPLES = 48  # 4 steps per epoch at a global batch of 12: the runs cross epochs
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out", type=Path)
-parser.add_argument("--steps", type=int, default=14)
+parser.add_argument("--steps", type=int, default=10)
 parser.add_argument("--stop-at", type=int, default=0)
-parser.add_argument("--sleep", type=float, default=0.3, help="seconds added to every step")
+parser.add_argument("--sleep", type=float, default=0.2, help="seconds added to every step")
 args = parser.parse_args(sys.argv[1:])
 out: Path = args.out
 
