@@ -44,10 +44,11 @@ def test_with_a_log_dir_the_launchers_report_is_kept_there(tmp_path, free_port):
                      "O3", "--log-dir", str(logs), str(script))
     assert result.returncode == 2
     console = (result.stdout + result.stderr).splitlines()
-    assert [line for line in console if "mpt: error" in line] == [
-        line for line in console if line.startswith(f"[rank0]: {ERROR}")], console
-    assert len([line for line in console if "mpt: error" in line]) == 1
+    # Only the tee'd rank 0 reaches the console, once (unless the agent stopped it before it
+    # got to its refusal: then its log, and the console, have none).
+    errors = [line for line in console if "mpt: error" in line]
+    assert errors in ([], [line for line in console if line.startswith(f"[rank0]: {ERROR}")])
+    assert len(errors) <= 1, console
     assert SUMMARY.fullmatch(console[-1]) and not any("exitcode" in line for line in console)
-    for rank in (0, 1):
-        assert ERROR in (logs / f"rank{rank}.log").read_text()
+    assert any(ERROR in (logs / f"rank{rank}.log").read_text() for rank in (0, 1))
     assert "failed (exitcode: 2)" in (logs / "elastic.node0.log").read_text()
