@@ -33,7 +33,7 @@ from mpt.fault.preemption import PREEMPT_SIGNAL
 from mpt.launchers.horovod_join import HorovodRendezvous
 from mpt.launchers.local_rank import LOCAL_RANK_HINT
 from mpt.launchers.logs import LOG_LINE_PREFIX, rank_logs
-from mpt.launchers.notes import Note, unapplied_flags
+from mpt.launchers.notes import Note, read_error, unapplied_flags
 from mpt.launchers.spec import LaunchSpec
 
 
@@ -240,7 +240,15 @@ def run(spec: LaunchSpec, report: Callable[[str], None],
             elastic_launch(torch_launch_config(spec), sys.executable)(*spec.worker_args())
         except ChildFailedError as err:
             failure = root_cause(err.failures, Note.read_all(scratch))
-            return Outcome(failure.exit_code, describe(failure, spec, read_beats(scratch)))
+            # Its one-line error went to its --log-dir file only: shown here, unless a rank on
+            # the console (tee'd) said the same.
+            hidden = spec.log_dir is not None and failure.rank not in spec.tee
+            said = read_error(scratch, err.failures[failure.rank].pid) if hidden else ""
+            if said in {read_error(scratch, f.pid) for r, f in err.failures.items()
+                        if r in spec.tee}:
+                said = ""
+            return Outcome(failure.exit_code, (*([said] if said else []),
+                                               *describe(failure, spec, read_beats(scratch))))
         except SignalException:
             return preemption.outcome(spec, Note.read_all(scratch))
         except RendezvousTimeoutError:  # an elastic job's survivors, fewer than MIN

@@ -74,6 +74,21 @@ def claim_message(folder: str, message: str) -> bool:
     return True
 
 
+def write_error(folder: str, pid: int, message: str) -> None:
+    """The one-line error a rank wrote into its own ``--log-dir`` file, for the launcher to
+    show where that rank's output does not reach the console (it is not tee'd)."""
+    path = os.path.join(folder, f"error-{pid}")
+    with open(path + ".tmp", "w") as out:
+        out.write(message)
+    os.replace(path + ".tmp", path)
+
+
+def read_error(folder: str, pid: int) -> str:
+    """What ``write_error`` left for process ``pid`` ("" where it left nothing)."""
+    path = Path(folder) / f"error-{pid}"
+    return path.read_text() if path.is_file() else ""
+
+
 def unapplied_flags(flags: Iterable[str], notes: Mapping[int, Note]) -> str | None:
     """The line `mpt launch` prints when its run flags had no effect: ``flags`` were given, the
     ranks ended (``notes``) and none of them made the ``mpt.Runtime`` that applies them."""

@@ -20,7 +20,7 @@ from mpt.environments import detect_world
 from mpt.environments.settings import LOG_FILE, horovod_rendezvous, launch_dir
 from mpt.errors import MptError, UsageError
 from mpt.launchers.local_rank import LOCAL_RANK_ARG, with_local_rank
-from mpt.launchers.notes import Note, claim_message, runtime_made
+from mpt.launchers.notes import Note, claim_message, runtime_made, write_error
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -88,6 +88,8 @@ def main() -> None:
         # Into this rank's own log always; on the shared console by the first rank that says it.
         if logged or failure_dir is None or claim_message(failure_dir, message):
             print(message, file=sys.stderr, flush=True)
+        if logged and failure_dir:  # the launcher shows it where this rank is not tee'd
+            write_error(failure_dir, os.getpid(), message)
         code = 2
         sys.exit(2)
     except Exception as exc:
