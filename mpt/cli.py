@@ -162,6 +162,9 @@ def launch(
     master_port: Annotated[str, typer.Option(
         metavar="PORT", help="Rendezvous port on node 0; auto picks a free one (one node "
         "only).")] = "29500",
+    local_addr: Annotated[str | None, typer.Option(
+        metavar="ADDR", help="--nodes MIN:MAX: this node's address as the others reach it "
+        "(default: its host name's).")] = None,
     run: RunOptions = None,  # every RunConfig setting, one option each (see _with_run_options)
     keep_batchnorm_fp32: Annotated[str | None, typer.Option(
         metavar="BOOL", help="Opt levels O1-O3: Apex's override, true or false.")] = None,
@@ -221,6 +224,7 @@ def launch(
         min_nodes=node_range.min if node_range.elastic else None,
         gpus=parse_int("--gpus", gpus), nr=parse_int("--nr", nr or "0"), master_addr=master_addr,
         master_port=launchers.parse_port(master_port, node_range.max), run=settings,
+        local_addr=local_addr,
         log_dir=log_dir, max_restarts=default_max_restarts(node_range) if max_restarts is None
         else parse_int("--max-restarts", max_restarts),
         heartbeat_timeout=parse_number("--heartbeat-timeout", heartbeat_timeout),

@@ -66,6 +66,7 @@ def torch_launch_config(spec: LaunchSpec) -> LaunchConfig:
         rdzv_endpoint=f"{spec.master_addr}:{spec.master_port}",
         rdzv_configs={"rank": spec.nr, "timeout": spec.rdzv_timeout} if static
         else rendezvous_configs(spec.rdzv_timeout),
+        local_addr=None if static else spec.local_addr,
         max_restarts=spec.max_restarts,
         shutdown_timeout=spec.grace_period,
         # SIGTERM and SIGUSR1 are mpt's own (PreemptionRelay): they preempt rather than kill.

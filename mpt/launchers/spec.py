@@ -61,6 +61,11 @@ class LaunchSpec:
     """Address of node 0, reachable from every node."""
     master_port: int = 29500
     """Port of the rendezvous on node 0."""
+    local_addr: str | None = None
+    """This node's address as the other nodes reach it, for an elastic job's rendezvous (None:
+    the address of its fully qualified host name): where node 0 of a round hosts its workers'
+    store. Needed where host names do not tell nodes apart (network namespaces, multi-homed
+    hosts)."""
     run: RunConfig = field(default_factory=RunConfig)
     """What every worker trains with: backend, precision, ... (exported as MPT_RUN_CONFIG); its
     precision is the resolved one once the spec exists (a DeepSpeed config's, or fp32)."""

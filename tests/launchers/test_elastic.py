@@ -130,7 +130,9 @@ def test_a_range_gets_torchs_c10d_rendezvous_and_a_count_the_static_one(tmp_path
     script = tmp_path / "train.py"
     script.write_text("")
     elastic = torch_launch_config(LaunchSpec(script=script, nodes=3, min_nodes=2,
-                                             master_port=29555, rdzv_timeout=40))
+                                             master_port=29555, rdzv_timeout=40,
+                                             local_addr="10.0.0.7"))
+    assert elastic.local_addr == "10.0.0.7"
     assert (elastic.min_nodes, elastic.max_nodes, elastic.rdzv_backend) == (2, 3, "c10d")
     assert elastic.rdzv_endpoint == "127.0.0.1:29555"
     assert elastic.rdzv_configs["join_timeout"] == 40
