@@ -22,7 +22,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mpt.checkpoint import io
 from mpt.errors import UsageError
 from mpt.scaling import BatchPlan, plan_batch
 
@@ -225,6 +224,8 @@ def report_resize(found: str, *, world_size: int, plan: BatchPlan | None,
                   samples_per_step: int | None, say: Callable[[str], None],
                   log: Callable[[dict[str, float]], None]) -> Resize | None:
     """After ``rt.resume()`` loaded checkpoint ``found``: say and log a resize, if it was one."""
+    from mpt.checkpoint import io
+
     manifest = io.resolve(found).manifest()
     done = resize({"world_size": manifest.world_size, "step": manifest.step,
                    "saved_at": manifest.saved_at}, world_size=world_size, plan=plan,
@@ -237,6 +238,8 @@ def report_resize(found: str, *, world_size: int, plan: BatchPlan | None,
 
 def below_min(nodes: NodeRange, waited: int, checkpoint_dir: str | None) -> str:
     """The line an elastic job ends with when fewer than MIN nodes met again."""
+    from mpt.checkpoint import io  # the package (torch, fsspec) only on the way out
+
     latest = None if checkpoint_dir is None else io.find_latest(checkpoint_dir)
     kept = (f"the newest checkpoint, {latest}, is intact: run the same command on {nodes.min} "
             "or more nodes to resume it" if latest else "there is no checkpoint to resume")
