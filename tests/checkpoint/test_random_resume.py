@@ -11,7 +11,7 @@ import pytest
 from conftest import find_free_port, run_mpt, worker
 
 SAVE_AT = 2  # mid-epoch: the resumed run's first batch comes from a fresh pass of the loader
-BACKENDS = [pytest.param("ddp"), pytest.param("horovod"),
+BACKENDS = [pytest.param("ddp"), pytest.param("horovod", marks=pytest.mark.slow),
             pytest.param("apex", marks=pytest.mark.slow),
             pytest.param("deepspeed", marks=pytest.mark.slow),
             pytest.param("fsdp", marks=pytest.mark.slow)]
