@@ -64,7 +64,7 @@ def connect(env: Mapping[str, str], *, batch_size: int | None,
     if pipeline is not None:  # the model cut over ranks: fewer data-parallel replicas
         pipeline = plan_pipeline(pipeline.stages, pipeline.schedule, pipeline.microbatches,
                                  config.pipeline_split, world.world_size)
-        topology = pipeline_topology(world, pipeline.stages)
+        topology = pipeline_topology(world, pipeline)
     else:
         topology = backend_class.topology(world, config.backend_options)
     total = config.global_batch_size

@@ -108,7 +108,8 @@ class RunConfig:
         1, "Cut the model into P pipeline stages over ranks (ddp); the world is P x the "
         "data-parallel size (docs/pipeline.md).", parse=parse_int, metavar="P")
     pipeline_schedule: str = _setting(
-        "1f1b", "Pipeline schedule: gpipe, 1f1b or interleaved-1f1b (two chunks per rank).",
+        "1f1b", "Pipeline schedule: gpipe, 1f1b, or with two chunks per rank "
+        "interleaved-1f1b or interleaved-zb (zero bubble).",
         metavar="NAME")
     microbatches: int | None = _setting(
         None, "Micro-batches per rt.forward_backward under a pipeline (default 2 x P).",

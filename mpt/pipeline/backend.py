@@ -34,12 +34,13 @@ from mpt.pipeline.step import PipelineStep
 from mpt.state.named import from_named, to_named
 
 
-def pipeline_topology(world: World, stages: int) -> Topology:
+def pipeline_topology(world: World, plan: PipelinePlan) -> Topology:
     """Rank r is stage r // D of replica r % D (D = world / P)."""
-    replicas = world.world_size // stages
+    replicas = world.world_size // plan.stages
     stage = world.rank // replicas
     return Topology(dp_rank=world.rank % replicas, dp_size=replicas,
-                    computes_loss=stage == stages - 1, stage=stage, stages=stages)
+                    computes_loss=plan.holder(plan.chunks - 1) == stage, stage=stage,
+                    stages=plan.stages)
 
 
 class PipelineBackend(Backend):
@@ -54,7 +55,7 @@ class PipelineBackend(Backend):
         self.option_values = inner.option_values
         self.world, self.device, self.precision = inner.world, inner.device, inner.precision
         self.accumulate, self.timeout, self.comm = inner.accumulate, inner.timeout, inner.comm
-        self.layout = pipeline_topology(inner.world, plan.stages)
+        self.layout = pipeline_topology(inner.world, plan)
         """This rank's stage and replica."""
         self.pp_group: dist.ProcessGroup | None = None
         """The ranks of this rank's replica, one per stage (set by ``init_process_group``)."""
@@ -81,8 +82,7 @@ class PipelineBackend(Backend):
                              "teachers) without --pipeline-stages")
         chunks = stage_blocks(model, self.plan.chunks, self.plan.split)
         self._tie(chunks)
-        mine = [chunks[self.layout.stage + k * self.plan.stages]
-                for k in range(self.plan.chunks_per_rank)]
+        mine = [chunks[chunk] for chunk in self.plan.chunks_of(self.layout.stage)]
         return self.inner.place(Stage(mine))
 
     def _tie(self, chunks: list[list[tuple[str, nn.Module]]]) -> None:
@@ -96,7 +96,7 @@ class PipelineBackend(Backend):
             for name, block in blocks:
                 for local, param in block.named_parameters(prefix=name, remove_duplicate=False):
                     holders.setdefault(id(param), []).append(
-                        (index % self.plan.stages, local, param))
+                        (self.plan.holder(index), local, param))
         replicas = self.layout.dp_size
         for held in holders.values():
             stages = sorted({stage for stage, _, _ in held})

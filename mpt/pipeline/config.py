@@ -6,11 +6,13 @@ from dataclasses import dataclass
 
 from mpt.errors import UsageError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-"""``--pipeline-schedule`` values: torch.distributed.pipelining's GPipe, 1F1B and interleaved
-1F1B (two model chunks per rank), each checked on gloo."""
-LOOPED = {"interleaved-1f1b": 2}
-"""Model chunks per rank of the looped schedules."""
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb")
+"""``--pipeline-schedule`` values: torch.distributed.pipelining's GPipe, 1F1B, interleaved 1F1B
+and interleaved zero bubble (two model chunks per rank), each checked on gloo. Not ZBV: torch
+2.14's ScheduleZBVZeroBubble fails the training step after an evaluation ("can't
+steal_bwd_input if this stage doesn't have backward")."""
+LOOPED = {"interleaved-1f1b": 2, "interleaved-zb": 2}
+"""Model chunks per rank of the schedules that give a rank several."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -35,6 +37,14 @@ class PipelinePlan:
     def chunks(self) -> int:
         """Pieces the model is cut into."""
         return self.stages * self.chunks_per_rank
+
+    def holder(self, chunk: int) -> int:
+        """The stage (pipeline rank) that holds model chunk ``chunk``: round robin."""
+        return chunk % self.stages
+
+    def chunks_of(self, stage: int) -> list[int]:
+        """The model chunks stage ``stage`` holds, in forward order."""
+        return [chunk for chunk in range(self.chunks) if self.holder(chunk) == stage]
 
     @property
     def bubble(self) -> float:

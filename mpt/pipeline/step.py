@@ -48,15 +48,18 @@ class PipelineStep(TrainStep):
             Schedule1F1B,
             ScheduleGPipe,
             ScheduleInterleaved1F1B,
+            ScheduleInterleavedZeroBubble,
         )
 
         backend, plan = self.backend, self.backend.plan
-        stages = [PipelineStage(chunk, stage_index=backend.layout.stage + k * plan.stages,
-                                num_stages=plan.chunks, device=backend.device,
-                                group=backend.pp_group)
-                  for k, chunk in enumerate(pair.model.chunks)]  # type: ignore[union-attr]
+        indices = plan.chunks_of(backend.layout.stage)
+        stages = [PipelineStage(chunk, stage_index=index, num_stages=plan.chunks,
+                                device=backend.device, group=backend.pp_group)
+                  for index, chunk in zip(indices, pair.model.chunks,  # type: ignore[union-attr]
+                                          strict=True)]
         kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
-                "interleaved-1f1b": ScheduleInterleaved1F1B}[plan.schedule]
+                "interleaved-1f1b": ScheduleInterleaved1F1B,
+                "interleaved-zb": ScheduleInterleavedZeroBubble}[plan.schedule]
         schedule = kind(stages if plan.chunks_per_rank > 1 else stages[0],  # type: ignore[arg-type]
                         n_microbatches=plan.microbatches, loss_fn=self._scaled_loss,
                         scale_grads=False)
@@ -76,7 +79,8 @@ class PipelineStep(TrainStep):
              train: bool) -> Any:
         """One schedule call; returns the last stage's merged output there, else None."""
         layout, plan = self.backend.layout, self.backend.plan
-        first, last = layout.stage == 0, layout.stage == plan.stages - 1
+        first = plan.holder(0) == layout.stage  # takes the inputs
+        last = plan.holder(plan.chunks - 1) == layout.stage  # computes the loss
         for name, value in (("inputs", inputs if first else None),
                             ("target", target if last else None)):
             if isinstance(value, torch.Tensor) and value.shape[0] % plan.microbatches:
@@ -100,7 +104,8 @@ class PipelineStep(TrainStep):
     def _from_last_stage(self, value: torch.Tensor | None) -> torch.Tensor:
         """``value`` of the last stage, on every stage of this replica."""
         box = [value]
-        dist.broadcast_object_list(box, group_src=self.backend.plan.stages - 1,
+        plan = self.backend.plan
+        dist.broadcast_object_list(box, group_src=plan.holder(plan.chunks - 1),
                                    group=self.backend.pp_group)
         assert box[0] is not None
         return box[0]
