@@ -67,6 +67,7 @@ def test_example_runs_three_steps_under_every_backend_in_bf16(example, backend, 
         assert "resumed from" in result.stdout and "at step 2" in result.stdout, result.stdout
 
 
+@pytest.mark.slow
 def test_gpt_cut_into_two_pipeline_stages_trains_as_one_process(tmp_path, free_port):
     """examples/gpt.py's blocks over 2 ranks (its embedding and output layer share weights on
     the first and last stage) reach the one-process run's train and val losses (fp32)."""
