@@ -47,7 +47,7 @@ ARGS_gpt       := examples/gpt.py --steps 300 --sample 0
 ARGS_gpt-zero2 := --backend deepspeed --zero-stage 2 $(ARGS_gpt)
 ARGS_pix2pix   := examples/pix2pix.py --steps 100
 
-.PHONY: demo test conformance bench examples gpu-check clean horovod-wheel
+.PHONY: demo test conformance bench examples gpu-check scaling clean horovod-wheel
 
 # Horovod is force-reinstalled from the wheel cache (a wheel rebuilt for other GPU architectures
 # has the version of the one installed), then installed again for its dependencies.
