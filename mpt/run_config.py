@@ -143,6 +143,11 @@ class RunConfig:
             raise UsageError("--pipeline-stages", self.pipeline_stages, f"--backend "
                              f"{self.backend} cannot cut a model into pipeline stages",
                              "use --backend ddp, or drop --pipeline-stages")
+        if self.pipeline is not None and self.grad_compression == "powersgd":
+            raise UsageError("--grad-compression", "powersgd", "a pipeline's stage replicas "
+                             "average one flat bucket after the schedule, not DDP's buckets "
+                             "PowerSGD hooks into", "use --grad-compression bf16 or fp16, or "
+                             "drop --pipeline-stages")
         check_resume("--resume", self.resume)
         parse_log_every(self.log_every)
 

@@ -25,7 +25,6 @@ from torch import nn
 
 from mpt.backends.base import Backend, Topology
 from mpt.backends.ddp import CAST_DTYPES, DEFAULT_BUCKET_MB
-from mpt.comm import GradComm
 from mpt.environments import World
 from mpt.errors import UsageError
 from mpt.pipeline.config import PipelinePlan
@@ -127,14 +126,6 @@ class PipelineBackend(Backend):
             for tensor in model.state_dict().values():
                 dist.broadcast(tensor, group_src=0, group=self.dp_group)
         return model, optimizer
-
-    @classmethod
-    def comm_refusal(cls, comm: GradComm, values: Any) -> tuple[str, Any, str, str] | None:
-        if comm.compression == "powersgd":
-            return comm.refused("--grad-compression", "has no PowerSGD under a pipeline (its "
-                                "replicas average one flat bucket after the schedule)",
-                                "use --grad-compression bf16 or fp16, or no pipeline")
-        return None
 
     def average_gradients(self, model: nn.Module) -> None:
         """Sum the gradients of parameters shared across stages, then average this stage's

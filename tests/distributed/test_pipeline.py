@@ -127,7 +127,9 @@ def test_a_pipeline_checkpoint_resumes_on_the_uninterrupted_curve(tmp_path, sour
     (("--gpus", "2", "--pipeline-stages", "2", "--pipeline-schedule", "zb"),
      "--pipeline-schedule=zb is invalid"),
     (("--gpus", "2", "--pipeline-stages", "2", "--backend", "deepspeed"),
-     "--backend deepspeed cannot cut a model into pipeline stages")])
+     "--backend deepspeed cannot cut a model into pipeline stages"),
+    (("--gpus", "2", "--pipeline-stages", "2", "--grad-compression", "powersgd"),
+     "--grad-compression=powersgd is invalid")])
 def test_bad_pipeline_flags_are_refused_before_any_process_starts(tmp_path, flags, words):
     result = run_mpt("launch", *flags, worker("pipeline_train.py"), str(tmp_path / "out.json"))
     assert result.returncode == 2, result.stderr
