@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import find_free_port, run_mpt, worker
 
 SAVE_AT = 2  # mid-epoch: the resumed run's first batch comes from a fresh pass of the loader
