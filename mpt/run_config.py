@@ -143,6 +143,17 @@ class RunConfig:
             raise UsageError("--pipeline-stages", self.pipeline_stages, f"--backend "
                              f"{self.backend} cannot cut a model into pipeline stages",
                              "use --backend ddp, or drop --pipeline-stages")
+        if self.pipeline is not None and self.precision is not None:
+            import torch
+
+            from mpt.precision import describe
+
+            if describe(self.precision, options=self.precision_options).params != torch.float32:
+                raise UsageError("--precision", self.precision, "a pipeline is checked against "
+                                 "one process only with fp32 weights (the mixed precisions "
+                                 "autocast them); casting the weights themselves is not",
+                                 "use --precision bf16-mixed, fp16-mixed or O1, or drop "
+                                 "--pipeline-stages")
         if self.pipeline is not None and self.grad_compression == "powersgd":
             raise UsageError("--grad-compression", "powersgd", "a pipeline's stage replicas "
                              "average one flat bucket after the schedule, not DDP's buckets "

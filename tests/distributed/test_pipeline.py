@@ -85,13 +85,14 @@ def test_a_pipeline_trains_as_one_process_on_the_global_batch(tmp_path, gpus, sc
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("precision", "rel"), [("bf16-mixed", 5e-2), ("fp16-mixed", 5e-3)])
+@pytest.mark.parametrize(("precision", "rel"), [("bf16-mixed", 5e-2), ("fp16-mixed", 5e-3),
+                                              ("O1", 5e-3)])
 def test_mixed_precision_pipelines_train_within_the_conformance_tolerance(tmp_path, precision,
                                                                           rel):
     got = launch(tmp_path / "out.json", 2, "--pipeline-stages", "2", "--precision", precision)
     want = reference()
     assert got["losses"] == pytest.approx(want["losses"], rel=rel)
-    if precision == "fp16-mixed":
+    if precision != "bf16-mixed":
         assert got["scale"] == 65536.0  # one verdict for both stages: no step was skipped
 
 
@@ -129,7 +130,9 @@ def test_a_pipeline_checkpoint_resumes_on_the_uninterrupted_curve(tmp_path, sour
     (("--gpus", "2", "--pipeline-stages", "2", "--backend", "deepspeed"),
      "--backend deepspeed cannot cut a model into pipeline stages"),
     (("--gpus", "2", "--pipeline-stages", "2", "--grad-compression", "powersgd"),
-     "--grad-compression=powersgd is invalid")])
+     "--grad-compression=powersgd is invalid"),
+    (("--gpus", "2", "--pipeline-stages", "2", "--precision", "O2"),
+     "--precision=O2 is invalid")])
 def test_bad_pipeline_flags_are_refused_before_any_process_starts(tmp_path, flags, words):
     result = run_mpt("launch", *flags, worker("pipeline_train.py"), str(tmp_path / "out.json"))
     assert result.returncode == 2, result.stderr
