@@ -237,3 +237,20 @@ def test_loading_a_missing_checkpoint_is_one_error_naming_it(tmp_path):
     rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(CheckpointError, match=r"nope.*does not exist"):
         rt.load(tmp_path / "nope")
+
+
+def test_a_tensor_file_reads_in_key_order_from_a_local_disk_and_an_fsspec_url(tmp_path):
+    """Every rank gets a model's tensors in one order whatever the filesystem: fsdp scatters
+    them in that order, and two orders are a collective mismatch."""
+    from mpt.checkpoint import tensorfile
+    from mpt.checkpoint.io import Location
+
+    tensors = {name: torch.full((i + 1,), float(i)) for i, name in
+               enumerate(["b.weight", "a.bias", "c.weight", "a.weight", "0.bias", "10.bias"])}
+    for url in (str(tmp_path / "local"), "memory://mpt-test-order"):
+        where = Location.parse(url)
+        with where.open_write("model.safetensors") as f:
+            entry = tensorfile.write(f, tensors)
+        got = tensorfile.read(where, "model.safetensors", entry)
+        assert list(got) == sorted(tensors), url
+        assert all(torch.equal(got[k], tensors[k]) for k in tensors)
