@@ -93,6 +93,13 @@ class RunConfig:
     async_save: bool = _setting(
         False, "rt.save() returns once the state is copied to host memory; a thread writes and "
         "commits it while training goes on.", parse=parse_bool)
+    snapshot_every: int = _setting(
+        0, "Every K optimizer steps, keep the training state in the memory of two nodes: a "
+        "lost node then costs at most K steps (0: never; docs/fault-tolerance.md).",
+        parse=parse_int, metavar="K")
+    snapshot_dir: str | None = _setting(
+        None, "This node's store of snapshots, in memory (default: a directory in /dev/shm "
+        "that the node's mpt launch makes and removes).", metavar="DIR")
     resume: str | None = _setting(
         None, "rt.resume(): auto (the latest checkpoint of --checkpoint-dir, if any; the "
         "default), never, or a checkpoint's path.", metavar="FROM")
@@ -160,6 +167,14 @@ class RunConfig:
                              "PowerSGD hooks into", "use --grad-compression bf16 or fp16, or "
                              "drop --pipeline-stages")
         check_resume("--resume", self.resume)
+        if self.snapshot_every < 0:
+            raise UsageError("--snapshot-every", self.snapshot_every, "it cannot be negative",
+                             "pass 1 for a snapshot after every step, or 0 for none")
+        if self.snapshot_every and not backend.snapshots:
+            raise UsageError("--snapshot-every", self.snapshot_every, f"--backend {self.backend} "
+                             "has no torch.distributed group to copy snapshots over",
+                             "drop --snapshot-every, or use --backend ddp, apex, fsdp or "
+                             "deepspeed")
         parse_log_every(self.log_every)
 
     @property

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 from mpt.backends import Backend, Topology
 from mpt.checkpoint.session import CheckpointSession, Schedulers
+from mpt.checkpoint.snapshot import peer_snapshots
 from mpt.connector import connect
 from mpt.data import DistributedLoader, Loaders
 from mpt.elastic import report_resize
@@ -64,6 +65,7 @@ class Runtime:
                  log_every: int | None = None, metrics_all_ranks: bool | None = None,
                  checkpoint_dir: str | os.PathLike[str] | None = None,
                  async_save: bool | None = None, resume: str | None = None,
+                 snapshot_every: int | None = None, snapshot_dir: str | None = None,
                  pipeline_stages: int | None = None, pipeline_schedule: str | None = None,
                  microbatches: int | None = None, pipeline_split: str | None = None,
                  env: Mapping[str, str] | None = None) -> None:
@@ -77,7 +79,8 @@ class Runtime:
                       run_dir=None if run_dir is None else os.fspath(run_dir), quiet=quiet,
                       log_every=log_every, metrics_all_ranks=metrics_all_ranks,
                       checkpoint_dir=None if checkpoint_dir is None else os.fspath(checkpoint_dir),
-                      async_save=async_save, resume=resume, pipeline_stages=pipeline_stages,
+                      async_save=async_save, resume=resume, snapshot_every=snapshot_every,
+                      snapshot_dir=snapshot_dir, pipeline_stages=pipeline_stages,
                       pipeline_schedule=pipeline_schedule, microbatches=microbatches,
                       pipeline_split=pipeline_split)
         self._faults = WorkerFaults(run.world.rank, env)
@@ -120,7 +123,8 @@ class Runtime:
         self._checkpoints = CheckpointSession(
             backend=self.backend, pairs=self.pairs, loaders=lambda: self._loaders.loaders,
             root=config.checkpoint_dir, resume=config.resume or "auto",
-            async_save=config.async_save)
+            async_save=config.async_save, snapshots=peer_snapshots(
+                config.snapshot_every, config.snapshot_dir, self.backend, self.backend.timeout))
 
     # -- who am I -----------------------------------------------------------------------------
     @property
@@ -285,7 +289,9 @@ class Runtime:
         return self._step.step(self.pairs.of_optimizer(optimizer, "step"))
 
     def _on_iteration(self) -> None:
-        """At the end of every training iteration: stop here if the job is preempted."""
+        """At the end of every training iteration: a snapshot when one is due; stop here if
+        the job is preempted."""
+        self._checkpoints.after_iteration(self.global_step)
         if not self._faults.should_stop(self.backend.sum_async, self.world_size):
             return
         step = self.global_step

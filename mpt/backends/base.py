@@ -101,6 +101,9 @@ class Backend(ABC):
     pipelines: ClassVar[bool] = False
     """Whether the model may be cut into pipeline stages with this backend data-parallel over
     each stage's replicas (``--pipeline-stages``)."""
+    snapshots: ClassVar[bool] = True
+    """Whether ``--snapshot-every`` can copy state between nodes (a torch.distributed gloo
+    group beside the training's collectives)."""
     launcher: ClassVar[str] = "elastic"
     """``horovodrun`` where `mpt launch --hosts/--hostfile` may hand the whole job to horovodrun;
     without those flags every backend's processes are started by torch's elastic agent, one

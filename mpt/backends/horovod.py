@@ -105,6 +105,7 @@ class HorovodBackend(Backend):
 
     name = "horovod"
     launcher = "horovodrun"
+    snapshots = False  # no torch.distributed process group: Horovod's own collectives
     options: ClassVar[dict[str, BackendOption]] = {
         "op": BackendOption(help=f"gradient reduction: {', '.join(OPS)}", parse=one_of(*OPS),
                             default="average", flag="--horovod-op"),

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from mpt.checkpoint.background import BackgroundWriter
-from mpt.checkpoint.io import find_latest
+from mpt.checkpoint.io import find_latest, resolve
+from mpt.checkpoint.snapshot import PeerSnapshots
 from mpt.checkpoint.state import (
     Stateful,
     StateHolder,
@@ -36,7 +37,7 @@ class CheckpointSession:
 
     def __init__(self, *, backend: StateHolder, pairs: Pairs,
                  loaders: Callable[[], Sequence[DistributedLoader]], root: str | None,
-                 resume: str, async_save: bool) -> None:
+                 resume: str, async_save: bool, snapshots: PeerSnapshots | None) -> None:
         self.backend = backend
         self.pairs = pairs
         self.loaders = loaders
@@ -47,6 +48,8 @@ class CheckpointSession:
         """``auto``, ``never`` or a checkpoint path: what ``to_resume`` names."""
         self.async_save = async_save
         """Whether ``save`` writes in the background unless told otherwise."""
+        self.snapshots = snapshots
+        """In-memory snapshots on two nodes (``--snapshot-every``), or None."""
         self._writer = BackgroundWriter()
         self._unsettled = False  # an asynchronous save since the ranks last met after one
         self._schedulers: dict[str, Stateful] = {}  # saved with a preempted run too
@@ -65,6 +68,11 @@ class CheckpointSession:
         self._unsettled = self._unsettled or in_background
         return where
 
+    def after_iteration(self, step: int) -> None:
+        """At the end of every training iteration: a snapshot, when one is due (collective)."""
+        if self.snapshots is not None and self.snapshots.due(step):
+            self.snapshots.take(self._training_state(None), step)
+
     def wait(self) -> None:
         """``rt.wait_for_save``: every rank's asynchronous save committed (collective)."""
         self._writer.wait()
@@ -79,7 +87,8 @@ class CheckpointSession:
 
     def to_resume(self, scheduler: Schedulers) -> str | None:
         """What ``rt.resume`` loads: the run's ``resume`` setting made a checkpoint path, or
-        None for a fresh start. ``never`` refuses a root that holds checkpoints already."""
+        None for a fresh start. ``never`` refuses a root that holds checkpoints already; with
+        ``auto``, a snapshot newer than the newest checkpoint on disk wins (collective)."""
         self._remember(scheduler)
         found = None if self.root is None else find_latest(self.root)
         if self.resume_from == "never":
@@ -88,11 +97,20 @@ class CheckpointSession:
                                  "fresh run would overwrite its steps", "pass --resume auto to "
                                  "continue it, or another --checkpoint-dir")
             return None
-        return found if self.resume_from == "auto" else self.resume_from
+        if self.resume_from != "auto":
+            return self.resume_from
+        if self.snapshots is not None:
+            on_disk = None if found is None else resolve(found).manifest().step
+            return self.snapshots.restore(newer_than=on_disk) or found
+        return found
 
     def close(self) -> None:
-        """Commit the checkpoint being written; raise if its write failed."""
-        self._writer.close()
+        """Commit the checkpoint and the snapshot being written; raise if a write failed."""
+        try:
+            self._writer.close()
+        finally:
+            if self.snapshots is not None:
+                self.snapshots.close()
 
     def _root(self, path: str | os.PathLike[str] | None, method: str) -> str | os.PathLike[str]:
         root = path if path is not None else self.root

@@ -119,30 +119,7 @@ def save_checkpoint(path: str | os.PathLike[str], parts: TrainingState, *, step:
     pieces = backend.shards_state and sharded is not False and root.local
     if pieces:
         sharded = True
-    model_of = backend.local_model_state_dict if pieces else backend.model_state_dict
-    optimizer_of = backend.local_optimizer_state_dict if pieces else backend.optimizer_state_dict
-    model_tensors = {f"{pair.name}/{key}": t.detach() if isinstance(t, torch.Tensor) else t
-                     for pair in parts.pairs for key, t in model_of(pair.model).items()}
-    # every rank's RNG, so each rank of a resumed run draws what it would have drawn
-    rngs = [backend.broadcast_object(rng_state() if world.rank == r else None, src=r)
-            for r in range(world.world_size)]
-
-    tensors: dict[str, Any] = {}
-    state = {
-        "models": [pair.name for pair in parts.pairs],
-        "optimizers": {pair.name: encode(optimizer_of(pair.model, pair.optimizer),
-                                         f"optimizer/{pair.name}", tensors)
-                       for pair in parts.pairs if pair.optimizer is not None},
-        "precision": encode(backend.precision.state_dict(), "precision", tensors),
-        # each rank's state of each model's gradient communication (PowerSGD's error feedback)
-        "comm": {pair.name: encode(comm, f"comm/{pair.name}", tensors) for pair in parts.pairs
-                 if (comm := backend.comm_state_dict(pair.model))},
-        "schedulers": {name: encode(scheduler.state_dict(), f"scheduler/{name}", tensors)
-                       for name, scheduler in parts.schedulers.items()},
-        "loaders": {loader.name: loader.state_dict() for loader in parts.loaders},
-        "rng": encode(rngs, "rng", tensors),
-        "extra": encode(dict(extra or {}), "extra", tensors),
-    }
+    model_tensors, tensors, state = _collect(parts, pieces=pieces, extra=extra)
     if sharded is None:
         size = sum(t.numel() * t.element_size() for t in [*model_tensors.values(),
                                                             *tensors.values()])
@@ -174,14 +151,7 @@ def save_checkpoint(path: str | os.PathLike[str], parts: TrainingState, *, step:
         if background is not None:  # the next steps change weights and moments in place
             blobs = {name: blob if isinstance(blob, bytes) else background.stage(name, blob)
                      for name, blob in blobs.items()}
-        manifest = dict(
-            backend=backend.name, world_size=world.world_size,
-            precision=backend.precision.name, step=step,
-            epoch=epoch if epoch is not None or not parts.loaders else next(
-                (lo.epoch for lo in parts.loaders if lo.name == "train"), parts.loaders[0].epoch),
-            sharded=sharded, loss_scale=backend.precision.loss_scale,
-            parameters=sum(p.numel() for pair in parts.pairs
-                           for p in backend.unwrap(pair.model).parameters()))
+        manifest = _manifest_fields(parts, step=step, epoch=epoch, sharded=sharded)
         if background is None:
             write_directory(root, staging, final, blobs, keep=keep, manifest=manifest)
         else:
@@ -190,6 +160,67 @@ def save_checkpoint(path: str | os.PathLike[str], parts: TrainingState, *, step:
     if background is None:
         backend.barrier()  # nobody goes on (or loads) before the checkpoint is committed
     return root.child(final).url
+
+
+def _collect(parts: TrainingState, *, pieces: bool, extra: dict[str, Any] | None
+             ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Collective: the state every rank hands to the writer: model tensors by
+    ``<model>/<key>`` (each rank's own piece where ``pieces``, else the full weights), the
+    other tensors by key, and ``state.json``'s content, which refers to them."""
+    backend, world = parts.backend, parts.backend.world
+    model_of = backend.local_model_state_dict if pieces else backend.model_state_dict
+    optimizer_of = backend.local_optimizer_state_dict if pieces else backend.optimizer_state_dict
+    model_tensors = {f"{pair.name}/{key}": t.detach() if isinstance(t, torch.Tensor) else t
+                     for pair in parts.pairs for key, t in model_of(pair.model).items()}
+    # every rank's RNG, so each rank of a resumed run draws what it would have drawn
+    rngs = [backend.broadcast_object(rng_state() if world.rank == r else None, src=r)
+            for r in range(world.world_size)]
+
+    tensors: dict[str, Any] = {}
+    state = {
+        "models": [pair.name for pair in parts.pairs],
+        "optimizers": {pair.name: encode(optimizer_of(pair.model, pair.optimizer),
+                                         f"optimizer/{pair.name}", tensors)
+                       for pair in parts.pairs if pair.optimizer is not None},
+        "precision": encode(backend.precision.state_dict(), "precision", tensors),
+        # each rank's state of each model's gradient communication (PowerSGD's error feedback)
+        "comm": {pair.name: encode(comm, f"comm/{pair.name}", tensors) for pair in parts.pairs
+                 if (comm := backend.comm_state_dict(pair.model))},
+        "schedulers": {name: encode(scheduler.state_dict(), f"scheduler/{name}", tensors)
+                       for name, scheduler in parts.schedulers.items()},
+        "loaders": {loader.name: loader.state_dict() for loader in parts.loaders},
+        "rng": encode(rngs, "rng", tensors),
+        "extra": encode(dict(extra or {}), "extra", tensors),
+    }
+    return model_tensors, tensors, state
+
+
+def _manifest_fields(parts: TrainingState, *, step: int, epoch: int | None,
+                     sharded: bool) -> dict[str, Any]:
+    """The manifest's fields that describe the run (``write_directory`` adds the rest)."""
+    backend, loaders = parts.backend, parts.loaders
+    if epoch is None and loaders:  # the training loader's epoch, else the first one's
+        epoch = next((lo.epoch for lo in loaders if lo.name == "train"), loaders[0].epoch)
+    return dict(backend=backend.name, world_size=backend.world.world_size,
+                precision=backend.precision.name, step=step, epoch=epoch, sharded=sharded,
+                loss_scale=backend.precision.loss_scale,
+                parameters=sum(p.numel() for pair in parts.pairs
+                               for p in backend.unwrap(pair.model).parameters()))
+
+
+def snapshot_files(parts: TrainingState, *, step: int,
+                   stage: Callable[[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+                   ) -> tuple[dict[str, bytes | dict[str, torch.Tensor]], dict[str, Any]] | None:
+    """Collective: what a non-sharded checkpoint of ``step`` holds, as ``write_directory``
+    takes it (files, manifest fields), with its tensors ``stage``d to host memory; None on
+    every rank but 0. The full state, so that it restores at any world size and backend."""
+    model_tensors, tensors, state = _collect(parts, pieces=False, extra=None)
+    if parts.backend.world.rank != 0:
+        return None
+    files: dict[str, bytes | dict[str, torch.Tensor]] = {
+        STATE_TENSORS: stage(STATE_TENSORS, tensors), MODEL_FILE: stage(MODEL_FILE, model_tensors),
+        STATE_JSON: json.dumps(state).encode()}
+    return files, _manifest_fields(parts, step=step, epoch=None, sharded=False)
 
 
 def write_directory(root: io.Location, staging: str, final: str,

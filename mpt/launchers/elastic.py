@@ -9,6 +9,7 @@ its ``LaunchConfig`` with a static rendezvous (node ranks fixed by ``--nr``) and
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -84,6 +85,19 @@ def worker_env(spec: LaunchSpec, failure_dir: str) -> dict[str, str]:
     env[LAUNCHER_PID] = str(os.getpid())  # workers bind their lives to ours (see Runtime)
     env[FAILURE_DIR] = failure_dir  # where they note when they failed (see root_cause)
     return env
+
+
+@contextlib.contextmanager
+def snapshot_store(spec: LaunchSpec) -> Iterator[LaunchSpec]:
+    """``spec`` with, under ``--snapshot-every`` without ``--snapshot-dir``, a store for this
+    node's snapshots in memory (/dev/shm) that lives as long as this launch: the workers a
+    restart replaces find it, and it is removed on every way out."""
+    if not spec.run.snapshot_every or spec.run.snapshot_dir is not None:
+        yield spec
+        return
+    memory = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(prefix="mpt-snapshots-", dir=memory) as store:
+        yield dataclasses.replace(spec, run=spec.run.replace(snapshot_dir=store))
 
 
 def root_cause(failures: dict[int, ProcessFailure], notes: dict[int, Note]) -> Failure:
@@ -228,7 +242,8 @@ def run(spec: LaunchSpec, report: Callable[[str], None],
     """Run this node's share of the job to the end. ``report`` gets the stall warnings of the
     heartbeat watch while it runs. ``runtime_flags``: the flags given that only an
     ``mpt.Runtime`` applies, reported when the script never made one."""
-    with agent_log(spec), tempfile.TemporaryDirectory(prefix="mpt-launch-") as scratch:
+    with agent_log(spec), tempfile.TemporaryDirectory(prefix="mpt-launch-") as scratch, \
+            snapshot_store(spec) as spec:
         # A Horovod script's hvd.init() joins us (a static job's: Horovod's world is fixed).
         rendezvous = HorovodRendezvous(address="") if spec.elastic else \
             HorovodRendezvous.start(spec)

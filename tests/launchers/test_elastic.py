@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -237,22 +238,37 @@ class Job:
     """Nodes of one elastic job on this host, started one after the other."""
 
     def __init__(self, tmp: Path, nodes: str, count: int, backend: str, *flags: str,
-                 steps: int = STEPS, sleep: float = 0.2) -> None:
+                 steps: int = STEPS, sleep: float = 0.2, save_every: int = 1,
+                 snapshots: bool = False) -> None:
+        """``snapshots``: ``--snapshot-every 1``, each node's store in ``tmp/memory<i>``, and
+        the rendezvous on a store of its own (any node may be lost, the one of rank 0 too)."""
         self.out, self.ck, self.run_dir = tmp / "out", tmp / "ck", tmp / "run"
         self.out.mkdir(parents=True)
         port = find_free_port()
+        self.store = subprocess.Popen([sys.executable, "-c", STORE, str(port)]) if snapshots \
+            else None
         command = mpt_command("launch", "--nodes", nodes, "--master-port", str(port),
                               *BACKENDS[backend], "--global-batch-size", str(GLOBAL_BATCH),
                               "--checkpoint-dir", str(self.ck), "--run-dir", str(self.run_dir),
                               *flags, worker("elastic_train.py"), str(self.out), "--steps",
-                              str(steps), "--sleep", str(sleep))
+                              str(steps), "--sleep", str(sleep), "--save-every", str(save_every))
+        self.memory = [tmp / f"memory{index}" for index in range(count)]
         self.nodes: list[Node] = []
         for index in range(count):
+            snapshot = ["--snapshot-every", "1", "--snapshot-dir", str(self.memory[index])]
+            at = command.index(worker("elastic_train.py"))
             self.nodes.append(Node(subprocess.Popen(
-                command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                env=launch_env())))
-            if index == 0:  # the first node hosts the store: it is never the one lost
+                [*command[:at], *(snapshot if snapshots else []), *command[at:]],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=launch_env())))
+            if index == 0:  # the first node (or the store) hosts the rendezvous
                 assert wait_for(lambda: listening(port), 60), "node 0 never bound the port"
+
+    def node_of_rank(self, rank: int) -> int:
+        """Which of the nodes runs the worker that wrote ``rank`` into its pid file."""
+        pids = {int(p.name) for p in (self.out / "pids").iterdir()
+                if p.read_text() == str(rank)}
+        return next(i for i, node in enumerate(self.nodes)
+                    if pids & set(children(node.proc.pid)))
 
     def curve(self) -> list[tuple[int, int, float, float]]:
         path = self.out / "curve.txt"
@@ -274,6 +290,18 @@ class Job:
             if node.proc.poll() is None:
                 node.kill()
                 node.proc.communicate()
+        if self.store is not None:
+            self.store.kill()
+            self.store.wait()
+
+
+STORE = """import sys, time
+from torch.distributed import TCPStore
+store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, wait_for_workers=False)
+time.sleep(3600)
+"""
+"""A rendezvous store outside the nodes (as an external one would be): every node's c10d
+rendezvous finds the port taken and joins it as a client."""
 
 
 def last_values(curve: list[tuple[int, int, float, float]]) -> dict[int, float]:
@@ -336,12 +364,18 @@ def shrink(tmp_path: Path, backend: str) -> None:
     assert codes == [0, 0], output[-6000:]
     job.assert_no_process_left()
 
+    check_shrunk(tmp_path, job, backend, killed_at, output, "")
+
+
+def check_shrunk(tmp_path: Path, job: Job, backend: str, killed_at: float, output: str,
+                 how: str) -> int:
+    """What every shrink from 3 to 2 processes must show; returns the restored step."""
     curve = job.curve()
     assert curve[-1][:2] == (STEPS, 2), "the job did not finish at 2 processes"
     before = [step for step, world, _, t in curve if world == 3 and t <= killed_at]
     restored = int((job.out / "resumed.txt").read_text().splitlines()[-1].split()[2])
     assert 0 < restored <= max(before)
-    assert max(before) - restored <= 1, "more steps redone than the checkpoint interval (1)"
+    assert max(before) - restored <= 1, "more steps redone than the interval (1)"
     assert f"resized from 3 to 2 process(es) at step {restored}" in output
     records = [json.loads(line) for line in (job.run_dir / "metrics.jsonl").read_text()
                .splitlines()]
@@ -355,13 +389,52 @@ def shrink(tmp_path: Path, backend: str) -> None:
     assert worst <= 1e-5, {s: (got[s], reference[s]) for s in got}
 
     first_after = min(t for step, world, _, t in curve if world == 2 and t > killed_at)
-    print(f"\nelastic shrink ({backend}): 3 -> 2 nodes, kill to next completed step "
+    print(f"\nelastic shrink{how} ({backend}): 3 -> 2 nodes, kill to next completed step "
           f"{first_after - killed_at:.1f} s; steps redone {max(before) - restored}; worst "
           f"loss difference {worst:.1e}")
+    return restored
 
 
 def test_a_lost_node_shrinks_the_job_which_keeps_the_global_batch_and_the_curve(tmp_path):
     shrink(tmp_path, "ddp")
+
+
+def snapshot_shrink(tmp_path: Path, backend: str) -> None:
+    """No checkpoint on disk after the first step's; a snapshot after every step. The node of
+    rank 0, which writes the first copy of every snapshot, is lost with its memory: the
+    survivors resume from the copy on the next node, at most one step back."""
+    job = Job(tmp_path / "elastic", "2:3", 3, backend, save_every=STEPS, snapshots=True)
+    try:
+        assert wait_for(lambda: sum(w == 3 for _, w, _, _ in job.curve()) >= 3, 150), \
+            "the 3-node world never trained"
+        lost = job.node_of_rank(0)
+        job.nodes[lost].kill()
+        killed_at = time.time()
+        shutil.rmtree(job.memory[lost])  # its memory is gone with it
+        survivors = [node for i, node in enumerate(job.nodes) if i != lost]
+        codes = [node.wait(JOB_TIMEOUT) for node in survivors]
+        job.nodes[lost].wait(10)
+    finally:
+        job.stop()
+    output = "\n".join(node.output for node in survivors)
+    assert codes == [0, 0], output[-6000:]
+    job.assert_no_process_left()
+
+    restored = check_shrunk(tmp_path, job, backend, killed_at, output,
+                            " from snapshots, rank 0's node lost")
+    assert f"resumed from memory://mpt-snapshot/step-{restored:09d}" in output
+    assert not any(path.name.startswith("step-") and path.name != "step-000000010"
+                   for path in job.ck.iterdir()), "a checkpoint on disk served the restore"
+
+
+def test_a_lost_node_costs_at_most_one_step_with_snapshots_on_the_next_node(tmp_path):
+    snapshot_shrink(tmp_path, "ddp")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["fsdp", "deepspeed"])
+def test_snapshot_shrink_under_sharding_backends(tmp_path, backend):
+    snapshot_shrink(tmp_path, backend)
 
 
 @pytest.mark.slow

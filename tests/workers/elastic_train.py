@@ -1,15 +1,16 @@
 """The training loop of the elastic tests (tests/launchers/test_elastic.py): one per node count.
 
-usage: elastic_train.py OUT [--steps N] [--stop-at K] [--sleep SECONDS]
+usage: elastic_train.py OUT [--steps N] [--stop-at K] [--sleep SECONDS] [--save-every N]
 
 fp32 Adam on a fixed shuffled dataset through ``rt.setup_dataloader``, built with
 ``batch_size=rt.batch_size`` (the per-rank share of `mpt launch --global-batch-size`), a save to
-``--checkpoint-dir`` after every step and ``step = rt.resume()["step"]``: a restart at another
-world size goes on from the newest checkpoint with the batch re-planned.
+``--checkpoint-dir`` after every step (every ``--save-every``) and ``step = rt.resume()["step"]``:
+a restart at another world size goes on from the newest checkpoint (or `--snapshot-every`'s
+snapshot) with the batch re-planned.
 
 What it writes into OUT:
 
-- ``pids/<pid>``: each worker's pid (no process may outlive the job);
+- ``pids/<pid>``: each worker's pid (no process may outlive the job), holding its rank;
 - ``curve.txt`` (rank 0): ``step world_size loss time`` per step, every attempt appending, where
   ``loss`` is the mean over the ranks of the step's loss, i.e. the loss of the global batch, and
   ``time`` is when the step completed;
@@ -44,12 +45,13 @@ parser.add_argument("out", type=Path)
 parser.add_argument("--steps", type=int, default=10)
 parser.add_argument("--stop-at", type=int, default=0)
 parser.add_argument("--sleep", type=float, default=0.2, help="seconds added to every step")
+parser.add_argument("--save-every", type=int, default=1, help="steps between saves (0: none)")
 args = parser.parse_args(sys.argv[1:])
 out: Path = args.out
 
 rt = mpt.Runtime()
 (out / "pids").mkdir(exist_ok=True)
-(out / "pids" / str(os.getpid())).touch()
+(out / "pids" / str(os.getpid())).write_text(str(rt.rank))
 attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # set by torch's elastic agent
 
 g = torch.Generator().manual_seed(3)
@@ -78,7 +80,8 @@ with open(out / "curve.txt", "a") as curve, open(out / f"seen-rank{rt.rank}.txt"
             if rt.rank == 0:
                 print(step, rt.world_size, repr(mean.item()), repr(time.time()), file=curve,
                       flush=True)
-            rt.save(step=step, keep=3)
+            if args.save_every and step % args.save_every == 0:
+                rt.save(step=step, keep=3)
             time.sleep(args.sleep)
             if step >= last:
                 break

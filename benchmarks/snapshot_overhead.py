@@ -1,0 +1,81 @@
+"""What `--snapshot-every 1` costs a training step of the digits and GPT examples.
+
+    .venv/bin/python benchmarks/snapshot_overhead.py                  # both examples, 3 rounds
+    .venv/bin/python benchmarks/snapshot_overhead.py --examples gpt --rounds 5
+
+Each example runs as a job of two one-process nodes on 127.0.0.1 (`mpt launch --nodes 2 --gpus 1
+--nr 0|1`, gloo), so that every snapshot is also sent to the other node, as in a real job. A
+round runs the example once with a snapshot after every optimizer step and once without, the
+side that goes first alternating. A run's step time is the median of its ``step_time_s`` records
+(``--run-dir``'s metrics.jsonl, one per ``--log-every`` steps; the first, warm-up record left
+out). The figure is the median over rounds of with/without, with the rounds' spread: the goal
+is <= 1.05.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = {
+    "digits": [str(ROOT / "examples" / "digits.py"), "--steps", "400"],
+    "gpt": [str(ROOT / "examples" / "gpt.py"), "--steps", "60", "--eval-every", "1000",
+            "--sample", "0"],
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def step_time(example: str, snapshots: bool, log_every: int) -> float:
+    """Median seconds per step of one two-node run of ``example``."""
+    with tempfile.TemporaryDirectory(prefix="mpt-snapshot-bench-") as tmp:
+        port = str(free_port())
+        flags = ["--snapshot-every", "1"] if snapshots else []
+        nodes = [subprocess.Popen(
+            [sys.executable, "-m", "mpt", "launch", "--nodes", "2", "--gpus", "1", "--nr",
+             str(nr), "--master-port", port, "--quiet", "--log-every", str(log_every),
+             *flags, *(["--run-dir", tmp] if nr == 0 else []), *EXAMPLES[example]],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for nr in (0, 1)]
+        for node in nodes:
+            output, _ = node.communicate(timeout=900)
+            if node.returncode:
+                raise SystemExit(f"{example} failed:\n{output[-3000:]}")
+        records = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text()
+                   .splitlines()]
+        times = [r["step_time_s"] for r in records if r.get("step_time_s")][1:]
+        return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--examples", nargs="+", choices=sorted(EXAMPLES),
+                        default=sorted(EXAMPLES))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--log-every", type=int, default=10)
+    args = parser.parse_args()
+    for example in args.examples:
+        ratios, on_ms, off_ms = [], [], []
+        for r in range(args.rounds):
+            order = (True, False) if r % 2 == 0 else (False, True)
+            got = {side: step_time(example, side, args.log_every) for side in order}
+            on_ms.append(got[True] * 1e3)
+            off_ms.append(got[False] * 1e3)
+            ratios.append(got[True] / got[False])
+        print(f"{example}: step {statistics.median(on_ms):.2f} ms with a snapshot every step, "
+              f"{statistics.median(off_ms):.2f} ms without: ratio {statistics.median(ratios):.3f}"
+              f" (rounds {min(ratios):.3f}-{max(ratios):.3f}, {args.rounds} rounds)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

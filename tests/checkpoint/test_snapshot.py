@@ -1,0 +1,129 @@
+"""``--snapshot-every``: in-memory snapshots kept on two nodes, and what a resume takes from them.
+
+Real `mpt launch` jobs of tests/workers/elastic_train.py (gloo, CPU); the resumes (3 jobs) run in
+`make conformance`:
+
+- two one-process nodes on 127.0.0.1 take a snapshot after each of 4 steps (a checkpoint on
+  disk at step 3 only): each node's store then holds the same newest two, byte for byte;
+- a 2-process job on the second node's store alone (the first node's memory is gone) resumes
+  from the snapshot of step 4, not from the disk's step 3, and trains on as the uninterrupted
+  run would have;
+- with neither copy left (an empty store), the same job resumes from the disk's step 3.
+
+The elastic cases (a lost node, at most one step redone) are in tests/launchers/test_elastic.py.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import find_free_port, mpt_command, run_mpt, worker
+
+import mpt
+from mpt.checkpoint.snapshot import pack, unpack
+from mpt.errors import UsageError
+
+FLAGS = ("--global-batch-size", "12")
+
+
+def launch(out: Path, ck: Path, store: Path, steps: int, *where: str) -> str:
+    """One job of elastic_train.py with a snapshot after every step; its output."""
+    done = run_mpt("launch", *(where or ("--gpus", "2", "--master-port", "auto")), *FLAGS,
+                   "--checkpoint-dir", str(ck), "--snapshot-every", "1", "--snapshot-dir",
+                   str(store), worker("elastic_train.py"), str(out), "--steps", str(steps),
+                   "--save-every", "3", "--sleep", "0", timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout + done.stderr
+
+
+def curve(out: Path) -> dict[int, float]:
+    rows = (line.split() for line in (out / "curve.txt").read_text().splitlines())
+    return {int(step): float(loss) for step, _, loss, _ in rows}
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two one-process nodes, 4 steps, each node's store in ``memory0``/``memory1``."""
+    tmp = tmp_path_factory.mktemp("snapshots")
+    (tmp / "out").mkdir()
+    port = str(find_free_port())
+    nodes = [subprocess.Popen(mpt_command(
+        "launch", "--nodes", "2", "--gpus", "1", "--nr", str(nr), "--master-port", port, *FLAGS,
+        "--checkpoint-dir", str(tmp / "ck"), "--snapshot-every", "1", "--snapshot-dir",
+        str(tmp / f"memory{nr}"), worker("elastic_train.py"), str(tmp / "out"), "--steps", "4",
+        "--save-every", "3", "--sleep", "0"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True) for nr in (0, 1)]
+    for node in nodes:
+        output, _ = node.communicate(timeout=240)
+        assert node.returncode == 0, output[-4000:]
+    return tmp
+
+
+def test_each_snapshot_is_kept_on_the_next_node_too(two_nodes):
+    first, second = two_nodes / "memory0", two_nodes / "memory1"
+    assert sorted(p.name for p in first.iterdir()) == ["latest", "step-000000003",
+                                                       "step-000000004"]
+    same = filecmp.dircmp(first, second)
+    assert not same.left_only and not same.right_only and not same.diff_files
+    for step in same.common_dirs:
+        files = filecmp.dircmp(first / step, second / step)
+        assert sorted(files.same_files) == sorted(p.name for p in (first / step).iterdir())
+
+
+@pytest.mark.slow
+def test_a_resume_takes_a_snapshot_newer_than_the_disk_and_else_the_disk(two_nodes, tmp_path):
+    # The uninterrupted run: 8 steps at 2 processes, from the first node's checkpoint of step 3.
+    uninterrupted = tmp_path / "uninterrupted"
+    uninterrupted.mkdir()
+    launch(uninterrupted, tmp_path / "ck-u", tmp_path / "memory-u", 8)
+    reference = curve(uninterrupted)
+
+    for case, store, restored in (("memory", two_nodes / "memory1", 4),
+                                  ("disk", tmp_path / "empty", 3)):
+        out = tmp_path / case
+        out.mkdir()
+        ck = tmp_path / f"ck-{case}"
+        subprocess.run(["cp", "-r", str(two_nodes / "ck"), str(ck)], check=True)
+        said = launch(out, ck, store, 8)
+        source = (f"memory://mpt-snapshot/step-{restored:09d}" if case == "memory"
+                  else str(ck / f"step-{restored:09d}"))
+        assert f"mpt: resumed from {source} at step {restored}" in said
+        got = curve(out)
+        assert sorted(got) == list(range(restored + 1, 9))
+        assert max(abs(got[s] - reference[s]) for s in got) <= 1e-6
+
+
+def test_pack_and_unpack_keep_every_file():
+    files = {"manifest.json": b"{}", "state.safetensors": bytes(range(256)) * 3, "empty": b""}
+    assert unpack(pack(files)) == files
+
+
+def test_snapshots_need_a_store_and_a_backend_that_can_copy_them(run_cli, tmp_path):
+    with pytest.raises(UsageError, match="--snapshot-dir"):
+        mpt.Runtime(snapshot_every=1, env={})
+    script = tmp_path / "train.py"
+    script.write_text("")
+    for flags, says in ((["--snapshot-every", "-1"], "--snapshot-every=-1 is invalid: it "
+                         "cannot be negative"),
+                        (["--backend", "horovod", "--snapshot-every", "2"], "--backend horovod "
+                         "has no torch.distributed group")):
+        result = run_cli("launch", *flags, str(script))
+        assert result.returncode == 2
+        assert says in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_the_default_store_lives_in_memory_as_long_as_the_launch(tmp_path):
+    """Without --snapshot-dir the node's store is made in /dev/shm and removed at the end."""
+    script = tmp_path / "where.py"
+    script.write_text("import mpt\nrt = mpt.Runtime()\nprint('STORE', rt.config.snapshot_dir)\n"
+                      "rt.close()\n")
+    done = subprocess.run(mpt_command("launch", "--snapshot-every", "1", str(script)),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    store = Path(next(line.split()[1] for line in done.stdout.splitlines()
+                      if line.startswith("STORE")))
+    assert store.parent == Path("/dev/shm") and store.name.startswith("mpt-snapshots-")
+    assert not store.exists()
