@@ -1,5 +1,8 @@
 """In the shape of Horovod's examples/pytorch/pytorch_mnist.py (written anew, not copied), on
-scikit-learn's 8x8 digits instead of MNIST (nothing is downloaded), on the CPU.
+scikit-learn's 8x8 digits instead of MNIST (nothing is downloaded), on the CPU. It carries the
+example's lines that no one-line edit reaches: the compression line, hvd.DistributedOptimizer
+over several lines with compression, op and gradient_predivide_factor, the Adasum branch's
+hvd.local_size()/hvd.nccl_built(), a DataLoader over two lines.
 
 usage: hvd_mnist.py RECORD.json [--epochs N]: rank 0 writes its per-step losses and the test
 loss and accuracy to RECORD.json.
@@ -24,6 +27,9 @@ parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--lr", type=float, default=0.05)
 parser.add_argument("--momentum", type=float, default=0.9)
 parser.add_argument("--seed", type=int, default=42)
+parser.add_argument("--fp16-allreduce", action="store_true")
+parser.add_argument("--use-adasum", action="store_true")
+parser.add_argument("--gradient-predivide-factor", type=float, default=1.0)
 args = parser.parse_args()
 args.cuda = torch.cuda.is_available()
 
@@ -39,7 +45,8 @@ labels = torch.tensor(digits.target)
 train_dataset = TensorDataset(images[:1400], labels[:1400])
 test_dataset = TensorDataset(images[1400:], labels[1400:])
 train_sampler = DistributedSampler(train_dataset, num_replicas=hvd.size(), rank=hvd.rank())
-train_loader = DataLoader(train_dataset, batch_size=args.batch_size, sampler=train_sampler)
+train_loader = DataLoader(
+    train_dataset, batch_size=args.batch_size, sampler=train_sampler)
 test_sampler = DistributedSampler(test_dataset, num_replicas=hvd.size(), rank=hvd.rank())
 test_loader = DataLoader(test_dataset, batch_size=args.test_batch_size, sampler=test_sampler)
 
@@ -60,13 +67,20 @@ class Net(nn.Module):
 
 
 model = Net()
-lr_scaler = hvd.size()
+lr_scaler = hvd.size() if not args.use_adasum else 1
 if args.cuda:
     model.cuda()
+    if args.use_adasum and hvd.nccl_built():
+        lr_scaler = hvd.local_size()
 optimizer = optim.SGD(model.parameters(), lr=args.lr * lr_scaler, momentum=args.momentum)
 hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
+optimizer = hvd.DistributedOptimizer(optimizer,
+                                     named_parameters=model.named_parameters(),
+                                     compression=compression,
+                                     op=hvd.Adasum if args.use_adasum else hvd.Average,
+                                     gradient_predivide_factor=args.gradient_predivide_factor)
 losses = []
 
 

@@ -109,10 +109,16 @@ def test_horovod_synthetic_benchmark_under_mpt_horovodrun_gets_one_thread_per_ra
     assert "Total img/sec on 2 process(es)" in result.stdout
 
 
+TUTORIAL_ONLY = {"torch.cuda.set_device(…)", ".to(self.gpu_id)", 'f"cuda:{self.gpu_id}"',
+                 "self.model = DDP(…)", "self.model.module.state_dict()", "return DataLoader(…)"}
+"""The torchrun rows only the tutorial's own shape (ddp_trainer.py) has; ddp_tutorial.py has the
+others."""
+
+
 def test_ddp_tutorial_unchanged_and_migrated_trains_as_under_torchrun(tmp_path):
     script = HERE / "ddp_tutorial.py"
     migrated, used = migrate(script, "torchrun", tmp_path / "migrated")
-    assert used == {before for before, _ in table("torchrun")}
+    assert used == {before for before, _ in table("torchrun")} - TUTORIAL_ONLY
     original_launcher(torchrun(str(script), str(tmp_path / "torchrun.json"),
                                str(tmp_path / "snap0.pt")))
     launch(*port(), str(script), str(tmp_path / "mpt.json"), str(tmp_path / "snap1.pt"))
@@ -148,7 +154,50 @@ def test_apex_examples_run_with_their_imports_changed_and_local_rank_in_argv(tmp
     assert ranks[0]["losses"][-1] < ranks[0]["losses"][0]
 
 
+def cpu_port(source: str) -> str:
+    """The DDP tutorial's shape made to run on the CPU unmigrated, for torchrun's reference: what
+    upstream writes for its GPUs, and nothing else, replaced."""
+    for before, after in (('    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))\n', ""),
+                          ('backend="nccl"', 'backend="gloo"'), (".to(self.gpu_id)", '.to("cpu")'),
+                          ("device_ids=[self.gpu_id]", "device_ids=None"),
+                          ('f"cuda:{self.gpu_id}"', '"cpu"')):
+        assert before in source, before
+        source = source.replace(before, after)
+    return source
+
+
+@pytest.mark.slow
+def test_ddp_tutorial_as_upstream_has_it_migrated_matches_torchrun_bit_for_bit(tmp_path):
+    """rt made in ddp_setup() and used in Trainer and prepare_dataloader (global rt), the GPU
+    moves by local rank, a DataLoader returned over several lines, model.module; resumed from
+    its snapshot on the CPU (map_location)."""
+    script = HERE / "ddp_trainer.py"
+    migrated, used = migrate(script, "torchrun", tmp_path / "migrated")
+    assert used == TUTORIAL_ONLY | {b for b, _ in table("torchrun")} - {
+        "model = DDP(…)", "… = DataLoader(…)", 'int(os.environ["RANK"])'}
+    reference = tmp_path / "reference" / script.name
+    reference.parent.mkdir()
+    reference.write_text(cpu_port(script.read_text()))
+    original_launcher(torchrun(str(reference), "3", "1", "--snapshot", str(tmp_path / "t.pt"),
+                               "--record", str(tmp_path / "torchrun.json")))
+    out = launch(*port(), str(migrated), "3", "1", "--snapshot", str(tmp_path / "m.pt"),
+                 "--record", str(tmp_path / "mpt.json"))
+    printed = sorted(line for line in out.splitlines() if line.startswith("[GPU"))
+    assert printed == sorted(f"[GPU{r}] Epoch {e} | Batchsize: 32 | Steps: 8"
+                             for r in range(2) for e in range(3))
+    assert losses(tmp_path / "mpt.json").tolist() == losses(tmp_path / "torchrun.json").tolist()
+    want, got = (torch.load(tmp_path / f"{n}.pt")["MODEL_STATE"] for n in ("t", "m"))
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    out = launch(*port(), str(migrated), "4", "1", "--snapshot", str(tmp_path / "m.pt"),
+                 "--record", str(tmp_path / "resumed.json"))
+    assert "Resuming training from snapshot at Epoch 2" in out
+    assert torch.load(tmp_path / "m.pt")["EPOCHS_RUN"] == 3
+
+
 def test_deepspeed_cifar_migrated_trains_as_the_deepspeed_original(tmp_path):
+    """deepspeed.initialize over several lines, add_config_arguments, set_device, rt read in
+    test(), fp16_enabled(): the table takes the example's shape; the config's Adam, WarmupLR and
+    clipping become AdamW, a LambdaLR and rt.clip_grad_norm_."""
     pytest.importorskip("deepspeed")
     script = HERE / "ds_cifar.py"
     migrated, used = migrate(script, "deepspeed", tmp_path / "migrated")
@@ -161,5 +210,6 @@ def test_deepspeed_cifar_migrated_trains_as_the_deepspeed_original(tmp_path):
            str(migrated), str(tmp_path / "mpt.json"), timeout=600, env=cache)
     want, got = losses(tmp_path / "deepspeed.json"), losses(tmp_path / "mpt.json")
     assert len(got) == len(want) == 16
-    # the first epoch: the same order (DistributedSampler, seed 0), weights and Adam
+    # the first epoch: the same order (DistributedSampler, seed 0), weights, AdamW and warm-up;
+    # DeepSpeed's loader never calls set_epoch (its second epoch repeats the first's order)
     torch.testing.assert_close(got[:8], want[:8], rtol=1e-4, atol=1e-6)
