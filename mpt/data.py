@@ -187,8 +187,9 @@ class DistributedLoader:
             self._skipping = SkippingBatches(loader.batch_sampler)  # type: ignore[arg-type]
             self.loader = _rebuilt(loader, batch_sampler=self._skipping)
         # A DataLoader draws its workers' base seed from its generator when each pass starts:
-        # without one of its own, from torch's global generator, which shifts every draw the
-        # training step makes after it (a GAN's noise, dropout) and a resume would not replay.
+        # without one of its own, from torch's global generator, a draw that a resume mid-epoch
+        # would not replay. So it gets a generator of its own, and the global draw is made
+        # where a resume replays it (see __iter__).
         self._generator: torch.Generator | None = None
         if self.loader.generator is None:
             self._generator = self.loader.generator = torch.Generator()
@@ -270,6 +271,12 @@ class DistributedLoader:
         self._sync_epoch()
         if self._generator is not None:  # what a pass draws follows from the saved epoch
             self._generator.manual_seed(hash((self._seed, self.epoch, self._rank)) & (2**63 - 1))
+            if not (self._skip or (self.sampler is not None and self.sampler.offset)):
+                # The one draw the DataLoader made from the global generator when a pass began
+                # (its workers' base seed), made here instead: the step's own draws (dropout, a
+                # GAN's noise) stay those of the script without mpt. A pass resumed mid-epoch
+                # made it before the checkpoint, whose RNG state holds it.
+                torch.empty((), dtype=torch.int64).random_()
         if self.sampler is not None:
             self.sampler.set_epoch(self.epoch)
         batches: Iterator[Any] = iter(self.loader)

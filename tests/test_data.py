@@ -178,3 +178,34 @@ def test_positions_are_saved_by_name_and_old_list_checkpoints_still_load(tmp_pat
     assert train3.state_dict() == {"epoch": 0, "seen": 8} and test3.epoch == 4
     for r in (rt, rt2, rt3):
         r.close()
+
+
+
+@pytest.mark.parametrize("kind", ["distributed", "kept"])
+def test_a_pass_draws_from_the_global_generator_as_the_scripts_loader_does_but_a_resumed_one(
+        kind):
+    """A DataLoader draws its workers' base seed from torch's global generator once per pass:
+    the step's draws after it (dropout, noise) are the same under mpt as without it, and a
+    pass resumed mid-epoch does not draw again (the checkpoint's RNG state holds that draw)."""
+    def make() -> DataLoader:
+        return (user_loaders()[0] if kind == "distributed"
+                else DataLoader(DATA, batch_size=4, sampler=EpochOrder(22)))
+
+    def draws_after_passes(loader, passes: int = 2) -> list[torch.Tensor]:
+        return [torch.rand(3) for _ in range(passes) for _ in [rows(loader)]]
+
+    torch.manual_seed(5)
+    want = draws_after_passes(make())
+    torch.manual_seed(5)
+    assert all(map(torch.equal, draws_after_passes(wrap([make()])[0]), want))
+
+    torch.manual_seed(5)
+    ours = wrap([make()])[0]
+    batches = iter(ours)
+    next(batches), next(batches)  # a checkpoint here: mid-epoch, the pass's draw made
+    position, rng = ours.state_dict(), torch.get_rng_state()
+    uninterrupted = [torch.rand(3) for _ in [list(batches)]] + draws_after_passes(ours, 1)
+    resumed = wrap([make()])[0]
+    resumed.load_state_dict(position)
+    torch.set_rng_state(rng)
+    assert all(map(torch.equal, draws_after_passes(resumed), uninterrupted))
