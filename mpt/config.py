@@ -56,9 +56,9 @@ def read_config(path: Path) -> dict[str, Any]:
         if fmt == "toml":
             data: object = tomllib.loads(text)
         else:
-            import yaml
+            from mpt import yaml_config
 
-            data = yaml.safe_load(text)
+            data = yaml_config.load(text)
     except Exception as exc:  # both parsers' errors carry the line; show it, not a traceback
         problem = " ".join(str(exc).split())
         raise UsageError("--config", str(path), f"it is not valid {fmt.upper()}: {problem}",

@@ -50,6 +50,15 @@ def test_values_come_from_the_file_and_flags_win(tmp_path, mpt, name):
         in plan_title(out)
 
 
+def test_an_elastic_range_needs_no_quotes_in_yaml(tmp_path, mpt):
+    """YAML 1.1 reads 2:4 as the base-60 number 124; a config file's range stays a range."""
+    path = tmp_path / "run.yaml"
+    path.write_text("nodes: 2:4\nglobal-batch-size: 12\nmaster-port: 29555\n")
+    code, out, err = mpt("launch", "--config", str(path), "--dry-run", SCRIPT)
+    assert code == 0, err
+    assert "4 node(s), 4 process(es): global batch 12 = 4 process(es) x 3 per micro-batch" in out
+
+
 @pytest.mark.parametrize(("text", "words"), [
     ("gpus: 2\nprecison: bf16-mixed\n", ["precison=bf16-mixed", "no such option", "precision"]),
     ("gpus: two\n", ["gpus=two", "whole number"]),
