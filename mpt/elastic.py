@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mpt.errors import UsageError
-from mpt.scaling import BatchPlan, plan_batch
+from mpt.scaling import BatchPlan, lr_factor, plan_batch
 
 EXTRA_RESTARTS = 3
 """Restarts an elastic job gets on top of one per node it may lose (transient failures)."""
@@ -182,6 +182,9 @@ class Resize:
     """Samples per optimizer step now (None: the script's loader is not known to mpt)."""
     plan: str
     """How the global batch splits now."""
+    lr_ratio: float = 1.0
+    """What the learning rates are multiplied by: ``--lr-scaling``'s factor at the new
+    data-parallel size over the old one, where the global batch followed the world."""
 
     def line(self) -> str:
         return (f"mpt: resized from {self.old_world} to {self.new_world} process(es) at step "
@@ -197,39 +200,48 @@ class Resize:
 
 
 def resize(manifest: Mapping[str, Any], *, world_size: int, plan: BatchPlan | None,
-           samples_per_step: int | None, now: float | None = None) -> Resize | None:
+           samples_per_step: int | None, lr_scaling: str | None = None, stages: int = 1,
+           now: float | None = None) -> Resize | None:
     """The resize a resume from a checkpoint with ``manifest`` (its ``world_size``, ``step``,
     ``saved_at``) makes, or None at the same world size. With a ``plan`` the global batch is
-    kept; without one the per-rank batch is kept and the global batch follows the world."""
+    kept, and the learning rate; without one the per-rank batch is kept, the global batch
+    follows the world and ``lr_scaling`` (``--lr-scaling``) rescales the learning rate to the
+    new data-parallel size (the world over ``stages`` pipeline stages)."""
     old = int(manifest["world_size"])
     if old == world_size:
         return None
     lost = (time.time() if now is None else now) - float(manifest["saved_at"])
+    ratio = 1.0
     if plan is not None:
         how = f"{plan.describe()} (kept; lr unchanged)"
         total: int | None = plan.global_batch_size
-    elif samples_per_step:
-        before = samples_per_step * old // world_size
-        how = (f"per-rank batch kept: global batch {samples_per_step} (it was {before}; "
-               "--global-batch-size keeps it)")
-        total = samples_per_step
     else:
-        how = "per-rank batch kept"
-        total = None
+        ratio = (lr_factor(lr_scaling, world_size // stages)
+                 / lr_factor(lr_scaling, old // stages))
+        lr = f"; lr x {ratio:.4g} (--lr-scaling {lr_scaling})" if lr_scaling else ""
+        if samples_per_step:
+            before = samples_per_step * old // world_size
+            how = (f"per-rank batch kept: global batch {samples_per_step} (it was {before}; "
+                   f"--global-batch-size keeps it){lr}")
+            total = samples_per_step
+        else:
+            how, total = f"per-rank batch kept{lr}", None
     return Resize(old_world=old, new_world=world_size, step=int(manifest["step"]),
-                  time_lost=lost, global_batch=total, plan=how)
+                  time_lost=lost, global_batch=total, plan=how, lr_ratio=ratio)
 
 
 def report_resize(found: str, *, world_size: int, plan: BatchPlan | None,
-                  samples_per_step: int | None, say: Callable[[str], None],
+                  samples_per_step: int | None, lr_scaling: str | None, stages: int,
+                  say: Callable[[str], None],
                   log: Callable[[dict[str, float]], None]) -> Resize | None:
-    """After ``rt.resume()`` loaded checkpoint ``found``: say and log a resize, if it was one."""
+    """After ``rt.resume()`` loaded checkpoint ``found``: say and log a resize, if it was one
+    (the caller applies its ``lr_ratio``)."""
     from mpt.checkpoint import io
 
     manifest = io.resolve(found).manifest()
     done = resize({"world_size": manifest.world_size, "step": manifest.step,
                    "saved_at": manifest.saved_at}, world_size=world_size, plan=plan,
-                  samples_per_step=samples_per_step)
+                  samples_per_step=samples_per_step, lr_scaling=lr_scaling, stages=stages)
     if done is not None:
         say(done.line())
         log(done.metrics())

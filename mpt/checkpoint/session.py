@@ -104,6 +104,21 @@ class CheckpointSession:
             return self.snapshots.restore(newer_than=on_disk) or found
         return found
 
+    def scale_lr(self, ratio: float) -> None:
+        """Multiply the learning rates of every optimizer and LR scheduler by ``ratio`` (a
+        resize under ``--lr-scaling``): the current ones, and the base ones a scheduler
+        computes them from."""
+        if ratio == 1.0:
+            return
+        for pair in self.pairs.pairs:
+            for group in [] if pair.optimizer is None else pair.optimizer.param_groups:
+                for key in ("lr", "initial_lr"):
+                    if key in group:
+                        group[key] *= ratio
+        for scheduler in self._schedulers.values():
+            if hasattr(scheduler, "base_lrs"):
+                scheduler.base_lrs = [lr * ratio for lr in scheduler.base_lrs]
+
     def close(self) -> None:
         """Commit the checkpoint and the snapshot being written; raise if a write failed."""
         try:

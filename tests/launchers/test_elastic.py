@@ -169,9 +169,38 @@ def test_a_resize_keeps_the_global_batch_or_else_the_per_rank_batch():
         "lr unchanged)")
     assert kept.metrics() == {"resize_world": 2.0, "resize_from": 3.0,
                               "resize_time_lost_s": 4.5, "global_batch": 12.0}
+    assert kept.lr_ratio == 1.0
     grown = resize(saved, world_size=4, plan=None, samples_per_step=16, now=101.0)
     assert grown is not None and "global batch 16 (it was 12" in grown.line()
+    assert grown.lr_ratio == 1.0 and "lr x" not in grown.line()
     assert resize(saved, world_size=3, plan=None, samples_per_step=12) is None
+    scaled = resize(saved, world_size=4, plan=None, samples_per_step=16, lr_scaling="linear")
+    assert scaled is not None and scaled.lr_ratio == pytest.approx(4 / 3)
+    assert scaled.line().endswith("(--lr-scaling linear)")
+    assert resize(saved, world_size=6, plan=None, samples_per_step=None, lr_scaling="sqrt",
+                  stages=3).lr_ratio == pytest.approx((2 / 1) ** 0.5)  # replicas 1 -> 2
+
+
+def test_a_resize_without_a_global_batch_rescales_lr_of_optimizer_and_scheduler(tmp_path):
+    """--lr-scaling linear, no --global-batch-size: a checkpoint of 4 processes resumed by 1
+    (its manifest says 4) runs at a quarter of the saved learning rates."""
+    rt = mpt.Runtime(lr_scaling="linear", checkpoint_dir=str(tmp_path), env={})
+    model = make_model()
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.4))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step)
+    try:
+        scheduler.step()  # lr 0.2 from base 0.4
+        where = Path(rt.save(step=3, scheduler=scheduler))
+        manifest = json.loads((where / "manifest.json").read_text())
+        (where / "manifest.json").write_text(json.dumps({**manifest, "world_size": 4}))
+        optimizer.param_groups[0]["lr"] = 1.0  # what a fresh start would have
+        assert rt.resume(scheduler=scheduler)["step"] == 3
+    finally:
+        rt.close()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.2 / 4)
+    assert scheduler.base_lrs == [pytest.approx(0.4 / 4)]
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.4 / 4 * 0.25)
 
 
 def test_visualize_marks_a_resize_on_every_plot_and_gives_it_no_plot_of_its_own():
