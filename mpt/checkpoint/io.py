@@ -99,7 +99,7 @@ class Location:
     def makedirs(self) -> None:
         self.fs.makedirs(self.path, exist_ok=True)
 
-    def write(self, name: str, data: bytes) -> None:
+    def write(self, name: str, data: bytes | memoryview) -> None:
         """Write one file; on a local disk it is on the platter when this returns."""
         target = self._join(name)
         if not self.local:

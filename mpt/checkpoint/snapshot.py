@@ -3,17 +3,17 @@ costs at most K optimizer steps instead of the steps since the last checkpoint o
 
 Every K training iterations, at the end of ``rt.step``, every rank takes part in gathering what a
 non-sharded checkpoint holds: the full weights and optimizer state of every model under its name,
-the precision's state, the schedulers, the loaders' positions and every rank's RNG (the same
-collectives as ``rt.save``). Rank 0 copies it to host memory and the training loop goes on; its
-snapshot thread then:
+the precision's state, the schedulers and the loaders' positions (the collectives of ``rt.save``
+but the RNG's). Rank 0 copies it to host memory, every rank notes its RNG state, and the
+training loop goes on. Each rank's snapshot thread then gathers the RNG states to rank 0 on a
+gloo group of its own (beside the training's collectives), and rank 0's:
 
-1. writes it, committed as a checkpoint directory (``step-N`` with its manifest, the newest two
-   kept), into this node's store: ``--snapshot-dir``, by default a directory in ``/dev/shm``
+1. commits the snapshot as a checkpoint directory (``step-N`` with its manifest, the newest two
+   kept) into this node's store: ``--snapshot-dir``, by default a directory in ``/dev/shm``
    (memory) that the node's `mpt launch` makes and removes, so it outlives the workers that a
    restart replaces, not the node;
-2. sends the files to the first rank of the next node (rank ``gpus``), whose own snapshot thread
-   commits them into that node's store. The transfer runs on a gloo group of its own, beside
-   the training's collectives.
+2. sends the same files to the first rank of the next node (rank ``gpus``), whose snapshot
+   thread commits them into that node's store.
 
 The next snapshot waits for both. After a restart (a lost node, a node that joined), ``rt.resume``
 asks every rank for the newest snapshot its node holds. The newest one the survivors hold, where
@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 import torch
@@ -35,8 +36,9 @@ import torch.distributed as dist
 
 from mpt.checkpoint import io
 from mpt.checkpoint.background import BackgroundWriter
+from mpt.checkpoint.encode import rng_state
 from mpt.checkpoint.format import MANIFEST
-from mpt.checkpoint.state import TrainingState, snapshot_files, write_directory
+from mpt.checkpoint.state import Snapshot, TrainingState, take_snapshot
 from mpt.errors import UsageError
 
 if TYPE_CHECKING:
@@ -49,18 +51,23 @@ RESTORED = "memory://mpt-snapshot"
 _LENGTH = struct.Struct("<q")
 
 
-def pack(files: dict[str, bytes]) -> bytes:
+def pack(files: dict[str, bytes]) -> bytearray:
     """Files as one buffer: the length of a JSON index (name: size), the index, the contents."""
     index = json.dumps({name: len(data) for name, data in files.items()}).encode()
-    return b"".join([_LENGTH.pack(len(index)), index, *files.values()])
+    buffer = bytearray(_LENGTH.pack(len(index)))
+    for part in (index, *files.values()):
+        buffer += part
+    return buffer
 
 
-def unpack(buffer: bytes) -> dict[str, bytes]:
-    (size,) = _LENGTH.unpack_from(buffer)
+def unpack(buffer: bytes | memoryview) -> dict[str, memoryview]:
+    """``pack``'s files, as views into ``buffer``."""
+    view = memoryview(buffer)
+    (size,) = _LENGTH.unpack_from(view)
     offset = _LENGTH.size + size
     files = {}
-    for name, length in json.loads(buffer[_LENGTH.size:offset]).items():
-        files[name] = buffer[offset:offset + length]
+    for name, length in json.loads(bytes(view[_LENGTH.size:offset])).items():
+        files[name] = view[offset:offset + length]
         offset += length
     return files
 
@@ -83,6 +90,7 @@ class PeerSnapshots:
         """How long a transfer waits for the other side (the run's collective timeout)."""
         self._writer = BackgroundWriter()
         self._group: dist.ProcessGroup | None = None
+        self._restored = False  # a restored snapshot waits in the memory filesystem
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
@@ -90,44 +98,49 @@ class PeerSnapshots:
     def take(self, parts: TrainingState, step: int) -> None:
         """Collective: snapshot the state after training iteration ``step``."""
         self._writer.wait()  # the previous snapshot is kept on both nodes first
-        _forget_restored()
-        rank = self.backend.world.rank
-        if self.peer is not None and self._group is None:  # every rank creates every group
-            self._group = dist.new_group([0, self.peer], backend="gloo",
-                                         timeout=self.timeout)
-        got = snapshot_files(parts, step=step, stage=self._writer.stage)
-        if got is not None:
-            files, manifest = got
-            self._writer.submit(lambda: self._keep_and_send(step, files, manifest))
-        elif rank == self.peer:
-            self._writer.submit(lambda: self._receive(step))
+        if self._restored:  # loaded by now: its copy in this process's memory goes
+            _forget_restored()
+            self._restored = False
+        if self._group is None:  # a collective: every rank makes it at its first snapshot
+            self._group = dist.new_group(backend="gloo", timeout=self.timeout)
+        mine = rng_state()
+        snapshot = take_snapshot(parts, step=step, stage=self._writer.stage)
+        self._writer.submit(lambda: self._finish(step, mine, snapshot))
 
-    def _keep_and_send(self, step: int, files: dict[str, bytes | dict[str, torch.Tensor]],
-                       manifest: dict[str, object]) -> None:
-        final = io.step_dir_name(step)
-        write_directory(self.store, io.staging_name(step), final, files, manifest=manifest,
-                        keep=KEEP)
-        if self.peer is None:
-            return
-        written = self.store.child(final)
-        buffer = pack({name: written.read(name) for name in written.listdir()})
-        dist.send(torch.tensor([len(buffer)]), self.peer, group=self._group)
-        dist.send(torch.frombuffer(bytearray(buffer), dtype=torch.uint8), self.peer,
-                  group=self._group)
+    def _finish(self, step: int, mine: Any, snapshot: Snapshot | None) -> None:
+        """The snapshot thread's part: gather every rank's RNG state to rank 0, which keeps the
+        snapshot and sends it to its peer, which keeps it too."""
+        rngs: list[Any] = [None] * self.backend.world.world_size
+        dist.all_gather_object(rngs, mine, group=self._group)
+        if snapshot is not None:
+            files = snapshot.files(rngs)
+            self._keep(step, files)
+            if self.peer is not None:
+                buffer = pack(files)
+                dist.send(torch.tensor([len(buffer)]), self.peer, group=self._group)
+                dist.send(torch.frombuffer(buffer, dtype=torch.uint8), self.peer,
+                          group=self._group)
+        elif self.backend.world.rank == self.peer:
+            size = torch.zeros(1, dtype=torch.int64)
+            dist.recv(size, 0, group=self._group)
+            buffer = torch.empty(int(size), dtype=torch.uint8)
+            dist.recv(buffer, 0, group=self._group)
+            self._keep(step, unpack(buffer.numpy().data))
 
-    def _receive(self, step: int) -> None:
-        size = torch.zeros(1, dtype=torch.int64)
-        dist.recv(size, 0, group=self._group)
-        buffer = torch.empty(int(size), dtype=torch.uint8)
-        dist.recv(buffer, 0, group=self._group)
-        files = unpack(buffer.numpy().tobytes())
+    def _keep(self, step: int, files: Mapping[str, bytes | memoryview]) -> None:
+        """Commit a snapshot's files into this node's store as ``step-N`` (the manifest last,
+        then the rename), and drop all but the newest ``KEEP``."""
         staging, final = io.staging_name(step), io.step_dir_name(step)
+        target = self.store.child(staging)
         for name, data in files.items():
             if name != MANIFEST:
-                self.store.child(staging).write(name, data)
-        self.store.child(staging).write(MANIFEST, files[MANIFEST])  # the commit mark
+                target.write(name, data)
+        target.write(MANIFEST, files[MANIFEST])
         io.commit(self.store, staging, final)
-        io.prune(self.store, KEEP, protect=final)
+        # Names order as steps do, and no store holds a step after the one restored.
+        kept = sorted(name for name in self.store.listdir() if name.startswith("step-"))
+        for name in kept[:-KEEP]:
+            self.store.remove(name)
 
     def newest(self) -> int | None:
         """The step of the newest snapshot committed in this node's store."""
@@ -148,7 +161,7 @@ class PeerSnapshots:
         files: dict[str, bytes] = backend.broadcast_object(
             None if kept is None else {name: kept.read(name) for name in kept.listdir()},
             src=holder)
-        _forget_restored()
+        self._restored = True
         target = io.Location.parse(f"{RESTORED}/{io.step_dir_name(best)}")
         for name, data in files.items():
             target.write(name, data)

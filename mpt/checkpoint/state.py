@@ -120,6 +120,7 @@ def save_checkpoint(path: str | os.PathLike[str], parts: TrainingState, *, step:
     if pieces:
         sharded = True
     model_tensors, tensors, state = _collect(parts, pieces=pieces, extra=extra)
+    state["rng"] = encode(_gather_rngs(backend), "rng", tensors)
     if sharded is None:
         size = sum(t.numel() * t.element_size() for t in [*model_tensors.values(),
                                                             *tensors.values()])
@@ -166,16 +167,13 @@ def _collect(parts: TrainingState, *, pieces: bool, extra: dict[str, Any] | None
              ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """Collective: the state every rank hands to the writer: model tensors by
     ``<model>/<key>`` (each rank's own piece where ``pieces``, else the full weights), the
-    other tensors by key, and ``state.json``'s content, which refers to them."""
-    backend, world = parts.backend, parts.backend.world
+    other tensors by key, and ``state.json``'s content, which refers to them (but for the
+    RNG states, gathered apart)."""
+    backend = parts.backend
     model_of = backend.local_model_state_dict if pieces else backend.model_state_dict
     optimizer_of = backend.local_optimizer_state_dict if pieces else backend.optimizer_state_dict
     model_tensors = {f"{pair.name}/{key}": t.detach() if isinstance(t, torch.Tensor) else t
                      for pair in parts.pairs for key, t in model_of(pair.model).items()}
-    # every rank's RNG, so each rank of a resumed run draws what it would have drawn
-    rngs = [backend.broadcast_object(rng_state() if world.rank == r else None, src=r)
-            for r in range(world.world_size)]
-
     tensors: dict[str, Any] = {}
     state = {
         "models": [pair.name for pair in parts.pairs],
@@ -189,10 +187,17 @@ def _collect(parts: TrainingState, *, pieces: bool, extra: dict[str, Any] | None
         "schedulers": {name: encode(scheduler.state_dict(), f"scheduler/{name}", tensors)
                        for name, scheduler in parts.schedulers.items()},
         "loaders": {loader.name: loader.state_dict() for loader in parts.loaders},
-        "rng": encode(rngs, "rng", tensors),
         "extra": encode(dict(extra or {}), "extra", tensors),
     }
     return model_tensors, tensors, state
+
+
+def _gather_rngs(backend: StateHolder) -> list[Any]:
+    """Collective: every rank's RNG state, by rank, so that each rank of a resumed run draws
+    what it would have drawn."""
+    world = backend.world
+    return [backend.broadcast_object(rng_state() if world.rank == r else None, src=r)
+            for r in range(world.world_size)]
 
 
 def _manifest_fields(parts: TrainingState, *, step: int, epoch: int | None,
@@ -208,20 +213,44 @@ def _manifest_fields(parts: TrainingState, *, step: int, epoch: int | None,
                                for p in backend.unwrap(pair.model).parameters()))
 
 
-def snapshot_files(parts: TrainingState, *, step: int,
-                   stage: Callable[[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
-                   ) -> tuple[dict[str, bytes | dict[str, torch.Tensor]], dict[str, Any]] | None:
-    """Collective: what a non-sharded checkpoint of ``step`` holds, as ``write_directory``
-    takes it (files, manifest fields), with its tensors ``stage``d to host memory; None on
-    every rank but 0. The full state, so that it restores at any world size and backend."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Snapshot:
+    """Rank 0's copy of what a non-sharded checkpoint holds, in host memory, but for the RNG
+    states (gathered later, off the training loop)."""
+
+    model: dict[str, torch.Tensor]
+    """The full weights by ``<model>/<key>``."""
+    tensors: dict[str, torch.Tensor]
+    """The other tensors ``state`` refers to."""
+    state: dict[str, Any]
+    """``state.json``'s content without ``rng``."""
+    manifest: dict[str, Any]
+    """The manifest's fields, as ``write_directory`` takes them."""
+
+    def files(self, rngs: list[Any]) -> dict[str, bytes]:
+        """The checkpoint directory's files, manifest included, with every rank's RNG state
+        (``rngs``, by rank)."""
+        tensors = dict(self.tensors)
+        state = {**self.state, "rng": encode(rngs, "rng", tensors)}
+        text = json.dumps(state).encode()
+        written = {MODEL_FILE: tensorfile.to_bytes(self.model),
+                   STATE_TENSORS: tensorfile.to_bytes(tensors), STATE_JSON: (text, entry_for(text))}
+        files = {name: data for name, (data, _) in written.items()}
+        return {**files, MANIFEST: _manifest({name: entry for name, (_, entry) in
+                                              written.items()}, self.manifest)}
+
+
+def take_snapshot(parts: TrainingState, *, step: int,
+                  stage: Callable[[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+                  ) -> Snapshot | None:
+    """Collective: the state after ``step`` with its tensors ``stage``d to host memory, on rank
+    0 (None elsewhere). The full state, so that it restores at any world size and backend."""
     model_tensors, tensors, state = _collect(parts, pieces=False, extra=None)
     if parts.backend.world.rank != 0:
         return None
-    files: dict[str, bytes | dict[str, torch.Tensor]] = {
-        STATE_TENSORS: stage(STATE_TENSORS, tensors), MODEL_FILE: stage(MODEL_FILE, model_tensors),
-        STATE_JSON: json.dumps(state).encode()}
-    return files, _manifest_fields(parts, step=step, epoch=None, sharded=False)
-
+    return Snapshot(model=stage(MODEL_FILE, model_tensors), tensors=stage(STATE_TENSORS, tensors),
+                    state=state, manifest=_manifest_fields(parts, step=step, epoch=None,
+                                                           sharded=False))
 
 def write_directory(root: io.Location, staging: str, final: str,
                     blobs: dict[str, bytes | dict[str, torch.Tensor]], *,
@@ -251,13 +280,17 @@ def write_directory(root: io.Location, staging: str, final: str,
         target.fsync_tree()
         for name in shards.listdir():
             files[f"{SHARDED_DIR}/{name}"] = entry_for(shards.read(name))
-    record = Manifest(format=FORMAT_VERSION, mpt_version=_mpt_version(), saved_at=time.time(),
-                      files=files, **manifest)
-    target.write(MANIFEST, record.to_json().encode())  # the commit mark, last
+    target.write(MANIFEST, _manifest(files, manifest))  # the commit mark, last
     target.fsync_tree()
     io.commit(root, staging, final)
     if keep is not None:
         io.prune(root, keep, protect=final)
+
+
+def _manifest(files: dict[str, FileEntry], fields: dict[str, Any]) -> bytes:
+    """manifest.json of a checkpoint of ``files`` whose other fields are ``fields``."""
+    return Manifest(format=FORMAT_VERSION, mpt_version=_mpt_version(), saved_at=time.time(),
+                    files=files, **fields).to_json().encode()
 
 
 def load_checkpoint(path: str | os.PathLike[str], parts: TrainingState) -> dict[str, Any]:

@@ -20,6 +20,7 @@ import os
 import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from io import BytesIO
 from typing import TYPE_CHECKING, BinaryIO
 
 import torch
@@ -81,6 +82,13 @@ def write(f: BinaryIO, tensors: dict[str, torch.Tensor]) -> FileEntry:
         hasher.join()
     return FileEntry(sha256=sha.hexdigest(), bytes=len(chunks[0]) + offset)
 
+
+
+def to_bytes(tensors: dict[str, torch.Tensor]) -> tuple[bytes, FileEntry]:
+    """The safetensors file of ``tensors`` in memory, with its size and sha256."""
+    buffer = BytesIO()
+    entry = write(buffer, tensors)
+    return buffer.getvalue(), entry
 
 
 def read(location: Location, name: str, entry: FileEntry | None) -> dict[str, torch.Tensor]:
