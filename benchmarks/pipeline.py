@@ -127,9 +127,9 @@ def on_two_nodes(args: argparse.Namespace, *flags: str) -> float:
     with tempfile.TemporaryDirectory() as folder, EmulatedCluster(
             nodes=2, shape=LinkShape(rate=args.rate)) as cluster:
         out = Path(folder) / "out.json"
-        commands = [launch_command(cluster, nr, worker_args(args, out)[0],
-                                   worker_args(args, out)[1:], launch_args=["--quiet", *flags])
-                    for nr in range(2)]
+        script, *script_args = worker_args(args, out)
+        commands = [launch_command(cluster, nr, script, script_args,
+                                   launch_args=["--quiet", *flags]) for nr in range(2)]
         run = run_nodes(cluster, commands, timeout=600, env={"OMP_NUM_THREADS": "1"}, cwd=ROOT)
         if not run.ok:
             raise SystemExit(run.report())

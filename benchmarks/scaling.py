@@ -84,34 +84,28 @@ def raw_side(backend: str, model, rt):
     from torch import nn
 
     loss_fn = nn.MSELoss() if isinstance(model, nn.Sequential) else nn.CrossEntropyLoss()
+
+    def sgd_step(module, opt):
+        """The plain loop's step, on ``module`` (a DDP wrapper, a sharded or a plain model)."""
+        def step(x, y) -> None:
+            opt.zero_grad(set_to_none=True)
+            loss_fn(module(x), y).backward()
+            opt.step()
+        return step
+
     if rt.world_size == 1:  # one process: the raw job is plain torch, whatever the library
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-
-        def step(x, y) -> None:
-            opt.zero_grad(set_to_none=True)
-            loss_fn(model(x), y).backward()
-            opt.step()
-    elif backend in ("ddp", "apex"):
+        return sgd_step(model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9))
+    if backend in ("ddp", "apex"):
         ddp = nn.parallel.DistributedDataParallel(model)
-        opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
-
-        def step(x, y) -> None:
-            opt.zero_grad(set_to_none=True)
-            loss_fn(ddp(x), y).backward()
-            opt.step()
-    elif backend == "horovod":
+        return sgd_step(ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9))
+    if backend == "horovod":
         import horovod.torch as hvd
 
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3,
-                                                       momentum=0.9),
-                                       named_parameters=model.named_parameters())
-
-        def step(x, y) -> None:
-            opt.zero_grad()
-            loss_fn(model(x), y).backward()
-            opt.step()
-    elif backend == "deepspeed":
+        return sgd_step(model, hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9),
+            named_parameters=model.named_parameters()))
+    if backend == "deepspeed":
         import deepspeed
 
         engine, _, _, _ = deepspeed.initialize(
@@ -121,7 +115,8 @@ def raw_side(backend: str, model, rt):
         def step(x, y) -> None:
             engine.backward(loss_fn(engine(x), y))
             engine.step()
-    elif backend == "fsdp":
+        return step
+    if backend == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -131,15 +126,8 @@ def raw_side(backend: str, model, rt):
         for unit in units(model, None):
             fully_shard(unit, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-
-        def step(x, y) -> None:
-            opt.zero_grad(set_to_none=True)
-            loss_fn(model(x), y).backward()
-            opt.step()
-    else:
-        raise SystemExit(f"no raw loop for backend {backend}")
-    return step
+        return sgd_step(model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9))
+    raise SystemExit(f"no raw loop for backend {backend}")
 
 
 def worker(args: argparse.Namespace) -> None:

@@ -20,12 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from mpt.launchers.spec import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = {
@@ -33,12 +34,6 @@ EXAMPLES = {
     "gpt": [str(ROOT / "examples" / "gpt.py"), "--steps", "60", "--eval-every", "1000",
             "--sample", "0"],
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def step_time(example: str, every: int, log_every: int) -> float:

@@ -86,3 +86,16 @@ def run_cli(capsys, monkeypatch):
         return SimpleNamespace(returncode=exit_.value.code, stdout=captured.out,
                                stderr=captured.err)
     return run
+
+
+def ds_env() -> dict[str, str]:
+    """Where DeepSpeed caches its JIT-built C++ op: `make` exports it; a bare pytest run gets
+    the same folder inside the venv (git-ignored), so only the very first run builds it."""
+    return {"TORCH_EXTENSIONS_DIR": os.environ.get(
+        "TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch-extensions"))}
+
+
+def launch_env() -> dict[str, str]:
+    """The environment of an `mpt launch` a test starts itself: this one, wide output, and
+    DeepSpeed's op cache (``ds_env``)."""
+    return {**os.environ, "COLUMNS": "200", **ds_env()}

@@ -9,12 +9,11 @@ import os
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_mpt
+from conftest import pid_alive, run_mpt, wait_for
 
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -84,7 +83,4 @@ def test_a_check_past_its_timeout_is_stopped_with_everything_it_started(tmp_path
     result = gpu_check.run("slow", command, timeout=2, env=dict(os.environ))
     assert result.status == "timeout" and result.tail.startswith("started")
     child = int(marker.read_text())
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and Path(f"/proc/{child}").exists():
-        time.sleep(0.05)
-    assert not Path(f"/proc/{child}").exists(), "the check's own child outlived its timeout"
+    assert wait_for(lambda: not pid_alive(child), 5), "the check's own child outlived its timeout"

@@ -38,7 +38,7 @@ from mpt.checkpoint import io
 from mpt.checkpoint.background import BackgroundWriter
 from mpt.checkpoint.encode import rng_state
 from mpt.checkpoint.format import MANIFEST
-from mpt.checkpoint.state import Snapshot, TrainingState, take_snapshot
+from mpt.checkpoint.state import Snapshot, TrainingState, gather_object, take_snapshot
 from mpt.errors import UsageError
 
 if TYPE_CHECKING:
@@ -151,8 +151,7 @@ class PeerSnapshots:
         """Collective: the newest snapshot any rank's node holds, put where this process can
         load it, when it is newer than step ``newer_than`` (the disk's newest); else None."""
         backend, world = self.backend, self.backend.world
-        steps = [backend.broadcast_object(self.newest() if world.rank == r else None, src=r)
-                 for r in range(world.world_size)]
+        steps = gather_object(backend, self.newest())
         best = max((s for s in steps if s is not None), default=None)
         if best is None or (newer_than is not None and best <= newer_than):
             return None

@@ -120,7 +120,8 @@ def save_checkpoint(path: str | os.PathLike[str], parts: TrainingState, *, step:
     if pieces:
         sharded = True
     model_tensors, tensors, state = _collect(parts, pieces=pieces, extra=extra)
-    state["rng"] = encode(_gather_rngs(backend), "rng", tensors)
+    # every rank's RNG, so that each rank of a resumed run draws what it would have drawn
+    state["rng"] = encode(gather_object(backend, rng_state()), "rng", tensors)
     if sharded is None:
         size = sum(t.numel() * t.element_size() for t in [*model_tensors.values(),
                                                             *tensors.values()])
@@ -192,11 +193,10 @@ def _collect(parts: TrainingState, *, pieces: bool, extra: dict[str, Any] | None
     return model_tensors, tensors, state
 
 
-def _gather_rngs(backend: StateHolder) -> list[Any]:
-    """Collective: every rank's RNG state, by rank, so that each rank of a resumed run draws
-    what it would have drawn."""
+def gather_object(backend: StateHolder, obj: Any) -> list[Any]:
+    """Collective: every rank's ``obj``, by rank, on every rank."""
     world = backend.world
-    return [backend.broadcast_object(rng_state() if world.rank == r else None, src=r)
+    return [backend.broadcast_object(obj if world.rank == r else None, src=r)
             for r in range(world.world_size)]
 
 

@@ -57,9 +57,9 @@ def torch_launch_config(spec: LaunchSpec) -> LaunchConfig:
     ``--nr``), or for ``--nodes MIN:MAX`` torch's c10d one, whose store the first node to bind
     ``--master-port`` at ``--master-addr`` hosts (see mpt.elastic)."""
     logs = rank_logs(spec.log_dir, spec.tee)
-    static = spec.min_nodes is None
+    static = not spec.elastic
     return LaunchConfig(
-        min_nodes=spec.nodes if spec.min_nodes is None else spec.min_nodes,
+        min_nodes=spec.node_range.min,
         max_nodes=spec.nodes,
         nproc_per_node=spec.gpus,
         run_id=f"mpt-{spec.master_port}",

@@ -114,13 +114,12 @@ class LaunchSpec:
         object.__setattr__(self, "run", dataclasses.replace(run, precision=resolved))
         if self.elastic:
             check_elastic(self.node_range, self.backend)
-        stages = 1
-        for count in self.node_range.sizes:  # every world the job may run at
-            world_size = count * self.gpus
-            if (pipeline := self.run.pipeline) is not None:  # P must divide the world
+        pipeline = self.run.pipeline
+        stages = 1 if pipeline is None else pipeline.stages
+        if pipeline is not None:
+            for count in self.node_range.sizes:  # P must divide every world the job may run at
                 plan_pipeline(pipeline.stages, pipeline.schedule, pipeline.microbatches,
-                              self.run.pipeline_split, world_size)
-                stages = pipeline.stages
+                              self.run.pipeline_split, count * self.gpus)
         if self.run.global_batch_size is not None:  # the script's batch size is checked later
             if self.elastic:
                 plan_sizes(self.run.global_batch_size, self.node_range, self.gpus, stages)

@@ -7,7 +7,6 @@ loads it into fresh ZeRO-2, ZeRO-3 and ddp runs.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -15,17 +14,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
-from conftest import run_mpt, worker
+from conftest import ds_env, run_mpt, worker
 
 STAGES = range(4)
 CLIP = 1.0  # as in ds_curves.py
-
-
-def ds_env() -> dict[str, str]:
-    """Where DeepSpeed caches its JIT-built C++ op: `make` exports it; a bare pytest run gets
-    the same folder inside the venv (git-ignored), so only the very first run builds it."""
-    return {"TORCH_EXTENSIONS_DIR": os.environ.get(
-        "TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch-extensions"))}
 
 
 def launch(out: Path, suite: str, port: int) -> list[dict]:

@@ -58,6 +58,7 @@ def test_one_node_on_localhost_gets_gpus_slots():
     ("h1:4,h2:2", 2, "--hosts"),    # slots differ from --gpus
     ("h1:x", 1, "--hosts"),         # not HOST:SLOTS
     (None, 2, "--hosts"),           # nobody said where
+    (None, 1, "--hosts"),           # not even on one node: its `mpt launch` starts its own
 ])
 def test_hosts_that_do_not_match_nodes_and_gpus(hosts, nodes, argument):
     with pytest.raises(UsageError) as info:

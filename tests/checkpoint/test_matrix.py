@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from conftest import ds_env
 from test_resume import STEPS, _global_samples, _launch
 
 MISSING = [name for name in ("deepspeed", "horovod") if importlib.util.find_spec(name) is None]
@@ -63,12 +63,6 @@ O2's masters read by fsdp); `make conformance` runs every link (marked slow).
 tests/checkpoint/test_pieces.py reads ZeRO-3's pieces whole, as ddp does, in `make test` too."""
 
 
-def _env() -> dict[str, str]:
-    """DeepSpeed's JIT-built op cache, as tests/backends/test_deepspeed.py uses it."""
-    return {"TORCH_EXTENSIONS_DIR": os.environ.get(
-        "TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch-extensions"))}
-
-
 def _params(links: list[str]) -> list:
     return [link if link in FAST else pytest.param(link, marks=pytest.mark.slow)
             for link in links]
@@ -90,7 +84,7 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
             continue
         checkpoints = [] if source is None else [out / f"ckpt-{source}" / "full"]
         _launch(ranks, out, link, save_at, *checkpoints, backend=backend, options=options,
-                full_only=True, env=_env())
+                full_only=True, env=ds_env())
     found: dict[str, list[dict]] = {}
     for link, (*_, source, _save_at) in LINKS.items():
         if link not in wanted:

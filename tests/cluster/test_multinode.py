@@ -56,7 +56,8 @@ def test_two_nodes_train_as_the_maths_of_one_node_says(tmp_path, backend, gpus):
 @needs_cluster
 def test_a_checkpoint_of_two_nodes_resumes_on_one_node(tmp_path):
     two, resumed = tmp_path / "two", tmp_path / "resumed"
-    two.mkdir(), resumed.mkdir()
+    for folder in (two, resumed):
+        folder.mkdir()
     ckpt = str(tmp_path / "ckpt")
     with EmulatedCluster(nodes=2) as cluster:
         run = run_job(cluster, two, STEPS, gpus=1, port=PORT, stop=STOP,

@@ -12,6 +12,7 @@ import time
 
 import pytest
 from cluster_support import needs_cluster
+from conftest import pid_alive, wait_for
 
 from mpt.cluster import ClusterError, EmulatedCluster, LinkShape, run_nodes
 from mpt.cluster.netns import NETNS_ETC, links, namespaces
@@ -79,8 +80,8 @@ def test_a_failure_inside_the_block_kills_its_processes_and_removes_everything(t
         with open(tmp_path / "out", "w") as out:
             cluster.members[1].popen([sys.executable, "-c", SLEEPER, str(tmp_path / "pid")],
                                      env=dict(os.environ), output=out)
-        while not (tmp_path / "pid").exists() or not (tmp_path / "pid").read_text():
-            time.sleep(0.05)
+        pid = tmp_path / "pid"
+        assert wait_for(lambda: pid.exists() and bool(pid.read_text()), 60), "no sleeper started"
         raise KeyError("the test's own failure")
     gone(cluster, [int((tmp_path / "pid").read_text())])
 
@@ -116,8 +117,8 @@ with EmulatedCluster(nodes=2) as cluster:
 """], stdout=subprocess.PIPE, text=True)
     try:
         prefix = holder.stdout.readline().strip()
-        while not (tmp_path / "pid").exists() or not (tmp_path / "pid").read_text():
-            time.sleep(0.05)
+        pid = tmp_path / "pid"
+        assert wait_for(lambda: pid.exists() and bool(pid.read_text()), 60), "no sleeper started"
         holder.terminate()
         assert holder.wait(timeout=60) == 143
     finally:
@@ -125,7 +126,7 @@ with EmulatedCluster(nodes=2) as cluster:
     assert prefix.startswith("mpt")
     made = namespaces() | links() | {p.name for p in NETNS_ETC.glob("*")}
     assert {name for name in made if name.startswith(f"{prefix}-")} == set()
-    assert not os.path.exists(f"/proc/{int((tmp_path / 'pid').read_text())}")
+    assert not pid_alive(int((tmp_path / "pid").read_text()))
 
 
 @needs_cluster

@@ -73,10 +73,12 @@ def test_ddp_on_gpus_with_nccl_matches_one_process(tmp_path, free_port):
 @pytest.mark.gpu
 def test_a_model_the_script_spread_over_two_gpus_trains_under_ddp(tmp_path, free_port):
     """The seeds' pattern: each process's model in two halves on two GPUs, wrapped by DDP with
-    device_ids=None; mpt leaves the halves where they are. One process per pair of GPUs."""
+    device_ids=None; mpt leaves the halves where they are. One process per pair of GPUs, two
+    processes at least (one alone is not wrapped in DDP)."""
     pairs = torch.cuda.device_count() // 2
-    if pairs == 0:
-        pytest.skip("needs 2 CUDA devices; one is visible")
+    if pairs < 2:
+        pytest.skip(f"needs 4 CUDA devices (two processes of two); {torch.cuda.device_count()} "
+                    "visible")
     result = run_mpt("launch", "--gpus", str(pairs), "--master-port", str(free_port),
                      worker("model_parallel.py"), str(tmp_path / "out.json"), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -1,18 +1,23 @@
 """`mpt launch --nodes MIN:MAX`: the checks before start, and real elastic jobs that lose a node.
 
 The jobs are several one-process `mpt launch` nodes on 127.0.0.1 (gloo, CPU), all started with
-the same command, running tests/workers/elastic_train.py with a global batch of 12 and a
-checkpoint after every step. The node started first hosts the c10d store and stays; another
+the same command, running tests/workers/elastic_train.py with a global batch of 12. Another
 node's launcher and its worker are SIGKILLed mid-run.
 
-- Shrink (3 nodes, ``--nodes 2:3``): the job finishes at 2; its loss curve equals (1e-5) a run
-  of 3 processes to the restored step and 2 processes from its checkpoint, in this test; at most
-  one step (the checkpoint interval) is redone; every sample of every epoch is trained on once.
+- Shrink (3 nodes, ``--nodes 2:3``), a checkpoint after every step; the node started first hosts
+  the c10d store and stays: the job finishes at 2; its loss curve equals (1e-5) a run of 3
+  processes to the restored step and 2 processes from its checkpoint, in this test; at most one
+  step (the checkpoint interval) is redone; every sample of every epoch is trained on once.
+- Shrink from snapshots (``--snapshot-every 1``, no checkpoint on disk before the last step; the
+  rendezvous on a store of its own): the node of rank 0 is lost with its memory; the same
+  checks, the job resumed from the copy on the next node.
+- Grow: the lost node comes back and the job grows to 3, on a static 3-process run's curve.
 - Below MIN (2 nodes, ``--nodes 2:2``): the survivor ends in one line with a non-zero code, and
   the newest checkpoint still loads.
 
-Every case: no process outlives the job. ddp runs in `make test`; fsdp and DeepSpeed ZeRO-2
-shrink in `make conformance` (slow). The kill-to-next-step figure is printed with ``-s``.
+Every case: no process outlives the job. Under ddp both shrinks and below MIN run in `make
+test`, the grow in `make conformance` (slow), as do both shrinks under fsdp and DeepSpeed
+ZeRO-2. The kill-to-next-step figure is printed with ``-s``.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import find_free_port, mpt_command, pid_alive, wait_for, worker
+from conftest import find_free_port, launch_env, mpt_command, pid_alive, wait_for, worker
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 from common import make_model
@@ -212,16 +217,12 @@ def test_visualize_marks_a_resize_on_every_plot_and_gives_it_no_plot_of_its_own(
                                           "resize_from": ([2], [3.0]),
                                           "resize_time_lost_s": ([2], [4.5])})
     assert metric_names([resized]) == ["loss"]
-    assert plot_metric("loss", [resized]) != plot_metric("loss", [plain])
+    unmarked = plot_metric("loss", [plain])
+    assert plot_metric("loss", [plain]) == unmarked  # a plot's bytes are repeatable: the
+    assert plot_metric("loss", [resized]) != unmarked  # difference is the resize's mark
 
 
 # -- real jobs --------------------------------------------------------------------------------
-def launch_env() -> dict[str, str]:
-    """DeepSpeed's JIT-built op cached in the venv (as tests/backends/test_deepspeed.py does)."""
-    return {**os.environ, "COLUMNS": "200", "TORCH_EXTENSIONS_DIR": os.environ.get(
-        "TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch-extensions"))}
-
-
 def children(pid: int) -> list[int]:
     """The processes whose parent is ``pid`` (a launcher's workers)."""
     found = []
@@ -276,19 +277,20 @@ class Job:
         port = find_free_port()
         self.store = subprocess.Popen([sys.executable, "-c", STORE, str(port)]) if snapshots \
             else None
-        command = mpt_command("launch", "--nodes", nodes, "--master-port", str(port),
-                              *BACKENDS[backend], "--global-batch-size", str(GLOBAL_BATCH),
-                              "--checkpoint-dir", str(self.ck), "--run-dir", str(self.run_dir),
-                              *flags, worker("elastic_train.py"), str(self.out), "--steps",
-                              str(steps), "--sleep", str(sleep), "--save-every", str(save_every))
         self.memory = [tmp / f"memory{index}" for index in range(count)]
         self.nodes: list[Node] = []
         for index in range(count):
-            snapshot = ["--snapshot-every", "1", "--snapshot-dir", str(self.memory[index])]
-            at = command.index(worker("elastic_train.py"))
+            node_flags = ["--snapshot-every", "1", "--snapshot-dir", str(self.memory[index])
+                          ] if snapshots else []
+            command = mpt_command(
+                "launch", "--nodes", nodes, "--master-port", str(port), *BACKENDS[backend],
+                "--global-batch-size", str(GLOBAL_BATCH), "--checkpoint-dir", str(self.ck),
+                "--run-dir", str(self.run_dir), *flags, *node_flags, worker("elastic_train.py"),
+                str(self.out), "--steps", str(steps), "--sleep", str(sleep), "--save-every",
+                str(save_every))
             self.nodes.append(Node(subprocess.Popen(
-                [*command[:at], *(snapshot if snapshots else []), *command[at:]],
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=launch_env())))
+                command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                env=launch_env())))
             if index == 0:  # the first node (or the store) hosts the rendezvous
                 assert wait_for(lambda: listening(port), 60), "node 0 never bound the port"
 
@@ -300,11 +302,7 @@ class Job:
                     if pids & set(children(node.proc.pid)))
 
     def curve(self) -> list[tuple[int, int, float, float]]:
-        path = self.out / "curve.txt"
-        if not path.exists():
-            return []
-        rows = [line.split() for line in path.read_text().splitlines()]
-        return [(int(s), int(w), float(loss), float(t)) for s, w, loss, t in rows if t]
+        return read_curve(self.out)
 
     def pids(self) -> list[int]:
         return [int(p.name) for p in (self.out / "pids").iterdir()]
@@ -333,27 +331,37 @@ time.sleep(3600)
 rendezvous finds the port taken and joins it as a client."""
 
 
+def read_curve(out: Path) -> list[tuple[int, int, float, float]]:
+    """``out/curve.txt`` (elastic_train.py's): (step, world size, loss, time) per line."""
+    path = out / "curve.txt"
+    if not path.exists():
+        return []
+    rows = [line.split() for line in path.read_text().splitlines()]
+    return [(int(s), int(w), float(loss), float(t)) for s, w, loss, t in rows if t]
+
+
 def last_values(curve: list[tuple[int, int, float, float]]) -> dict[int, float]:
     """The loss of every step as the run that went on from it computed it (redone steps:
     the later value)."""
     return {step: loss for step, _, loss, _ in curve}
 
 
-def reference_curve(tmp: Path, backend: str, restored: int) -> dict[int, float]:
-    """3 processes to step ``restored``, then 2 from its checkpoint: one static node each."""
+def reference_curve(tmp: Path, backend: str, segments: tuple[tuple[int, int], ...],
+                    steps: int = STEPS) -> dict[int, float]:
+    """A run of static one-node jobs, each ``(processes, stop at step)`` going on from the one
+    before's checkpoint (0: to the end), e.g. 3 processes to the restored step, then 2."""
     out, ck = tmp / "out", tmp / "ck"
     out.mkdir(parents=True)
-    for gpus, stop in ((3, restored), (2, 0)):
+    for gpus, stop in segments:
         command = mpt_command("launch", "--gpus", str(gpus), "--master-port", "auto",
                               *BACKENDS[backend], "--global-batch-size", str(GLOBAL_BATCH),
                               "--checkpoint-dir", str(ck), worker("elastic_train.py"),
-                              str(out), "--steps", str(STEPS), "--stop-at", str(stop),
+                              str(out), "--steps", str(steps), "--stop-at", str(stop),
                               "--sleep", "0")
         done = subprocess.run(command, capture_output=True, text=True, timeout=JOB_TIMEOUT,
                               env=launch_env())
         assert done.returncode == 0, done.stderr[-4000:]
-    curve = [line.split() for line in (out / "curve.txt").read_text().splitlines()]
-    return {int(s): float(loss) for s, _, loss, _ in curve}
+    return last_values(read_curve(out))
 
 
 def assert_every_sample_once_per_epoch(out: Path, steps: int = STEPS) -> None:
@@ -411,7 +419,7 @@ def check_shrunk(tmp_path: Path, job: Job, backend: str, killed_at: float, outpu
     assert any(r.get("resize_world") == 2 and r.get("resize_from") == 3 for r in records)
 
     assert_every_sample_once_per_epoch(job.out)
-    reference = reference_curve(tmp_path / "reference", backend, restored)
+    reference = reference_curve(tmp_path / "reference", backend, ((3, restored), (2, 0)))
     got = last_values(curve)
     assert sorted(got) == sorted(reference) == list(range(1, STEPS + 1))
     worst = max(abs(got[s] - reference[s]) for s in got)
@@ -499,17 +507,7 @@ def test_a_node_that_returns_grows_the_job_back(tmp_path):
     assert "resized from 2 to 3 process(es)" in output
     assert_every_sample_once_per_epoch(job.out, steps)
     # The global batch is kept: a static 3-process run's curve, up to the reduction order.
-    out = tmp_path / "reference"
-    out.mkdir()
-    done = subprocess.run(mpt_command(
-        "launch", "--gpus", "3", "--master-port", "auto", *BACKENDS["ddp"],
-        "--global-batch-size", str(GLOBAL_BATCH), "--checkpoint-dir", str(tmp_path / "ck"),
-        worker("elastic_train.py"), str(out), "--steps", str(steps), "--sleep", "0"),
-        capture_output=True, text=True,
-        timeout=JOB_TIMEOUT, env=launch_env())
-    assert done.returncode == 0, done.stderr[-4000:]
-    reference = {int(s): float(loss) for s, _, loss, _ in
-                 (line.split() for line in (out / "curve.txt").read_text().splitlines())}
+    reference = reference_curve(tmp_path / "reference", "ddp", ((3, 0),), steps)
     got = last_values(job.curve())
     assert max(abs(got[s] - reference[s]) for s in reference) <= 1e-5
 

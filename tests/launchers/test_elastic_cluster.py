@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import mpt_command, wait_for, worker
-from test_elastic import GLOBAL_BATCH, STEPS, assert_every_sample_once_per_epoch
+from test_elastic import GLOBAL_BATCH, STEPS, assert_every_sample_once_per_epoch, read_curve
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "cluster"))
 from cluster_support import needs_cluster
@@ -28,12 +28,6 @@ from mpt.cluster import EmulatedCluster
 
 PORT = 29611  # inside the cluster's own namespaces: no port of this machine is touched
 COLLECTIVE_TIMEOUT = 10
-
-
-def curve(out: Path) -> list[tuple[int, int, float]]:
-    path = out / "curve.txt"
-    rows = [line.split() for line in path.read_text().splitlines()] if path.exists() else []
-    return [(int(s), int(w), float(t)) for s, w, _, t in rows if t]
 
 
 @pytest.mark.slow
@@ -53,7 +47,7 @@ def test_a_cut_link_shrinks_the_job_after_the_collective_timeout(tmp_path):
             str(STEPS), "--sleep", "0.5"), env={**os.environ, "OMP_NUM_THREADS": "1"},
             output=log) for node, log in zip(cluster.members, logs, strict=True)]
         try:
-            assert wait_for(lambda: sum(w == 3 for _, w, _ in curve(out)) >= 3, 150), \
+            assert wait_for(lambda: sum(w == 3 for _, w, _, _ in read_curve(out)) >= 3, 150), \
                 "the 3-node world never trained"
             subprocess.run(["ip", "link", "set", cluster.host_end(2), "down"], check=True)
             cut_at = time.time()
@@ -72,9 +66,9 @@ def test_a_cut_link_shrinks_the_job_after_the_collective_timeout(tmp_path):
             "processes of the job outlived it"
     output = "\n".join((tmp_path / f"node{i}.log").read_text()[-3000:] for i in range(3))
     assert codes == [0, 0], output
-    rows = curve(out)
+    rows = read_curve(out)
     assert rows[-1][:2] == (STEPS, 2), output
     assert_every_sample_once_per_epoch(out)
-    first_after = min(t for _, world, t in rows if world == 2 and t > cut_at)
+    first_after = min(t for _, world, _, t in rows if world == 2 and t > cut_at)
     print(f"\nelastic, cut link: 3 -> 2 nodes, cut to next completed step "
           f"{first_after - cut_at:.1f} s (--timeout {COLLECTIVE_TIMEOUT})")

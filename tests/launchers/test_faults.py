@@ -15,7 +15,6 @@ pytest's base temporary directory: ``pytest -s -q tests/launchers/test_faults.py
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import find_free_port, mpt_command, pid_alive, wait_for, worker
+from conftest import find_free_port, launch_env, mpt_command, pid_alive, wait_for, worker
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 from common import make_model
@@ -40,12 +39,6 @@ BACKENDS = {"ddp": ("--backend", "ddp"),
             "deepspeed": ("--backend", "deepspeed", "--zero-stage", "2")}
 EXIT_BOUND = 30.0  # seconds from a fault to the launcher's exit
 TIMEOUT = 5  # --timeout of the hang case
-
-
-def launch_env() -> dict[str, str]:
-    """DeepSpeed's JIT-built op cached in the venv (as tests/backends/test_deepspeed.py does)."""
-    return {**os.environ, "COLUMNS": "200", "TORCH_EXTENSIONS_DIR": os.environ.get(
-        "TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch-extensions"))}
 
 
 @dataclass

@@ -1,10 +1,11 @@
 """One failure, one message: a refusal raised on every rank at ``rt.setup`` reaches the
 console once, then mpt's summary; torch elastic's own report of the failure goes to
-``--log-dir`` (``elastic.node<nr>.log``), and each rank's log keeps its own copy of the error."""
+``--log-dir`` (``elastic.node<nr>.log``), and the error is in the log of a rank that raised it."""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from conftest import run_mpt
 
@@ -36,14 +37,20 @@ def test_a_refusal_on_every_rank_is_printed_once_then_the_summary(tmp_path, free
     assert SUMMARY.fullmatch(lines[2]), lines[2]
 
 
-def test_with_a_log_dir_the_launchers_report_is_kept_there(tmp_path, free_port):
+def launch_with_log_dir(tmp_path: Path, port: int, source: str) -> tuple[list[str], Path]:
+    """`mpt launch --gpus 2 --precision O3 --log-dir` of ``source``, refused (exit 2): its
+    console lines and its log directory."""
     script = tmp_path / "refused.py"
-    script.write_text(REFUSED)
+    script.write_text(source)
     logs = tmp_path / "logs"
-    result = run_mpt("launch", "--gpus", "2", "--master-port", str(free_port), "--precision",
+    result = run_mpt("launch", "--gpus", "2", "--master-port", str(port), "--precision",
                      "O3", "--log-dir", str(logs), str(script))
     assert result.returncode == 2
-    console = (result.stdout + result.stderr).splitlines()
+    return (result.stdout + result.stderr).splitlines(), logs
+
+
+def test_with_a_log_dir_the_launchers_report_is_kept_there(tmp_path, free_port):
+    console, logs = launch_with_log_dir(tmp_path, free_port, REFUSED)
     # Once: from the tee'd rank 0, or from the launcher where the rank that failed first is
     # off the console and rank 0 had not said it (the agent may stop rank 0 before its refusal).
     errors = [line for line in console if "mpt: error" in line]
@@ -55,14 +62,8 @@ def test_with_a_log_dir_the_launchers_report_is_kept_there(tmp_path, free_port):
 
 def test_with_a_log_dir_a_refusal_on_a_rank_off_the_console_is_shown_once(tmp_path, free_port):
     """Rank 1 refuses, rank 0 (the console's) waits for it: the launcher shows rank 1's error."""
-    script = tmp_path / "refused_on_1.py"
-    script.write_text(REFUSED.replace("eps=1e-8", "eps=1e-4 if rt.rank == 0 else 1e-8")
-                      + "rt.barrier()\n")
-    logs = tmp_path / "logs"
-    result = run_mpt("launch", "--gpus", "2", "--master-port", str(free_port), "--precision",
-                     "O3", "--log-dir", str(logs), str(script))
-    assert result.returncode == 2
-    console = (result.stdout + result.stderr).splitlines()
+    console, logs = launch_with_log_dir(tmp_path, free_port, REFUSED.replace(
+        "eps=1e-8", "eps=1e-4 if rt.rank == 0 else 1e-8") + "rt.barrier()\n")
     errors = [line for line in console if "mpt: error" in line]
     assert len(errors) == 1 and errors[0].startswith(ERROR), console
     assert console[-1] == "mpt: rank 1 (node 0, local rank 1) exited with code 2; the job was " \

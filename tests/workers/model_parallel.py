@@ -36,6 +36,7 @@ reference = TwoGPUs(torch.device("cuda", 0), torch.device("cuda", 0))
 reference.load_state_dict(model.state_dict())
 model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
 assert {p.device for p in model.parameters()} == {first, second}, "the halves were moved"
+assert isinstance(model, nn.parallel.DistributedDataParallel), "not wrapped by DDP"
 opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1)
 g = torch.Generator().manual_seed(1)
 for _ in range(STEPS):
