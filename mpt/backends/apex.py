@@ -138,7 +138,8 @@ class ApexDistributedDataParallel(TorchDDP):
         params = [p for p in module.parameters() if p.requires_grad]
         device = params[0].device if params else torch.device("cpu")
         super().__init__(module, device_ids=[device.index] if device.type == "cuda" else None,
-                         **bucket_kwargs(apex_bucket_mb(params, message_size, delay_allreduce)),
+                         **bucket_kwargs(apex_bucket_mb(params, message_size, delay_allreduce),
+                                         small_first=not delay_allreduce),
                          process_group=process_group)
         self.reduce_settings = ReduceSettings(
             allreduce_always_fp32=allreduce_always_fp32, compress_to=compress_to,
@@ -218,7 +219,8 @@ class ApexBackend(DDPBackend):
         if self.comm.compression == "powersgd":
             size = kwargs.get("message_size", APEX_MESSAGE_SIZE)
             delay = bool(kwargs.get("delay_allreduce"))
-            return self.wrap(model, apex_bucket_mb(params, size, delay)), optimizer
+            return self.wrap(model, apex_bucket_mb(params, size, delay),
+                             small_first=not delay), optimizer
         compress_to = CAST_DTYPES.get(self.comm.compression)
         return ApexDistributedDataParallel(model, compress_to=compress_to, **kwargs), optimizer
 

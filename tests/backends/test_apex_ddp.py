@@ -50,8 +50,10 @@ def test_apex_knobs_give_plain_ddp_gradients_on_two_ranks(tmp_path, free_port):
             torch.testing.assert_close(got, 2 * want, rtol=1e-6, atol=1e-6)
         assert results["apex defaults"]["allreduces"] == 1  # a small model fits one bucket
         # message_size cuts a 6-layer stack into one bucket per layer; delay_allreduce keeps
-        # every gradient in one bucket, reduced once backward is done
-        assert r["buckets"] == {"message_size 40": 6, "delay_allreduce": 1}
+        # every gradient in one bucket, reduced once backward is done; the first bucket is
+        # torch DDP's 1 MiB, so the allreduce starts with backward's first gradients
+        assert r["buckets"] == {"message_size 40": 6, "delay_allreduce": 1,
+                                "message_size 2 MiB": 2}
     for p0, p1 in zip(ranks[0]["trained"], ranks[1]["trained"], strict=True):
         assert torch.equal(p0, p1)
 

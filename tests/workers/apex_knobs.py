@@ -65,6 +65,15 @@ for name, knobs in {"message_size 40": {"message_size": 40},
         before = ddp.reduce_settings.buckets_reduced
         ddp(xs).sum().backward()
     buckets[name] = ddp.reduce_settings.buckets_reduced - before
+# Four layers of 0.61 MiB, message_size 2 MiB: the first bucket (the last layers' gradients)
+# closes at torch's 1 MiB, the rest at 2 MiB: two buckets, not one.
+torch.manual_seed(0)
+ddp = ApexDistributedDataParallel(nn.Sequential(*[nn.Linear(400, 400) for _ in range(4)]),
+                                  message_size=2 * 2**20 // 4)
+for _ in range(3):
+    before = ddp.reduce_settings.buckets_reduced
+    ddp(torch.ones(2, 400)).sum().backward()
+buckets["message_size 2 MiB"] = ddp.reduce_settings.buckets_reduced - before
 torch.save({"results": results, "buckets": buckets, "launched": launched_knobs,
             "trained": trained, "wrapper": type(model).__name__, "backend": rt.backend.name},
            out / f"rank{rt.rank}.pt")
