@@ -257,8 +257,8 @@ class HorovodBackend(Backend):
 
     def _reduce(self, optimizer: torch.optim.Optimizer) -> None:
         """Average ``optimizer``'s gradients over the ranks, once per step."""
-        if id(optimizer) in self._reduced:
-            return
+        if id(optimizer) in self._reduced or self.world.world_size == 1:
+            return  # one process: nothing to average (hvd.DistributedOptimizer skips it too)
         self._reduced.add(id(optimizer))
         hvd = self._require()
         ops = {"average": hvd.Average, "sum": hvd.Sum, "adasum": hvd.Adasum}

@@ -143,3 +143,25 @@ def test_bf16_parameters_and_bad_options_are_one_clear_error():
     with pytest.raises(UsageError, match="adasum"):
         Runtime(backend="horovod", backend_options={"op": "max"}, env={})
     rt.close()
+
+
+def test_one_process_steps_on_its_own_gradients_as_horovod_does():
+    """A world of one reduces nothing, as hvd.DistributedOptimizer (no hooks at size 1): its
+    gradients are not cast to fp16 and back under --grad-compression fp16."""
+    from mpt import Runtime
+
+    rt = Runtime(backend="horovod", grad_compression="fp16", env={})
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    twin = torch.nn.Linear(4, 2)
+    twin.load_state_dict(model.state_dict())
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    x = torch.randn(3, 4)
+    rt.backward(model(x).pow(2).sum() / 3)
+    rt.step()
+    plain = torch.optim.SGD(twin.parameters(), lr=1.0)
+    (twin(x).pow(2).sum() / 3).backward()
+    plain.step()
+    for got, want in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(got, want)
+    rt.close()
