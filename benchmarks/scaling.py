@@ -78,17 +78,22 @@ def tx_bytes() -> int:
         return 0
 
 
-def raw_side(backend: str, model, rt):
-    """The library by hand on ``model`` (a twin of mpt's): a step function."""
+def raw_side(backend: str, model, rt, compression: str, bucket_mb: float | None):
+    """The library by hand on ``model`` (a twin of mpt's), its gradients reduced in
+    ``compression``'s dtype (``none``, ``fp16``, ``bf16``), DDP's buckets capped at
+    ``bucket_mb`` (Horovod's fusion threshold and DeepSpeed's buckets are the ones mpt set in
+    the same process): a step function."""
     import torch
     from torch import nn
+
+    wire = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(compression)
 
     loss_fn = nn.MSELoss() if isinstance(model, nn.Sequential) else nn.CrossEntropyLoss()
 
     def sgd_step(module, opt):
         """The plain loop's step, on ``module`` (a DDP wrapper, a sharded or a plain model)."""
         def step(x, y) -> None:
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad()  # to None (torch's default; Horovod's wrapper takes no argument)
             loss_fn(module(x), y).backward()
             opt.step()
         return step
@@ -96,7 +101,13 @@ def raw_side(backend: str, model, rt):
     if rt.world_size == 1:  # one process: the raw job is plain torch, whatever the library
         return sgd_step(model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9))
     if backend in ("ddp", "apex"):
-        ddp = nn.parallel.DistributedDataParallel(model)
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp = nn.parallel.DistributedDataParallel(
+            model, **({} if bucket_mb is None else {"bucket_cap_mb": bucket_mb}))
+        if wire is not None:  # torch's own hooks: cast each bucket, reduce, cast back
+            ddp.register_comm_hook(None, {torch.float16: default_hooks.fp16_compress_hook,
+                                          torch.bfloat16: default_hooks.bf16_compress_hook}[wire])
         return sgd_step(ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9))
     if backend == "horovod":
         import horovod.torch as hvd
@@ -104,7 +115,8 @@ def raw_side(backend: str, model, rt):
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         return sgd_step(model, hvd.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9),
-            named_parameters=model.named_parameters()))
+            named_parameters=model.named_parameters(),
+            compression=hvd.Compression.fp16 if compression == "fp16" else hvd.Compression.none))
     if backend == "deepspeed":
         import deepspeed
 
@@ -118,16 +130,38 @@ def raw_side(backend: str, model, rt):
         return step
     if backend == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         from mpt.backends.fsdp import units
 
         mesh = init_device_mesh("cpu", (rt.world_size,))
+        policy = MixedPrecisionPolicy(reduce_dtype=wire)
         for unit in units(model, None):
-            fully_shard(unit, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(unit, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         return sgd_step(model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9))
     raise SystemExit(f"no raw loop for backend {backend}")
+
+
+def allreduce_alone(rt, params: int, compression: str) -> float | None:
+    """Median seconds of one allreduce of ``params`` values in the dtype the gradients travel
+    in, through the backend's own collective (Horovod's, or torch's group), the slowest rank's:
+    what the link and the library's transport take for the gradients with nothing else running.
+    None on one node."""
+    import torch
+
+    if rt.world_size == 1:
+        return None
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(compression, torch.float32)
+    tensor = torch.ones(params, dtype=dtype)
+    times = []
+    for _ in range(3):
+        rt.barrier()
+        started = time.perf_counter()
+        rt.all_reduce(tensor, op="sum")
+        times.append(torch.tensor([time.perf_counter() - started]))
+        rt.all_reduce(times[-1], op="max")
+    return statistics.median(float(t) for t in times)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -154,7 +188,8 @@ def worker(args: argparse.Namespace) -> None:
         rt.backward(loss)
         rt.step()
 
-    sides = {"mpt": mpt_step, "raw": raw_side(rt.backend.name, twin, rt)}
+    sides = {"mpt": mpt_step, "raw": raw_side(rt.backend.name, twin, rt, args.compression,
+                                       args.bucket_mb)}
     data = batches(args.model, rt.rank, args.steps)
     times: dict[str, list[float]] = {"mpt": [], "raw": []}
     sent: dict[str, list[float]] = {"mpt": [], "raw": []}
@@ -175,8 +210,10 @@ def worker(args: argparse.Namespace) -> None:
             if rt.world_size > 1:  # the job steps at its slowest rank
                 dist.all_reduce(worst, op=dist.ReduceOp.MAX)
             times[name] += worst.tolist()
+    allreduce = allreduce_alone(rt, params, args.compression)
     if rt.rank == 0:
         Path(args.worker).write_text(json.dumps({
+            "allreduce": allreduce,
             "grad_bytes": grad_bytes, "world_size": rt.world_size,
             "params": params,
             "threads": torch.get_num_threads(),
@@ -185,28 +222,34 @@ def worker(args: argparse.Namespace) -> None:
     rt.close()
 
 
-def run_cell(model: str, backend: str, nodes: int, rate: str, args: argparse.Namespace,
-             out: Path) -> dict | None:
-    """One job on a fresh emulated cluster; its worker's JSON, or None (with the nodes' output
-    printed) when it failed."""
+def run_cell(model: str, backend: str, compression: str, nodes: int, rate: str,
+             args: argparse.Namespace, out: Path) -> dict | None:
+    """One job on a fresh emulated cluster; its worker's JSON, or None (with the refusal's line,
+    or the nodes' output, printed) when it did not run."""
     from mpt.cluster import EmulatedCluster, LinkShape, launch_command, run_nodes
 
-    result = out / f"{model}-{backend}-{nodes}-{rate}.json"
+    name = f"{model} {backend} {compression} {nodes} node(s) {rate}"
+    result = out / f"{model}-{backend}-{compression}-{nodes}-{rate}.json"
     result.unlink(missing_ok=True)
     worker_args = ["--worker", str(result), "--model", model, "--steps", str(args.steps),
-                   "--rounds", str(args.rounds)]
+                   "--rounds", str(args.rounds), "--compressions", compression]
+    bucket = [] if args.bucket_mb is None else ["--bucket-mb", str(args.bucket_mb)]
     with EmulatedCluster(nodes=nodes, shape=LinkShape(rate=rate)) as cluster:
-        commands = [launch_command(cluster, nr, Path(__file__).resolve(), worker_args,
-                                   launch_args=["--backend", backend])
+        commands = [launch_command(cluster, nr, Path(__file__).resolve(),
+                                   [*worker_args, *bucket],
+                                   launch_args=["--backend", backend,
+                                                "--grad-compression", compression, *bucket])
                     for nr in range(nodes)]
         run = run_nodes(cluster, commands, timeout=args.timeout, cwd=str(ROOT),
                         env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
-    if not run.ok or not result.exists():
-        print(f"  {model} {backend} {nodes} node(s) {rate}: failed\n{run.report()[-3000:]}",
-              flush=True)
+    if run.nodes[0].exit_code == 2:  # refused before start: the launcher's one line
+        print(f"  {name}: {run.nodes[0].output.strip().splitlines()[-1]}", flush=True)
         return None
-    return {"model": model, "backend": backend, "nodes": nodes, "rate": rate,
-            "seconds": run.seconds, **json.loads(result.read_text())}
+    if not run.ok or not result.exists():
+        print(f"  {name}: failed\n{run.report()[-3000:]}", flush=True)
+        return None
+    return {"model": model, "backend": backend, "compression": compression, "nodes": nodes,
+            "rate": rate, "seconds": run.seconds, **json.loads(result.read_text())}
 
 
 def rate_bits(rate: str) -> float:
@@ -216,42 +259,58 @@ def rate_bits(rate: str) -> float:
 
 
 def analyse(cells: list[dict]) -> list[dict]:
-    """Each cell with samples/s, efficiency, the two bounds, overlap and mpt/raw."""
-    by = {(c["model"], c["backend"], c["nodes"], c["rate"]): c for c in cells}
+    """Each cell with samples/s, efficiency, the bounds, the overlaps, compressed/uncompressed
+    and mpt/raw."""
+    by = {(c["model"], c["backend"], c["compression"], c["nodes"], c["rate"]): c for c in cells}
     one = {(c["model"], c["backend"]): c for c in cells if c["nodes"] == 1}
     rows = []
     for c in cells:
         n, bits = c["nodes"], rate_bits(c["rate"])
+        key = (c["model"], c["backend"], c["compression"], n)
+        wire = c["grad_bytes"] // (2 if c["compression"] in ("fp16", "bf16") else 1)
         row = {**c, "samples_per_s": n * BATCH / c["mpt_step"], "ratio": c["mpt_step"] /
-               c["raw_step"], "ring_bound": 2 * (n - 1) / n * c["grad_bytes"] * 8 / bits,
+               c["raw_step"], "ring_bound": 2 * (n - 1) / n * wire * 8 / bits,
                "sent_bound": c["mpt_tx_per_step"] * 8 / bits}
         base = one.get((c["model"], c["backend"]))
         if base is not None:
             row["efficiency"] = base["mpt_step"] / c["mpt_step"]  # (N/T_N) / (N x 1/T_1)
-        compute = by.get((c["model"], c["backend"], n, UNSHAPED))
-        if n > 1 and compute is not None and c["rate"] != UNSHAPED:
-            t_c, t_r = compute["mpt_step"], row["sent_bound"]
-            row["overlap"] = (t_c + t_r - c["mpt_step"]) / min(t_c, t_r)
+        uncompressed = by.get((c["model"], c["backend"], "none", n, c["rate"]))
+        if n > 1 and c["compression"] != "none" and uncompressed is not None:
+            row["vs_none"] = c["mpt_step"] / uncompressed["mpt_step"]
+        if n > 1 and c["rate"] != UNSHAPED:
+            if base is not None:  # the issue's: one-node compute against the ring bound
+                t_1, t_r = base["mpt_step"], row["ring_bound"]
+                row["overlap_issue"] = (t_1 + t_r - c["mpt_step"]) / min(t_1, t_r)
+                # ... and its value were the step no longer than the gradients' allreduce alone
+                row["overlap_ceiling"] = (t_1 + t_r - c["allreduce"]) / min(t_1, t_r)
+            compute = by.get((*key, UNSHAPED))
+            if compute is not None:  # compute with the CPU sharing of N nodes, bytes sent
+                t_c, t_s = compute["mpt_step"], row["sent_bound"]
+                row["overlap"] = (t_c + t_s - c["mpt_step"]) / min(t_c, t_s)
         rows.append(row)
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    def f(value: float | None, fmt: str) -> str:
-        return "" if value is None else format(value, fmt)
+    def f(row: dict, key: str, fmt: str) -> str:
+        return "" if row.get(key) is None else format(row[key], fmt)
 
-    lines = ["| model | backend | nodes | link | step (s) | samples/s | efficiency | ring bound "
-             "(s) | sent/rate (s) | overlap | mpt/raw |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in sorted(rows, key=lambda r: (r["model"], r["backend"], r["nodes"],
-                                         rate_bits(r["rate"]))):
-        link = "-" if r["nodes"] == 1 else ("unshaped" if r["rate"] == UNSHAPED else r["rate"])
-        lines.append(f"| {r['model']} | {r['backend']} | {r['nodes']} | {link} | "
-                     f"{r['mpt_step']:.3f} | {r['samples_per_s']:.1f} | "
-                     f"{f(r.get('efficiency'), '.2f')} | "
-                     f"{f(r['ring_bound'] if r['nodes'] > 1 else None, '.3f')} | "
-                     f"{f(r['sent_bound'] if r['nodes'] > 1 else None, '.3f')} | "
-                     f"{f(r.get('overlap'), '.2f')} | {r['ratio']:.3f} |")
+    lines = ["| model | backend | compression | nodes | link | step (s) | samples/s | efficiency "
+             "| ring bound (s) | sent/rate (s) | allreduce alone (s) | overlap (issue) | its "
+             "ceiling | overlap (CPU-shared) | vs none | mpt/raw |",
+             "| --- " * 16 + "|"]
+    for r in sorted(rows, key=lambda r: (r["model"], r["backend"], r["compression"],
+                                         r["nodes"], rate_bits(r["rate"]))):
+        many = r["nodes"] > 1
+        link = "unshaped" if r["rate"] == UNSHAPED else r["rate"]
+        lines.append(f"| {r['model']} | {r['backend']} | {r['compression'] if many else '-'} | "
+                     f"{r['nodes']} | {link if many else '-'} | {r['mpt_step']:.3f} | "
+                     f"{r['samples_per_s']:.1f} | {f(r, 'efficiency', '.2f')} | "
+                     f"{format(r['ring_bound'], '.3f') if many else ''} | "
+                     f"{format(r['sent_bound'], '.3f') if many else ''} | "
+                     f"{f(r, 'allreduce', '.3f')} | {f(r, 'overlap_issue', '.2f')} | "
+                     f"{f(r, 'overlap_ceiling', '.2f')} | {f(r, 'overlap', '.2f')} | "
+                     f"{f(r, 'vs_none', '.3f')} | {r['ratio']:.3f} |")
     return "\n".join(lines)
 
 
@@ -265,18 +324,30 @@ def plot(rows: list[dict], path: Path) -> None:
     models = sorted({r["model"] for r in rows})
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
-        lines = sorted({(r["backend"], r["rate"]) for r in rows
+        lines = sorted({(r["backend"], r["compression"], r["rate"]) for r in rows
                         if r["model"] == model and r["nodes"] > 1})
-        for backend, rate in lines:
+        for backend, compression, rate in lines:
             points = sorted((r["nodes"], r["efficiency"]) for r in rows
                             if r["model"] == model and r["backend"] == backend and
-                            "efficiency" in r and (r["nodes"] == 1 or r["rate"] == rate))
-            ax.plot(*zip(*points, strict=True), marker="o", label=f"{backend} {rate}")
+                            "efficiency" in r and (r["nodes"] == 1 or (
+                                r["rate"] == rate and r["compression"] == compression)))
+            label = backend + ("" if compression == "none" else f" {compression}")
+            ax.plot(*zip(*points, strict=True), marker="o", label=f"{label} {rate}")
         ax.set(title=model, xlabel="nodes", ylabel="scaling efficiency", ylim=(0, 1.1))
         if lines:
             ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
+
+
+def cell_keys(args: argparse.Namespace) -> list[tuple[str, str, str, int, str]]:
+    """(model, backend, compression, nodes, rate) of every cell: one node reduces nothing, so
+    it runs once per backend, uncompressed, with no link to shape."""
+    return [(model, backend, compression, nodes, rate)
+            for model in args.model.split(",") for backend in args.backends.split(",")
+            for nodes in map(int, args.nodes.split(","))
+            for compression in (args.compression.split(",") if nodes > 1 else ["none"])
+            for rate in (args.rates.split(",") if nodes > 1 else [UNSHAPED])]
 
 
 def main() -> None:
@@ -286,6 +357,10 @@ def main() -> None:
     parser.add_argument("--backends", default="ddp,apex,horovod,deepspeed,fsdp")
     parser.add_argument("--nodes", default="1,2,4")
     parser.add_argument("--rates", default=f"1gbit,10gbit,{UNSHAPED}")
+    parser.add_argument("--compressions", dest="compression", default="none,bf16",
+                        help="--grad-compression values (a backend's refusal skips its cell)")
+    parser.add_argument("--bucket-mb", type=float, help="--bucket-mb of every cell (and the "
+                        "raw DDP's bucket cap); default: each library's own")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per side per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=600, help="seconds per cell")
@@ -304,16 +379,13 @@ def main() -> None:
           f"node, batch {BATCH}/process, fp32, {args.steps} steps x {args.rounds} rounds per "
           "side", flush=True)
     cells = []
-    for model in args.model.split(","):
-        for backend in args.backends.split(","):
-            for nodes in map(int, args.nodes.split(",")):
-                for rate in (args.rates.split(",") if nodes > 1 else [UNSHAPED]):
-                    cell = run_cell(model, backend, nodes, rate, args, args.out)
-                    if cell is not None:
-                        cells.append(cell)
-                        print(f"  {model} {backend} {nodes} node(s) {rate}: mpt "
-                              f"{cell['mpt_step']:.3f} s, raw {cell['raw_step']:.3f} s "
-                              f"({cell['seconds']:.0f} s)", flush=True)
+    for model, backend, compression, nodes, rate in cell_keys(args):
+        cell = run_cell(model, backend, compression, nodes, rate, args, args.out)
+        if cell is not None:
+            cells.append(cell)
+            print(f"  {model} {backend} {compression} {nodes} node(s) {rate}: mpt "
+                  f"{cell['mpt_step']:.3f} s, raw {cell['raw_step']:.3f} s "
+                  f"({cell['seconds']:.0f} s)", flush=True)
     rows = analyse(cells)
     (args.out / "results.json").write_text(json.dumps(rows, indent=1))
     print(table(rows))
