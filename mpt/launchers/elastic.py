@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -19,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import FrameType
+from typing import NoReturn
 
 from torch.distributed import DistError
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -30,6 +32,7 @@ from mpt.elastic import ELASTIC_AGENT_ENV, below_min, rendezvous_configs
 from mpt.environments.settings import FAILURE_DIR, LAUNCHER_PID
 from mpt.fault import REQUEUE_EXIT_CODE, Beat, StallWatch, read_beats, suspects
 from mpt.fault.heartbeat import WAITING_PHASES
+from mpt.fault.link import RendezvousWatch
 from mpt.fault.preemption import PREEMPT_SIGNAL
 from mpt.launchers.horovod_join import HorovodRendezvous
 from mpt.launchers.local_rank import LOCAL_RANK_HINT
@@ -237,11 +240,29 @@ def agent_log(spec: LaunchSpec) -> Iterator[None]:
         logger.propagate = saved[1]
 
 
+def abandon(spec: LaunchSpec, seconds: float, report: Callable[[str], None],
+            folders: Sequence[str | None]) -> NoReturn:
+    """End this node, cut off from the rendezvous (``RendezvousWatch``): its agent is blocked
+    in a store request that never returns, so the process ends here, with this launch's
+    folders removed; its workers die with it (they are bound to this process)."""
+    report(f"mpt: this node cannot reach the rendezvous at {spec.master_addr}:"
+           f"{spec.master_port} for {seconds:.0f} s (--rdzv-timeout {spec.rdzv_timeout}): it is "
+           "cut off from the job; ending its processes (the other nodes go on without it where "
+           "--nodes allows)")
+    for folder in folders:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
 def run(spec: LaunchSpec, report: Callable[[str], None],
         runtime_flags: Sequence[str] = ()) -> Outcome:
     """Run this node's share of the job to the end. ``report`` gets the stall warnings of the
     heartbeat watch while it runs. ``runtime_flags``: the flags given that only an
     ``mpt.Runtime`` applies, reported when the script never made one."""
+    own_store = spec.run.snapshot_dir is None  # a store snapshot_store makes is ours
     with agent_log(spec), tempfile.TemporaryDirectory(prefix="mpt-launch-") as scratch, \
             snapshot_store(spec) as spec:
         # A Horovod script's hvd.init() joins us (a static job's: Horovod's world is fixed).
@@ -251,6 +272,10 @@ def run(spec: LaunchSpec, report: Callable[[str], None],
         os.environ.update({**worker_env(spec, scratch), **rendezvous.env(),
                            **(ELASTIC_AGENT_ENV if spec.elastic else {})})
         watch = StallWatch(scratch, spec.heartbeat_timeout, report)
+        cut_off = None if spec.nodes == 1 else RendezvousWatch(
+            (spec.master_addr, spec.master_port), spec.rdzv_timeout,
+            lambda seconds: abandon(spec, seconds, report,
+                                    [scratch, *([spec.run.snapshot_dir] if own_store else [])]))
         preemption = PreemptionRelay()
         try:
             elastic_launch(torch_launch_config(spec), sys.executable)(*spec.worker_args())
@@ -283,6 +308,8 @@ def run(spec: LaunchSpec, report: Callable[[str], None],
         finally:
             preemption.restore()
             watch.stop()
+            if cut_off is not None:
+                cut_off.stop()
             rendezvous.stop()
         unused = unapplied_flags(runtime_flags, Note.read_all(scratch))
     return Outcome(0, () if unused is None else (unused,))
