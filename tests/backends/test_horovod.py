@@ -155,7 +155,7 @@ def test_one_process_steps_on_its_own_gradients_as_horovod_does():
     model = torch.nn.Linear(4, 2)
     twin = torch.nn.Linear(4, 2)
     twin.load_state_dict(model.state_dict())
-    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    model, _ = rt.setup(model, torch.optim.SGD(model.parameters(), lr=1.0))
     x = torch.randn(3, 4)
     rt.backward(model(x).pow(2).sum() / 3)
     rt.step()

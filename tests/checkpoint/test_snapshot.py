@@ -1,6 +1,6 @@
 """``--snapshot-every``: in-memory snapshots kept on two nodes, and what a resume takes from them.
 
-Real `mpt launch` jobs of tests/workers/elastic_train.py (gloo, CPU); the resumes (3 jobs) run in
+Real `mpt launch` jobs of tests/workers/elastic_train.py (gloo, CPU); the resumes run in
 `make conformance`:
 
 - two one-process nodes on 127.0.0.1 take a snapshot after each of 4 steps (a checkpoint on
@@ -8,7 +8,8 @@ Real `mpt launch` jobs of tests/workers/elastic_train.py (gloo, CPU); the resume
 - a 2-process job on the second node's store alone (the first node's memory is gone) resumes
   from the snapshot of step 4, not from the disk's step 3, and trains on as the uninterrupted
   run would have;
-- with neither copy left (an empty store), the same job resumes from the disk's step 3.
+- with neither copy left (an empty store), the same job resumes from the disk's step 3;
+- a two-stage pipeline's snapshot resumes with two stages and with none, on its curve.
 
 The elastic cases (a lost node, at most one step redone) are in tests/launchers/test_elastic.py.
 """
@@ -30,12 +31,15 @@ from mpt.errors import UsageError
 FLAGS = ("--global-batch-size", "12")
 
 
-def launch(out: Path, ck: Path, store: Path, steps: int) -> str:
-    """One 2-process job of elastic_train.py with a snapshot after every step; its output."""
-    done = run_mpt("launch", "--gpus", "2", "--master-port", "auto", *FLAGS,
+def launch(out: Path, ck: Path, store: Path, steps: int, *flags: str) -> str:
+    """One 2-process job of elastic_train.py with a snapshot after every step (``flags``: more
+    launch flags; a pipeline's make the script train through rt.forward_backward); its
+    output."""
+    script = ("--forward-backward",) if "--pipeline-stages" in flags else ()
+    done = run_mpt("launch", "--gpus", "2", "--master-port", "auto", *FLAGS, *flags,
                    "--checkpoint-dir", str(ck), "--snapshot-every", "1", "--snapshot-dir",
                    str(store), worker("elastic_train.py"), str(out), "--steps", str(steps),
-                   "--save-every", "3", "--sleep", "0", timeout=240)
+                   "--save-every", "3", "--sleep", "0", *script, timeout=240)
     assert done.returncode == 0, done.stderr[-4000:]
     return done.stdout + done.stderr
 
@@ -94,6 +98,30 @@ def test_a_resume_takes_a_snapshot_newer_than_the_disk_and_else_the_disk(two_nod
         got = curve(out)
         assert sorted(got) == list(range(restored + 1, 9))
         assert max(abs(got[s] - reference[s]) for s in got) <= 1e-6
+
+
+@pytest.mark.slow
+def test_a_pipelines_snapshot_resumes_at_two_stages_and_at_one(tmp_path):
+    """Two stages (2 processes, --pipeline-stages 2): each stage's weights are gathered into
+    the snapshot under the model's names; a job resumed from it, with two stages or none (2
+    replicas), goes on as the uninterrupted two-stage run (the disk holds step 3 only)."""
+    pipeline = ("--pipeline-stages", "2", "--microbatches", "2")
+    reference = tmp_path / "uninterrupted"
+    reference.mkdir()
+    launch(reference, tmp_path / "ck-u", tmp_path / "memory-u", 8, *pipeline)
+    first = tmp_path / "first"
+    first.mkdir()
+    launch(first, tmp_path / "ck", tmp_path / "memory", 4, *pipeline)
+    for case, flags in (("two stages", pipeline), ("one stage", ())):
+        out = tmp_path / case
+        out.mkdir()
+        said = launch(out, shutil.copytree(tmp_path / "ck", tmp_path / f"ck {case}"),
+                      shutil.copytree(tmp_path / "memory", tmp_path / f"memory {case}"), 8,
+                      *flags)
+        assert "mpt: resumed from memory://mpt-snapshot/step-000000004 at step 4" in said, case
+        got, want = curve(out), curve(reference)
+        assert sorted(got) == [5, 6, 7, 8], case
+        assert max(abs(got[s] - want[s]) for s in got) <= 1e-6, case
 
 
 def test_pack_and_unpack_keep_every_file():

@@ -1,6 +1,7 @@
 """The training loop of the elastic tests (tests/launchers/test_elastic.py): one per node count.
 
 usage: elastic_train.py OUT [--steps N] [--stop-at K] [--sleep SECONDS] [--save-every N]
+                        [--forward-backward]
 
 fp32 Adam on a fixed shuffled dataset through ``rt.setup_dataloader``, built with
 ``batch_size=rt.batch_size`` (the per-rank share of `mpt launch --global-batch-size`), a save to
@@ -46,6 +47,8 @@ parser.add_argument("--steps", type=int, default=10)
 parser.add_argument("--stop-at", type=int, default=0)
 parser.add_argument("--sleep", type=float, default=0.2, help="seconds added to every step")
 parser.add_argument("--save-every", type=int, default=1, help="steps between saves (0: none)")
+parser.add_argument("--forward-backward", action="store_true",
+                    help="train through rt.forward_backward (what --pipeline-stages needs)")
 args = parser.parse_args(sys.argv[1:])
 out: Path = args.out
 
@@ -70,8 +73,11 @@ last = args.stop_at or args.steps
 with open(out / "curve.txt", "a") as curve, open(out / f"seen-rank{rt.rank}.txt", "a") as seen:
     while step < last:
         for x, y, index in loader:
-            loss = nn.functional.mse_loss(model(x), y)
-            rt.backward(loss)
+            if args.forward_backward:  # the batch's loss, on every rank, under a pipeline too
+                loss = rt.forward_backward(x, y, nn.functional.mse_loss)
+            else:
+                loss = nn.functional.mse_loss(model(x), y)
+                rt.backward(loss)
             rt.step()
             step += 1
             mean = rt.all_reduce(loss.detach().clone(), "mean")
