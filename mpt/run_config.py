@@ -75,9 +75,10 @@ class RunConfig:
         "A backend that cannot do it refuses it before start.", parse=parse_compression,
         metavar="KIND")
     bucket_mb: float | None = _setting(
-        None, "Gradient MiB per collective (0: one per gradient): DDP's bucket cap, Apex's "
-        "message size, Horovod's fusion threshold, DeepSpeed's reduce/allgather buckets (ZeRO "
-        "1-3); default: the backend's.", parse=parse_bucket_mb, metavar="MIB")
+        None, "Gradient MiB per collective (0: one per gradient): DDP's bucket cap (its first "
+        "bucket keeps torch's 1 MiB, so the first allreduce starts early), Apex's message size, "
+        "Horovod's fusion threshold, DeepSpeed's reduce/allgather buckets (ZeRO 1-3); default: "
+        "the backend's.", parse=parse_bucket_mb, metavar="MIB")
     global_batch_size: int | None = _setting(
         None, "Samples per optimizer step over all processes; per-rank batch and accumulation "
         "follow (rt.batch_size, rt.accumulate).", parse=parse_int, metavar="B")
