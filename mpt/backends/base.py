@@ -252,12 +252,13 @@ class Backend(ABC):
         """Move ``model`` to this rank's device, before ``setup``.
 
         A model on the meta device has no weights to move: only a backend that materialises it
-        piece by piece (fsdp) takes one.
+        piece by piece (fsdp, a pipeline) takes one.
         """
         if on_meta(model):
             raise UsageError("model", type(model).__name__, f"it is on the meta device, and "
                              f"--backend {self.name} needs its weights", "build it on the CPU, "
-                             "or use --backend fsdp, which initialises it one unit at a time")
+                             "or use --backend fsdp, which initialises it one unit at a time, "
+                             "or --pipeline-stages, which initialises each rank's stage only")
         if len(devices_of(model)) > 1:
             return model  # its parts placed on several GPUs by the script: left where they are
         return model.to(self.device)

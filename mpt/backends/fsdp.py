@@ -11,7 +11,7 @@ for the one, and reduces each unit's gradients in one collective instead of buck
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -20,6 +20,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from mpt.backends.base import Availability, BackendOption, holds, on_meta
 from mpt.backends.ddp import CAST_DTYPES, DDPBackend
+from mpt.backends.meta import check_materialisable, materialise, rank0_random_state
 from mpt.comm import GradComm
 from mpt.errors import UsageError
 from mpt.estimate import MemoryEstimate, parameter_counts
@@ -214,7 +215,9 @@ class FSDPBackend(DDPBackend):
         shards = [(norm, kept) for norm in norms]
         shards += [(unit, cast) for unit in [*units(model, self.option_values["wrap"]), model]
                    if unit not in norms]
-        with self._materialising(model) if meta else contextlib.nullcontext():
+        if meta:
+            check_materialisable(model)
+        with rank0_random_state(self) if meta else contextlib.nullcontext():
             for unit, policy in shards:
                 if meta:
                     self._materialise(unit)
@@ -227,48 +230,14 @@ class FSDPBackend(DDPBackend):
     def place(self, model: nn.Module) -> nn.Module:
         return model if on_meta(model) else super().place(model)  # materialised in setup
 
-    @contextlib.contextmanager
-    def _materialising(self, model: nn.Module) -> Iterator[None]:
-        """Initialise from rank 0's CPU random state, so every rank draws the same weights (and
-        the same as a model built on the CPU after the same seed); other ranks keep their own
-        state afterwards."""
-        missing = [name or type(model).__name__ for name, m in model.named_modules()
-                   if on_meta(m, recurse=False) and not hasattr(m, "reset_parameters")]
-        tied = len(list(model.named_parameters(remove_duplicate=False))) != len(
-            list(model.named_parameters()))
-        if tied:  # materialised module by module, a tie would silently come apart
-            raise UsageError("model", type(model).__name__, "it ties weights between modules, "
-                             "which materialising it on the meta device would untie",
-                             "build it on the CPU")
-        if missing:
-            raise UsageError("model", ", ".join(missing[:3]), "these modules on the meta device "
-                             "have weights or buffers but no reset_parameters() to initialise "
-                             "them", "give them a reset_parameters(), or build the model on "
-                             "the CPU")
-        own = torch.get_rng_state()
-        torch.set_rng_state(self.broadcast_object(own if self.world.rank == 0 else None))
-        try:
-            yield
-        finally:
-            if self.world.rank != 0:
-                torch.set_rng_state(own)
-
     def _materialise(self, unit: nn.Module) -> None:
-        """The weights of ``unit`` that no unit inside it took, whole, initialised on the CPU
-        by their modules' ``reset_parameters`` (in module order, as construction does), then
-        moved where they train; ``fully_shard`` then keeps this rank's piece only."""
+        """The weights of ``unit`` that no unit inside it took, whole, initialised in module
+        order (``mpt.backends.meta``) and moved where they train; ``fully_shard`` then keeps
+        this rank's piece only."""
         target = torch.device("cpu") if self.option_values["cpu_offload"] else self.device
         for module in unit.modules():
-            if not on_meta(module, recurse=False):
-                continue
-            module.to_empty(device="cpu", recurse=False)
-            with torch.no_grad():
-                module.reset_parameters()
-            for name, param in list(module.named_parameters(recurse=False)):
-                setattr(module, name, nn.Parameter(param.to(target),
-                                                   requires_grad=param.requires_grad))
-            for name, buffer in list(module.named_buffers(recurse=False)):
-                setattr(module, name, buffer.to(target))
+            if on_meta(module, recurse=False):
+                materialise(module, target)
 
     def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
         # Off: backward keeps unsharded gradients and reduce-scatters nothing until the last

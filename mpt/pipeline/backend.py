@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mpt.backends.base import Backend, Topology
+from mpt.backends.base import Backend, Topology, on_meta
 from mpt.backends.ddp import CAST_DTYPES, DEFAULT_BUCKET_MB
+from mpt.backends.meta import check_materialisable, materialise, rank0_random_state
 from mpt.environments import World
 from mpt.errors import UsageError
 from mpt.pipeline.config import PipelinePlan
@@ -63,6 +64,7 @@ class PipelineBackend(Backend):
         self._ties: list[tuple[nn.Parameter, Any]] = []  # shared across stages: (param, group)
         self._aliases: dict[str, str] = {}  # a shared parameter's name here -> its owner's
         self._not_owned: set[int] = set()  # ids of shared parameters another stage owns
+        self._materialised: dict[int, nn.Parameter] = {}  # id of a meta parameter -> its own
 
     # -- life cycle ---------------------------------------------------------------------------
     def init_process_group(self) -> None:
@@ -79,10 +81,31 @@ class PipelineBackend(Backend):
             raise UsageError("model", type(model).__name__, "a pipeline trains one model with "
                              "an optimizer", "set up models without an optimizer (EMA, "
                              "teachers) without --pipeline-stages")
+        meta = on_meta(model)
+        if meta:
+            check_materialisable(model)
         chunks = stage_blocks(model, self.plan.chunks, self.plan.split)
         self._tie(chunks)
-        mine = [chunks[chunk] for chunk in self.plan.chunks_of(self.layout.stage)]
-        return self.inner.place(Stage(mine))
+        stage = Stage([chunks[chunk] for chunk in self.plan.chunks_of(self.layout.stage)])
+        if meta:
+            self._materialise(model, stage)
+        return self.inner.place(stage)
+
+    def _materialise(self, model: nn.Module, stage: Stage) -> None:
+        """Give a model built on the meta device the weights a CPU build would have drawn
+        (``mpt.backends.meta``), keeping only this rank's stage: another stage's module goes
+        back to the meta device as soon as it has drawn its numbers (every rank draws them
+        all, in order, to reach its own)."""
+        kept = {id(module) for module in stage.modules()}
+        meta_params = dict(stage.named_parameters())
+        with rank0_random_state(self.inner):
+            for module in model.modules():
+                if on_meta(module, recurse=False):
+                    materialise(module, "cpu")
+                    if id(module) not in kept:
+                        module.to_empty(device="meta", recurse=False)
+        params = dict(stage.named_parameters())
+        self._materialised = {id(meta_params[name]): params[name] for name in meta_params}
 
     def _tie(self, chunks: list[list[tuple[str, nn.Module]]]) -> None:
         """Find the parameters that blocks on several stages share (a GPT's token embedding and
@@ -121,7 +144,9 @@ class PipelineBackend(Backend):
         assert isinstance(model, Stage)
         own = {id(p) for p in model.parameters()}
         for group in optimizer.param_groups:  # this rank steps its own stage's parameters
-            group["params"] = [p for p in group["params"] if id(p) in own]
+            params = [self._materialised.get(id(p), p) for p in group["params"]]
+            group["params"] = [p for p in params if id(p) in own]
+        self._materialised = {}
         if self.layout.dp_size > 1:  # replicas start equal, as DDP would make them
             for tensor in model.state_dict().values():
                 dist.broadcast(tensor, group_src=0, group=self.dp_group)

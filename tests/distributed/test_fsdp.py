@@ -72,7 +72,7 @@ def test_other_backends_refuse_a_model_on_the_meta_device_in_one_line(tmp_path, 
     assert result.returncode == 2
     assert ("mpt: error: model=Sequential is invalid: it is on the meta device, and --backend "
             "ddp needs its weights. Fix: build it on the CPU, or use --backend fsdp"
-            ) in result.stderr
+            ) in result.stderr and "--pipeline-stages" in result.stderr
 
 
 @pytest.mark.parametrize(("precision", "low", "norm", "kept"), [

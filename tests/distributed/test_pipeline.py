@@ -84,6 +84,18 @@ def test_a_pipeline_trains_as_one_process_on_the_global_batch(tmp_path, gpus, sc
     assert_close(got, reference(clip=0.5), rel=1e-5)
 
 
+def test_a_meta_model_materialises_only_each_ranks_stage(tmp_path):
+    """Built on the meta device, each rank gives real weights to its own stage only (the other
+    stages' modules go back to meta once they drew their numbers), and they are the weights
+    the CPU build draws: the job trains as one process does (1e-5)."""
+    got = launch(tmp_path / "out.json", 2, "--pipeline-stages", "2",
+                 script_args=("--clip", "0.5", "--meta"))
+    assert_close(got, reference(clip=0.5), rel=1e-5)
+    for size in got["sizes"]:
+        assert size["materialised"] == size["stage"] < size["model"], got["sizes"]
+    assert sum(size["stage"] for size in got["sizes"]) == got["sizes"][0]["model"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("precision", "rel"), [("bf16-mixed", 5e-2), ("fp16-mixed", 5e-3),
                                               ("O1", 5e-3)])

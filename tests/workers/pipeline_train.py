@@ -2,9 +2,12 @@
 step (the batch's, as every rank gets it), the final weights by name and each rank's loss.
 
 usage: pipeline_train.py OUT [--steps N] [--clip C] [--save-at K --ckpt DIR] [--resume DIR]
+                         [--meta]
 The pipeline, precision and world come from `mpt launch`; the same script runs without a
 pipeline, which is what tests/distributed/test_pipeline.py compares it with. --save-at saves at
 step K into DIR; --resume loads DIR's latest checkpoint and trains on (losses keyed by step).
+--meta builds the model on the meta device; every rank reports how many of the whole model's
+parameters it gave real values (OUT's "sizes").
 """
 
 import argparse
@@ -20,10 +23,11 @@ import mpt
 GLOBAL_BATCH, FEATURES = 8, 6
 
 
-def make_model() -> nn.Sequential:
+def make_model(device: str = "cpu") -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
-                         nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    with torch.device(device):
+        return nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                             nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
 
 
 def make_data(steps: int) -> TensorDataset:
@@ -40,10 +44,17 @@ if __name__ == "__main__":
     parser.add_argument("--save-at", type=int, default=None)
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--resume", default=None)
+    parser.add_argument("--meta", action="store_true", help="build the model on the meta device")
     args = parser.parse_args()
     rt = mpt.Runtime()
-    model = make_model()
-    model, optimizer = rt.setup(model, torch.optim.Adam(model.parameters(), lr=0.01))
+    whole = make_model("meta" if args.meta else "cpu")
+    model, optimizer = rt.setup(whole, torch.optim.Adam(whole.parameters(), lr=0.01))
+    # Per rank: the parameters the whole model holds for real (on meta: this stage's only)
+    real = {"materialised": sum(p.numel() for p in whole.parameters() if not p.is_meta),
+            "stage": sum(p.numel() for p in model.parameters()),
+            "model": sum(p.numel() for p in whole.parameters())}
+    sizes: list[dict] = [{} for _ in range(rt.world_size)]
+    torch.distributed.all_gather_object(sizes, real)
     replicas = rt.topology.dp_size
     loader = rt.setup_dataloader(DataLoader(make_data(args.steps), shuffle=False,
                                             batch_size=GLOBAL_BATCH // replicas // rt.accumulate))
@@ -71,5 +82,6 @@ if __name__ == "__main__":
     if rt.rank == 0:
         args.out.write_text(json.dumps({
             "losses": losses, "norms": norms, "evals": evals, "scale": rt.precision.loss_scale,
+            "sizes": sizes,
             "weights": {k: v.float().flatten().tolist() for k, v in weights.items()}}))
     rt.close()
