@@ -53,8 +53,10 @@ if __name__ == "__main__":
     real = {"materialised": sum(p.numel() for p in whole.parameters() if not p.is_meta),
             "stage": sum(p.numel() for p in model.parameters()),
             "model": sum(p.numel() for p in whole.parameters())}
-    sizes: list[dict] = [{} for _ in range(rt.world_size)]
-    torch.distributed.all_gather_object(sizes, real)
+    sizes: list[dict] = [real]
+    if rt.world_size > 1:  # one process opens no process group
+        sizes = [{} for _ in range(rt.world_size)]
+        torch.distributed.all_gather_object(sizes, real)
     replicas = rt.topology.dp_size
     loader = rt.setup_dataloader(DataLoader(make_data(args.steps), shuffle=False,
                                             batch_size=GLOBAL_BATCH // replicas // rt.accumulate))
