@@ -332,9 +332,10 @@ def plot(rows: list[dict], path: Path) -> None:
                             "efficiency" in r and (r["nodes"] == 1 or (
                                 r["rate"] == rate and r["compression"] == compression)))
             label = backend + ("" if compression == "none" else f" {compression}")
-            ax.plot(*zip(*points, strict=True), marker="o", label=f"{label} {rate}")
+            if points:  # none without the one-node cell the efficiency is measured against
+                ax.plot(*zip(*points, strict=True), marker="o", label=f"{label} {rate}")
         ax.set(title=model, xlabel="nodes", ylabel="scaling efficiency", ylim=(0, 1.1))
-        if lines:
+        if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)

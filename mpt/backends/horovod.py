@@ -1,14 +1,21 @@
 """Horovod: ring-allreduce of gradients through Horovod's fused allreduce, started by horovodrun.
 
-Each optimizer's gradients are reduced when that optimizer steps (or clips first): every
-gradient is handed to ``hvd.allreduce_async_`` under its parameter's name, Horovod's background
+Each optimizer's gradients are reduced by the time that optimizer steps (or clips first): every
+gradient is handed to Horovod's allreduce under its parameter's name, Horovod's background
 thread fuses them into few buffers (its tensor fusion), and the step waits for all. This is
-what ``hvd.DistributedOptimizer.synchronize()`` does, without the autograd hooks that make it
-refuse two backward passes before a step (``errD_real.backward(); errD_fake.backward()`` in a
-GAN) and a ``zero_grad`` after a backward that never stepped (the discriminator's gradients
-left by the generator's loss): several models, losses and optimizers work as under ``ddp``.
-The price is the overlap of communication with backward, which the hooks gave.
-``horovod`` is imported here only, when the backend is used.
+what ``hvd.DistributedOptimizer.synchronize()`` does, without the rules its autograd hooks
+impose: no refusal of two backward passes before a step (``errD_real.backward();
+errD_fake.backward()`` in a GAN), nor of a ``zero_grad`` after a backward that never stepped
+(the discriminator's gradients left by the generator's loss): several models, losses and
+optimizers work as under ``ddp``.
+
+With one optimizer set up (one model trained), each gradient's allreduce starts from a hook as
+soon as backward has accumulated it, as Horovod's own optimizer does, so communication overlaps
+the rest of backward. The step uses that result only if the gradient is still the one the hook
+read (same tensor, no write since: a second backward, an edit by the script); otherwise it
+reduces the gradient again, so the rules above still hold. With several optimizers (a GAN),
+a backward reaches models whose optimizer is not the next to step, and everything is reduced at
+the step. ``horovod`` is imported here only, when the backend is used.
 
 Gradient communication: ``--grad-compression fp16`` is Horovod's ``Compression.fp16``; bf16 and
 PowerSGD are refused (Horovod 0.28 has no bf16 tensors and no PowerSGD). ``--bucket-mb`` is
@@ -19,10 +26,12 @@ Horovod's tensor-fusion buffer, which Horovod reads once, from ``HOROVOD_FUSION_
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import os
 import socket
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, ClassVar
 
@@ -99,6 +108,26 @@ def _broadcast_optimizer_state(hvd: ModuleType, optimizer: torch.optim.Optimizer
                        lambda: hvd.broadcast_optimizer_state(optimizer, root_rank=0))
 
 
+@dataclass(frozen=True, slots=True)
+class _Started:
+    """An allreduce a backward hook started for one gradient."""
+
+    grad: torch.Tensor
+    """The gradient tensor it read."""
+    version: int
+    """That tensor's version counter then: any write since bumps it."""
+    context: Any
+    """The compression's context, to decompress the result."""
+    sent: torch.Tensor
+    """The buffer reduced in place: the gradient's copy, compressed."""
+    handle: int
+    """Horovod's handle, to wait for it."""
+
+    def current(self, param: nn.Parameter) -> bool:
+        """Whether ``param``'s gradient is still what was sent."""
+        return param.grad is self.grad and self.grad._version == self.version
+
+
 class HorovodBackend(Backend):
     """Horovod's fused allreduce of each optimizer's gradients at its step; parameters and
     optimizer state broadcast from rank 0."""
@@ -122,6 +151,12 @@ class HorovodBackend(Backend):
         """Per optimizer (by id), each parameter's name in Horovod's allreduce queue."""
         self._reduced: set[int] = set()
         """Optimizers (ids) whose gradients this step already reduced (clipping does it)."""
+        self._started: dict[nn.Parameter, _Started] = {}
+        """The allreduces backward hooks started, by parameter, waited for at the step."""
+        self._sync_off: set[int] = set()
+        """Models (ids) whose next backward is not the last micro-batch of a step."""
+        self._buffers: dict[nn.Parameter, torch.Tensor] = {}
+        """What a hook sends of each gradient (its copy), kept from step to step."""
         self._torch_group = False
         """Whether init_process_group started the torch.distributed group beside Horovod's."""
 
@@ -223,9 +258,13 @@ class HorovodBackend(Backend):
         # models' parameters of the same name apart.
         names = {param: name for name, param in model.named_parameters()}
         index = len(self._grad_names)
-        self._grad_names[id(optimizer)] = {
+        grad_names = self._grad_names[id(optimizer)] = {
             param: f"mpt.grad.{index}.{names.get(param, id(param))}"
             for group in optimizer.param_groups for param in group["params"]}
+        if self.world.world_size > 1:
+            for param, name in grad_names.items():
+                param.register_post_accumulate_grad_hook(
+                    functools.partial(self._start, id(model), name))
         return model, optimizer
 
     def _broadcast(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -244,6 +283,10 @@ class HorovodBackend(Backend):
             group.update(values)
 
     def shutdown(self) -> None:
+        if self.hvd is not None and self.hvd.is_initialized():
+            for started in self._started.values():  # a backward no step followed
+                self.hvd.synchronize(started.handle)
+        self._started.clear()
         if self._torch_group and dist.is_initialized():
             self._torch_group = False
             dist.destroy_process_group()
@@ -253,28 +296,62 @@ class HorovodBackend(Backend):
 
     # -- the training step --------------------------------------------------------------------
     def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
-        """Nothing to do: gradients are reduced at the step, after the last micro-batch."""
+        """Off: the hooks start nothing for ``model`` (a micro-batch before the step's last)."""
+        if enabled:
+            self._sync_off.discard(id(model))
+        else:
+            self._sync_off.add(id(model))
+
+    def _compression(self) -> Any:
+        hvd = self._require()
+        return hvd.Compression.fp16 if self.comm.compression == "fp16" else hvd.Compression.none
+
+    def _start(self, model: int, name: str, param: nn.Parameter) -> None:
+        """Backward accumulated ``param``'s gradient: start its allreduce where one optimizer
+        is set up and this micro-batch is the step's last (see the module's docstring)."""
+        if len(self._grad_names) != 1 or model in self._sync_off or param in self._started \
+                or param.grad is None:
+            return  # a second backward before the step leaves the first one stale
+        hvd, grad = self._require(), param.grad
+        sent, context = self._compression().compress(grad.contiguous())
+        # A copy goes over the wire, as DDP's buckets do: the gradient may still change (a
+        # second backward) while it is sent. One buffer per parameter, kept: a fresh 100 MB
+        # each step costs more (page faults) than the copy.
+        buffer = self._buffers.get(param)
+        if buffer is None or buffer.shape != sent.shape or buffer.dtype != sent.dtype:
+            buffer = self._buffers[param] = torch.empty_like(sent)
+        buffer.copy_(sent)
+        self._started[param] = _Started(grad=grad, version=grad._version, context=context,
+                                        sent=buffer, handle=hvd.allreduce_async_(
+                                            buffer, name=name, op=self._hvd_op()))
+
+    def _hvd_op(self) -> Any:
+        hvd = self._require()
+        return {"average": hvd.Average, "sum": hvd.Sum, "adasum": hvd.Adasum}[self.op]
 
     def _reduce(self, optimizer: torch.optim.Optimizer) -> None:
         """Average ``optimizer``'s gradients over the ranks, once per step."""
         if id(optimizer) in self._reduced or self.world.world_size == 1:
             return  # one process: nothing to average (hvd.DistributedOptimizer skips it too)
         self._reduced.add(id(optimizer))
-        hvd = self._require()
-        ops = {"average": hvd.Average, "sum": hvd.Sum, "adasum": hvd.Adasum}
-        compression = (hvd.Compression.fp16 if self.comm.compression == "fp16"
-                       else hvd.Compression.none)
+        hvd, compression = self._require(), self._compression()
         pending = []
         for param, name in self._grad_names[id(optimizer)].items():
+            started = self._started.pop(param, None)
+            if started is not None and started.current(param):
+                pending.append((param, started.sent, started.context, started.handle))
+                continue
+            if started is not None:  # stale: its name is free once it is done
+                hvd.synchronize(started.handle)
             if param.grad is None:  # unused by this step's graph, on every rank alike: as
                 continue  # under ddp it keeps no gradient (Adam does not move it)
             # a contiguous copy of a channels_last gradient is reduced, then copied back
             sent, context = compression.compress(param.grad.contiguous())
             pending.append((param, sent, context,
-                            hvd.allreduce_async_(sent, name=name, op=ops[self.op])))
+                            hvd.allreduce_async_(sent, name=name, op=self._hvd_op())))
         for param, sent, context, handle in pending:
             hvd.synchronize(handle)
-            if sent is not param.grad:  # compressed: a copy went over the wire
+            if sent is not param.grad:  # a copy went over the wire
                 param.grad.copy_(compression.decompress(sent, context))
 
     def clip_grad_norm_(self, model: nn.Module, optimizer: torch.optim.Optimizer,

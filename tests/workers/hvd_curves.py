@@ -4,7 +4,8 @@ usage: hvd_curves.py OUT_DIR [CHECKPOINT_TO_LOAD]
 Under whichever backend launched it (ddp or horovod), it writes OUT_DIR/rank{r}.pt with:
 - "fp32": the global loss of 20 fp32 steps (mean over ranks, as each step saw it);
 - "accumulate": the parameters after 5 steps of 3 micro-batches of 2 rows per rank, and
-  "one_batch": the same 5 steps with one micro-batch of 6 rows per rank;
+  "one_batch": the same 5 steps with one micro-batch of 6 rows per rank, and
+  "two_backwards": the same 5 steps with two backward passes of 3 rows each before each step;
 - "bf16": the global loss of 8 bf16-mixed steps, and the parameters after them;
 - "loaded": the parameters after loading CHECKPOINT_TO_LOAD, when given.
 - "model_state"/"optimizer_state": what the backend gives a checkpoint after the fp32 run,
@@ -64,6 +65,17 @@ rt3, model3, _, _ = train(5, 2, accumulate=3)
 record["accumulate"] = params(rt3, model3)
 rt1, model1, _, _ = train(5, 6)
 record["one_batch"] = params(rt1, model1)
+# Two backward passes before one step (half the rows each): the gradient the first backward's
+# hook sent is stale by the step, which must reduce the sum of both.
+rt2 = mpt.Runtime()
+model2 = make_model()
+model2, optimizer2 = rt2.setup(model2, make_optimizer(model2))
+for x, y in global_batches(5, rt2.world_size * 6):
+    mine = slice(rt2.rank * 6, (rt2.rank + 1) * 6)
+    for half in (slice(0, 3), slice(3, 6)):
+        rt2.backward(nn.functional.mse_loss(model2(x[mine][half]), y[mine][half]) / 2)
+    rt2.step()
+record["two_backwards"] = params(rt2, model2)
 rtb, modelb, _, record["bf16"] = train(8, 4, precision="bf16-mixed")
 record["bf16_params"] = params(rtb, modelb)
 record["backend"] = rt.backend.name
