@@ -129,8 +129,8 @@ class _Started:
 
 
 class HorovodBackend(Backend):
-    """Horovod's fused allreduce of each optimizer's gradients at its step; parameters and
-    optimizer state broadcast from rank 0."""
+    """Horovod's fused allreduce of each optimizer's gradients by its step (from backward hooks
+    where one optimizer is set up); parameters and optimizer state broadcast from rank 0."""
 
     name = "horovod"
     launcher = "horovodrun"
