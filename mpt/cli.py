@@ -185,7 +185,8 @@ def launch(
         metavar="SECONDS", help="Time a rank gets to exit (or to save, when preempted) before "
         "SIGKILL.")] = "30",
     rdzv_timeout: Annotated[str, typer.Option(
-        metavar="SECONDS", help="How long node 0 waits for the other nodes to arrive.")] = "900",
+        metavar="SECONDS", help="How long node 0 waits for the other nodes to arrive; also how "
+        "long a node that can no longer reach the rendezvous host waits before it ends.")] = "900",
     hosts: Annotated[str | None, typer.Option(
         metavar="H1,H2", help="--backend horovod: start every node from here through "
         "horovodrun (over ssh), one host per node; without it each node runs `mpt launch "
