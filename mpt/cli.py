@@ -45,7 +45,8 @@ USAGE_ERROR = 2
 LogDirOption = Annotated[Path | None, typer.Option(
     metavar="DIR", help="Write each rank's stdout and stderr to DIR/rank<R>.log (an earlier job's "
     "logs move to DIR/previous-<time>/; the launchers' own reports go to DIR/horovodrun.log or "
-    "DIR/elastic.node<N>.log); only --tee ranks reach the console.")]
+    "DIR/elastic.node<N>.log, elastic jobs' DIR/elastic.<host>.log); only --tee ranks reach the "
+    "console.")]
 TeeOption = Annotated[str | None, typer.Option(
     metavar="RANKS", help="With --log-dir: the global ranks also shown on the console, each line "
     "prefixed with its rank; comma-separated, or 'all' (default 0).")]

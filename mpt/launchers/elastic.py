@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -216,15 +217,18 @@ def local_rank_hint(spec: LaunchSpec, exit_code: int) -> tuple[str, ...]:
 @contextlib.contextmanager
 def agent_log(spec: LaunchSpec) -> Iterator[None]:
     """torch elastic's own reports (``E... failed (exitcode: 2)``, a restart) go to
-    ``--log-dir``'s ``elastic.node<nr>.log``, not to the console: there mpt's one summary of a
-    failure says which rank failed and how. Without a log dir they are dropped."""
+    ``--log-dir``'s ``elastic.node<nr>.log`` (an elastic job's nodes have no ``--nr``:
+    ``elastic.<address>.log``, by ``--local-addr`` or host name, so that nodes sharing the
+    folder keep apart), not to the console: there mpt's one summary of a failure says which
+    rank failed and how. Without a log dir they are dropped."""
     logger = logging.getLogger("torch.distributed.elastic")
     saved = logger.level, logger.propagate, list(logger.handlers)
     handler: logging.Handler = logging.NullHandler()
     if spec.log_dir is not None:
         try:
             spec.log_dir.mkdir(parents=True, exist_ok=True)
-            handler = logging.FileHandler(spec.log_dir / f"elastic.node{spec.nr}.log")
+            node = (spec.local_addr or socket.getfqdn()) if spec.elastic else f"node{spec.nr}"
+            handler = logging.FileHandler(spec.log_dir / f"elastic.{node}.log")
         except OSError:
             pass  # RankLogs refuses the folder in one line, before any worker starts
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -54,7 +55,13 @@ from mpt.elastic import (
 from mpt.errors import UsageError
 from mpt.fault import REQUEUE_EXIT_CODE
 from mpt.launchers import LaunchSpec
-from mpt.launchers.elastic import Failure, PreemptionRelay, describe, torch_launch_config
+from mpt.launchers.elastic import (
+    Failure,
+    PreemptionRelay,
+    agent_log,
+    describe,
+    torch_launch_config,
+)
 from mpt.launchers.notes import Note
 from mpt.scaling import plan_batch
 
@@ -163,6 +170,20 @@ def test_an_elastic_nodes_reports_name_the_ranks_it_got_at_the_rendezvous(tmp_pa
     finally:
         relay.restore()
     assert saved.exit_code == REQUEUE_EXIT_CODE
+
+
+def test_each_nodes_agent_log_has_a_name_of_its_own_in_a_shared_log_dir(tmp_path):
+    """Static nodes by --nr; elastic ones (no --nr) by their address: nodes sharing --log-dir
+    on a shared file system do not write into one file."""
+    script = tmp_path / "train.py"
+    script.write_text("")
+    for spec, name in ((LaunchSpec(script=script, nodes=2, nr=1, log_dir=tmp_path),
+                        "elastic.node1.log"),
+                       (LaunchSpec(script=script, nodes=3, min_nodes=2, local_addr="10.0.0.7",
+                                   log_dir=tmp_path), "elastic.10.0.0.7.log")):
+        with agent_log(spec):
+            logging.getLogger("torch.distributed.elastic.agent").info("hello from %s", name)
+        assert f"hello from {name}" in (tmp_path / name).read_text()
 
 
 def test_a_resize_keeps_the_global_batch_or_else_the_per_rank_batch():
