@@ -78,15 +78,18 @@ def tx_bytes() -> int:
         return 0
 
 
-def raw_side(backend: str, model, rt, compression: str, bucket_mb: float | None):
-    """The library by hand on ``model`` (a twin of mpt's), its gradients reduced in
-    ``compression``'s dtype (``none``, ``fp16``, ``bf16``), DDP's buckets capped at
-    ``bucket_mb`` (Horovod's fusion threshold and DeepSpeed's buckets are the ones mpt set in
+def raw_side(backend: str, model, rt):
+    """The library by hand on ``model`` (a twin of mpt's), its gradients reduced as the run's
+    ``--grad-compression`` says (none, fp16, bf16), DDP's buckets capped at its
+    ``--bucket-mb`` (Horovod's fusion threshold and DeepSpeed's buckets are the ones mpt set in
     the same process): a step function."""
     import torch
     from torch import nn
 
-    wire = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(compression)
+    from mpt.backends.ddp import CAST_DTYPES, CAST_HOOKS
+
+    compression, bucket_mb = rt.config.grad_compression, rt.config.bucket_mb
+    wire = CAST_DTYPES.get(compression)
 
     loss_fn = nn.MSELoss() if isinstance(model, nn.Sequential) else nn.CrossEntropyLoss()
 
@@ -101,13 +104,10 @@ def raw_side(backend: str, model, rt, compression: str, bucket_mb: float | None)
     if rt.world_size == 1:  # one process: the raw job is plain torch, whatever the library
         return sgd_step(model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9))
     if backend in ("ddp", "apex"):
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
         ddp = nn.parallel.DistributedDataParallel(
             model, **({} if bucket_mb is None else {"bucket_cap_mb": bucket_mb}))
-        if wire is not None:  # torch's own hooks: cast each bucket, reduce, cast back
-            ddp.register_comm_hook(None, {torch.float16: default_hooks.fp16_compress_hook,
-                                          torch.bfloat16: default_hooks.bf16_compress_hook}[wire])
+        if compression in CAST_HOOKS:  # torch's own hooks: cast each bucket, reduce, back
+            ddp.register_comm_hook(None, CAST_HOOKS[compression])
         return sgd_step(ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9))
     if backend == "horovod":
         import horovod.torch as hvd
@@ -143,16 +143,18 @@ def raw_side(backend: str, model, rt, compression: str, bucket_mb: float | None)
     raise SystemExit(f"no raw loop for backend {backend}")
 
 
-def allreduce_alone(rt, params: int, compression: str) -> float | None:
+def allreduce_alone(rt, params: int) -> float | None:
     """Median seconds of one allreduce of ``params`` values in the dtype the gradients travel
     in, through the backend's own collective (Horovod's, or torch's group), the slowest rank's:
     what the link and the library's transport take for the gradients with nothing else running.
     None on one node."""
     import torch
 
+    from mpt.backends.ddp import CAST_DTYPES
+
     if rt.world_size == 1:
         return None
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(compression, torch.float32)
+    dtype = CAST_DTYPES.get(rt.config.grad_compression, torch.float32)
     tensor = torch.ones(params, dtype=dtype)
     times = []
     for _ in range(3):
@@ -188,8 +190,7 @@ def worker(args: argparse.Namespace) -> None:
         rt.backward(loss)
         rt.step()
 
-    sides = {"mpt": mpt_step, "raw": raw_side(rt.backend.name, twin, rt, args.compression,
-                                       args.bucket_mb)}
+    sides = {"mpt": mpt_step, "raw": raw_side(rt.backend.name, twin, rt)}
     data = batches(args.model, rt.rank, args.steps)
     times: dict[str, list[float]] = {"mpt": [], "raw": []}
     sent: dict[str, list[float]] = {"mpt": [], "raw": []}
@@ -210,7 +211,7 @@ def worker(args: argparse.Namespace) -> None:
             if rt.world_size > 1:  # the job steps at its slowest rank
                 dist.all_reduce(worst, op=dist.ReduceOp.MAX)
             times[name] += worst.tolist()
-    allreduce = allreduce_alone(rt, params, args.compression)
+    allreduce = allreduce_alone(rt, params)
     if rt.rank == 0:
         Path(args.worker).write_text(json.dumps({
             "allreduce": allreduce,
@@ -232,11 +233,10 @@ def run_cell(model: str, backend: str, compression: str, nodes: int, rate: str,
     result = out / f"{model}-{backend}-{compression}-{nodes}-{rate}.json"
     result.unlink(missing_ok=True)
     worker_args = ["--worker", str(result), "--model", model, "--steps", str(args.steps),
-                   "--rounds", str(args.rounds), "--compressions", compression]
+                   "--rounds", str(args.rounds)]
     bucket = [] if args.bucket_mb is None else ["--bucket-mb", str(args.bucket_mb)]
     with EmulatedCluster(nodes=nodes, shape=LinkShape(rate=rate)) as cluster:
-        commands = [launch_command(cluster, nr, Path(__file__).resolve(),
-                                   [*worker_args, *bucket],
+        commands = [launch_command(cluster, nr, Path(__file__).resolve(), worker_args,
                                    launch_args=["--backend", backend,
                                                 "--grad-compression", compression, *bucket])
                     for nr in range(nodes)]
@@ -261,13 +261,15 @@ def rate_bits(rate: str) -> float:
 def analyse(cells: list[dict]) -> list[dict]:
     """Each cell with samples/s, efficiency, the bounds, the overlaps, compressed/uncompressed
     and mpt/raw."""
+    from mpt.comm import CASTS
+
     by = {(c["model"], c["backend"], c["compression"], c["nodes"], c["rate"]): c for c in cells}
     one = {(c["model"], c["backend"]): c for c in cells if c["nodes"] == 1}
     rows = []
     for c in cells:
         n, bits = c["nodes"], rate_bits(c["rate"])
         key = (c["model"], c["backend"], c["compression"], n)
-        wire = c["grad_bytes"] // (2 if c["compression"] in ("fp16", "bf16") else 1)
+        wire = c["grad_bytes"] // (2 if c["compression"] in CASTS else 1)
         row = {**c, "samples_per_s": n * BATCH / c["mpt_step"], "ratio": c["mpt_step"] /
                c["raw_step"], "ring_bound": 2 * (n - 1) / n * wire * 8 / bits,
                "sent_bound": c["mpt_tx_per_step"] * 8 / bits}

@@ -7,10 +7,11 @@ launcher and its worker shim import ``mpt`` without torch's weight on every proc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from mpt.environments.world import World
 from mpt.errors import MissingDependencyError, MptError, UsageError
+from mpt.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from mpt.runtime import Runtime
@@ -20,9 +21,4 @@ __version__ = "0.1.0"
 __all__ = ["MissingDependencyError", "MptError", "Runtime", "UsageError", "World", "__version__"]
 
 
-def __getattr__(name: str) -> Any:
-    if name == "Runtime":
-        from mpt.runtime import Runtime
-
-        return Runtime
-    raise AttributeError(f"module 'mpt' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, {"Runtime": "runtime"})

@@ -119,7 +119,7 @@ class _Started:
     context: Any
     """The compression's context, to decompress the result."""
     sent: torch.Tensor
-    """The buffer reduced in place: the gradient's copy, compressed."""
+    """What is reduced in place: the gradient's compressed or plain copy."""
     handle: int
     """Horovod's handle, to wait for it."""
 
@@ -156,7 +156,7 @@ class HorovodBackend(Backend):
         self._sync_off: set[int] = set()
         """Models (ids) whose next backward is not the last micro-batch of a step."""
         self._buffers: dict[nn.Parameter, torch.Tensor] = {}
-        """What a hook sends of each gradient (its copy), kept from step to step."""
+        """The copy a hook sends of each uncompressed gradient, kept from step to step."""
         self._torch_group = False
         """Whether init_process_group started the torch.distributed group beside Horovod's."""
 
@@ -314,16 +314,17 @@ class HorovodBackend(Backend):
             return  # a second backward before the step leaves the first one stale
         hvd, grad = self._require(), param.grad
         sent, context = self._compression().compress(grad.contiguous())
-        # A copy goes over the wire, as DDP's buckets do: the gradient may still change (a
-        # second backward) while it is sent. One buffer per parameter, kept: a fresh 100 MB
-        # each step costs more (page faults) than the copy.
-        buffer = self._buffers.get(param)
-        if buffer is None or buffer.shape != sent.shape or buffer.dtype != sent.dtype:
-            buffer = self._buffers[param] = torch.empty_like(sent)
-        buffer.copy_(sent)
+        if sent is grad:  # not compressed, so not copied yet
+            # A copy goes over the wire, as DDP's buckets do: the gradient may still change (a
+            # second backward) while it is sent. One buffer per parameter, kept: a fresh 100 MB
+            # each step costs more (page faults) than the copy.
+            buffer = self._buffers.get(param)
+            if buffer is None or buffer.shape != grad.shape:
+                buffer = self._buffers[param] = torch.empty_like(grad)
+            sent = buffer.copy_(grad)
         self._started[param] = _Started(grad=grad, version=grad._version, context=context,
-                                        sent=buffer, handle=hvd.allreduce_async_(
-                                            buffer, name=name, op=self._hvd_op()))
+                                        sent=sent, handle=hvd.allreduce_async_(
+                                            sent, name=name, op=self._hvd_op()))
 
     def _hvd_op(self) -> Any:
         hvd = self._require()
@@ -334,7 +335,7 @@ class HorovodBackend(Backend):
         if id(optimizer) in self._reduced or self.world.world_size == 1:
             return  # one process: nothing to average (hvd.DistributedOptimizer skips it too)
         self._reduced.add(id(optimizer))
-        hvd, compression = self._require(), self._compression()
+        hvd, compression, op = self._require(), self._compression(), self._hvd_op()
         pending = []
         for param, name in self._grad_names[id(optimizer)].items():
             started = self._started.pop(param, None)
@@ -348,7 +349,7 @@ class HorovodBackend(Backend):
             # a contiguous copy of a channels_last gradient is reduced, then copied back
             sent, context = compression.compress(param.grad.contiguous())
             pending.append((param, sent, context,
-                            hvd.allreduce_async_(sent, name=name, op=self._hvd_op())))
+                            hvd.allreduce_async_(sent, name=name, op=op)))
         for param, sent, context, handle in pending:
             hvd.synchronize(handle)
             if sent is not param.grad:  # a copy went over the wire

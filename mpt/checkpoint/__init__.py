@@ -9,8 +9,9 @@ The names below are imported when first used: `mpt launch` checks ``--checkpoint
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from mpt.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from mpt.checkpoint.format import CheckpointError, Manifest
@@ -25,7 +26,4 @@ __all__ = ["CheckpointError", "Manifest", "Stateful", "TrainingState", "check_re
            "find_latest", "load_checkpoint", "save_checkpoint"]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _HOMES:
-        return getattr(importlib.import_module(f"mpt.checkpoint.{_HOMES[name]}"), name)
-    raise AttributeError(f"module 'mpt.checkpoint' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _HOMES)

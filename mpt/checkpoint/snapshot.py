@@ -129,7 +129,8 @@ class PeerSnapshots:
 
     def _keep(self, step: int, files: Mapping[str, bytes | memoryview]) -> None:
         """Commit a snapshot's files into this node's store as ``step-N`` (the manifest last,
-        then the rename), and drop all but the newest ``KEEP``."""
+        then the rename), and drop all but the newest ``KEEP`` (and what a killed worker left
+        half-written)."""
         staging, final = io.staging_name(step), io.step_dir_name(step)
         target = self.store.child(staging)
         for name, data in files.items():
@@ -137,10 +138,7 @@ class PeerSnapshots:
                 target.write(name, data)
         target.write(MANIFEST, files[MANIFEST])
         io.commit(self.store, staging, final)
-        # Names order as steps do, and no store holds a step after the one restored.
-        kept = sorted(name for name in self.store.listdir() if name.startswith("step-"))
-        for name in kept[:-KEEP]:
-            self.store.remove(name)
+        io.prune(self.store, KEEP, protect=final)
 
     def newest(self) -> int | None:
         """The step of the newest snapshot committed in this node's store."""

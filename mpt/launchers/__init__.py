@@ -6,8 +6,9 @@ which must not pull torch's elastic agent into every process it starts.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from mpt.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from mpt.launchers.elastic import Failure, Outcome, run
@@ -19,7 +20,4 @@ _HOMES = {"Failure": "elastic", "Outcome": "elastic", "run": "elastic", "LaunchS
 __all__ = ["Failure", "LaunchSpec", "Outcome", "parse_port", "port_is_free", "run"]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _HOMES:
-        return getattr(importlib.import_module(f"mpt.launchers.{_HOMES[name]}"), name)
-    raise AttributeError(f"module 'mpt.launchers' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _HOMES)

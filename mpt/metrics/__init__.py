@@ -10,8 +10,9 @@ The names below are imported when first used: `mpt launch` checks ``--log-every`
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from mpt.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from mpt.metrics.config import MetricsConfig
@@ -27,7 +28,4 @@ __all__ = ["MetricsConfig", "Monitor", "RankMetrics", "metrics_file", "read_metr
            "tensorboard_dir"]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _HOMES:
-        return getattr(importlib.import_module(f"mpt.metrics.{_HOMES[name]}"), name)
-    raise AttributeError(f"module 'mpt.metrics' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _HOMES)
