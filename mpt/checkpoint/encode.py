@@ -32,8 +32,12 @@ def encode(obj: Any, key: str, tensors: dict[str, Any]) -> Any:
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     if isinstance(obj, tuple):
+        if _plain(obj):  # e.g. Python's RNG state, 625 ints: what the loop below would give
+            return {_TUPLE: list(obj)}
         return {_TUPLE: [encode(v, f"{key}/{i}", tensors) for i, v in enumerate(obj)]}
     if isinstance(obj, list):
+        if _plain(obj):
+            return list(obj)
         return [encode(v, f"{key}/{i}", tensors) for i, v in enumerate(obj)]
     if isinstance(obj, dict):
         if all(isinstance(k, str) for k in obj) and not {_TENSOR, _TUPLE, _ITEMS} & set(obj):
@@ -48,16 +52,26 @@ def encode(obj: Any, key: str, tensors: dict[str, Any]) -> Any:
 def decode(obj: Any, tensors: dict[str, Any]) -> Any:
     """Invert ``encode``."""
     if isinstance(obj, list):
-        return [decode(v, tensors) for v in obj]
+        return list(obj) if _plain(obj) else [decode(v, tensors) for v in obj]
     if not isinstance(obj, dict):
         return obj
     if _TENSOR in obj:
         return tensors[obj[_TENSOR]]
     if _TUPLE in obj:
-        return tuple(decode(v, tensors) for v in obj[_TUPLE])
+        items = obj[_TUPLE]
+        return tuple(items) if _plain(items) else tuple(decode(v, tensors) for v in items)
     if _ITEMS in obj:
         return {_hashable(decode(k, tensors)): decode(v, tensors) for k, v in obj[_ITEMS]}
     return {k: decode(v, tensors) for k, v in obj.items()}
+
+
+_PLAIN = frozenset({type(None), bool, int, float, str})
+
+
+def _plain(items: list[Any] | tuple[Any, ...]) -> bool:
+    """Whether every item is a number, string or None (each its own encoding) and a whole
+    sequence can be taken at once instead of item by item."""
+    return all(type(v) in _PLAIN for v in items)
 
 
 def _hashable(key: Any) -> Any:

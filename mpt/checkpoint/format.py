@@ -6,12 +6,18 @@ set up, keyed ``<model name>/<parameter name>``), ``state.safetensors`` + ``stat
 sampler positions, every rank's RNG, user extras: tensors in the first, everything else in the
 second) and ``manifest.json``, written last, which lists every other file with its size and
 sha256. Nothing in it is pickled, so reading it never runs code.
+
+An in-memory snapshot (``--snapshot-every``) lists crc32 instead of sha256: its files never
+leave the job's memory, where the check is against a torn or damaged copy, not tampering, and
+crc32 costs a third of sha256's time per byte. The manifest names which one each file has;
+checkpoints on disk keep sha256.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -35,10 +41,25 @@ SHARDED_DIR = "sharded"
 class FileEntry:
     """One file of a checkpoint, as the manifest records it."""
 
-    sha256: str
-    """Hex digest of the file's bytes: a changed byte anywhere is refused at load."""
     bytes: int
     """Size; a truncated file is named by this before its hash is even computed."""
+    sha256: str | None = None
+    """Hex digest of the file's bytes: a changed byte anywhere is refused at load."""
+    crc32: str | None = None
+    """The file's CRC-32 in hex, in place of ``sha256`` (in-memory snapshots only)."""
+
+    @property
+    def algorithm(self) -> str:
+        """The checksum the manifest keeps for this file: ``sha256`` or ``crc32``."""
+        return "sha256" if self.sha256 is not None or self.crc32 is None else "crc32"
+
+    @property
+    def expected(self) -> str | None:
+        return self.sha256 if self.algorithm == "sha256" else self.crc32
+
+    def as_dict(self) -> dict[str, Any]:
+        """The manifest's entry: the checksum the file has, not the other one's null."""
+        return {key: value for key, value in asdict(self).items() if value is not None}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,7 +92,7 @@ class Manifest:
     """Every other file of the checkpoint, by path relative to its directory."""
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, sort_keys=True)
+        return json.dumps(manifest_dict(self), indent=1, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str, where: str) -> Manifest:
@@ -88,31 +109,42 @@ class Manifest:
                                   "or was edited") from None
 
 
-def digest(data: bytes) -> str:
+def digest(data: bytes | memoryview, algorithm: str = "sha256") -> str:
+    """Hex checksum of ``data``: ``sha256`` or ``crc32`` (``FileEntry.algorithm``)."""
+    if algorithm == "crc32":
+        return crc32_hex(zlib.crc32(data))
     return hashlib.sha256(data).hexdigest()
+
+
+def crc32_hex(value: int) -> str:
+    return f"{value:08x}"
 
 
 def verify(where: str, name: str, data: bytes, entry: FileEntry | None) -> bytes:
     """``data`` if it is the file the manifest lists as ``name``; a CheckpointError if not."""
-    check(where, name, len(data), lambda: digest(data), entry)
+    check(where, name, len(data), lambda algorithm: digest(data, algorithm), entry)
     return data
 
 
-def check(where: str, name: str, size: int, sha256: Callable[[], str],
+def check(where: str, name: str, size: int, hash_of: Callable[[str], str],
           entry: FileEntry | None) -> None:
     """Refuse file ``name`` of ``size`` bytes unless the manifest lists it with that size and
-    the hash ``sha256()`` returns (called only when the size matches)."""
+    the checksum ``hash_of(entry.algorithm)`` returns (called only when the size matches)."""
     if entry is None:
         raise CheckpointError(f"{where}/{name}", "the manifest does not list this file",
                               "load a checkpoint written by mpt.Runtime.save")
+    algorithm, expected = entry.algorithm, entry.expected
+    if expected is None:
+        raise CheckpointError(f"{where}/{name}", "the manifest records no checksum for it",
+                              "load a checkpoint written by mpt.Runtime.save")
     if size != entry.bytes:
         raise CheckpointError(f"{where}/{name}", f"it has {size} bytes, the manifest says "
-                              f"{entry.bytes} (sha256 {entry.sha256}): truncated or replaced",
+                              f"{entry.bytes} ({algorithm} {expected}): truncated or replaced",
                               "load another checkpoint (e.g. an earlier step)")
-    got = sha256()
-    if got != entry.sha256:
-        raise CheckpointError(f"{where}/{name}", f"sha256 {got} does not match the manifest's "
-                              f"{entry.sha256}: the file was corrupted or edited",
+    got = hash_of(algorithm)
+    if got != expected:
+        raise CheckpointError(f"{where}/{name}", f"{algorithm} {got} does not match the "
+                              f"manifest's {expected}: the file was corrupted or edited",
                               "load another checkpoint (e.g. an earlier step)")
 
 
@@ -122,4 +154,5 @@ def entry_for(data: bytes) -> FileEntry:
 
 def manifest_dict(manifest: Manifest) -> dict[str, Any]:
     """The manifest as plain data (for ``mpt checkpoint inspect --json``)."""
-    return asdict(manifest)
+    return {**asdict(manifest), "files": {name: entry.as_dict()
+                                          for name, entry in manifest.files.items()}}

@@ -161,13 +161,23 @@ class Location:
     def remove_leftovers(self) -> None:
         """Delete temporary and half-deleted directories an interrupted save left behind."""
         for name in self.listdir():
-            if name.startswith((_TMP, _TRASH)):
+            if leftover(name):
                 path = self._join(name)
                 if self.local:
                     shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else \
                         os.unlink(path)
                 else:
                     self.fs.rm(path, recursive=True)
+
+
+def leftover(name: str) -> bool:
+    """Whether a root's child ``name`` is what an interrupted save or deletion left behind."""
+    return name.startswith((_TMP, _TRASH))
+
+
+def sync_directory(path: str) -> None:
+    """fsync a local directory: the renames and deletions in it are durable."""
+    _fsync_path(path, os.O_RDONLY)
 
 
 def _fsync_path(path: str, flags: int) -> None:

@@ -227,17 +227,18 @@ class Snapshot:
     manifest: dict[str, Any]
     """The manifest's fields, as ``write_directory`` takes them."""
 
-    def files(self, rngs: list[Any]) -> dict[str, bytes]:
-        """The checkpoint directory's files, manifest included, with every rank's RNG state
-        (``rngs``, by rank)."""
-        tensors = dict(self.tensors)
-        state = {**self.state, "rng": encode(rngs, "rng", tensors)}
-        text = json.dumps(state).encode()
-        written = {MODEL_FILE: tensorfile.to_bytes(self.model),
-                   STATE_TENSORS: tensorfile.to_bytes(tensors), STATE_JSON: (text, entry_for(text))}
-        files = {name: data for name, (data, _) in written.items()}
-        return {**files, MANIFEST: _manifest({name: entry for name, (_, entry) in
-                                              written.items()}, self.manifest)}
+    def files(self, rngs: list[Any], rng_tensors: dict[str, torch.Tensor]
+              ) -> dict[str, bytes | dict[str, torch.Tensor]]:
+        """The checkpoint directory's files but the manifest: bytes, or the tensors of a
+        safetensors file. ``rngs``: every rank's RNG state by rank, as ``encode`` made the list
+        under ``rng`` (its tensors in ``rng_tensors``)."""
+        state = {**self.state, "rng": rngs}
+        return {MODEL_FILE: self.model, STATE_TENSORS: {**self.tensors, **rng_tensors},
+                STATE_JSON: json.dumps(state).encode()}
+
+    def manifest_of(self, files: dict[str, FileEntry]) -> bytes:
+        """``manifest.json`` of the snapshot whose other files are ``files``."""
+        return _manifest(files, self.manifest)
 
 
 def take_snapshot(parts: TrainingState, *, step: int,

@@ -5,6 +5,8 @@ Real `mpt launch` jobs of tests/workers/elastic_train.py (gloo, CPU); the resume
 
 - two one-process nodes on 127.0.0.1 take a snapshot after each of 4 steps (a checkpoint on
   disk at step 3 only): each node's store then holds the same newest two, byte for byte;
+- a snapshot laid out in memory is a checkpoint whose files carry crc32s, and one changed bit
+  in any of them is refused at load; a store commits one file per snapshot, keeps two;
 - a 2-process job on the second node's store alone (the first node's memory is gone) resumes
   from the snapshot of step 4, not from the disk's step 3, and trains on as the uninterrupted
   run would have;
@@ -17,15 +19,24 @@ The elastic cases (a lost node, at most one step redone) are in tests/launchers/
 from __future__ import annotations
 
 import filecmp
+import json
 import shutil
 import subprocess
+import zlib
+from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 from conftest import find_free_port, mpt_command, run_mpt, worker
+from torch import nn
 
 import mpt
-from mpt.checkpoint.snapshot import pack, unpack
+from mpt.checkpoint import CheckpointError, io
+from mpt.checkpoint.encode import encode, rng_state
+from mpt.checkpoint.snapshot import HostMemory, PeerSnapshots, lay_out, pack, unpack
+from mpt.checkpoint.state import TrainingState, take_snapshot
 from mpt.errors import UsageError
 
 FLAGS = ("--global-batch-size", "12")
@@ -69,13 +80,15 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_each_snapshot_is_kept_on_the_next_node_too(two_nodes):
     first, second = two_nodes / "memory0", two_nodes / "memory1"
-    assert sorted(p.name for p in first.iterdir()) == ["latest", "step-000000003",
-                                                       "step-000000004"]
+    assert sorted(p.name for p in first.iterdir()) == ["step-000000003.snapshot",
+                                                       "step-000000004.snapshot"]
     same = filecmp.dircmp(first, second)
     assert not same.left_only and not same.right_only and not same.diff_files
-    for step in same.common_dirs:
-        files = filecmp.dircmp(first / step, second / step)
-        assert sorted(files.same_files) == sorted(p.name for p in (first / step).iterdir())
+    assert sorted(same.same_files) == sorted(p.name for p in first.iterdir())
+    files = unpack((first / "step-000000004.snapshot").read_bytes())
+    assert list(files) == ["model.safetensors", "state.safetensors", "state.json",
+                           "manifest.json"]
+    assert json.loads(bytes(files["manifest.json"]))["step"] == 4
 
 
 @pytest.mark.slow
@@ -127,6 +140,108 @@ def test_a_pipelines_snapshot_resumes_at_two_stages_and_at_one(tmp_path):
 def test_pack_and_unpack_keep_every_file():
     files = {"manifest.json": b"{}", "state.safetensors": bytes(range(256)) * 3, "empty": b""}
     assert unpack(pack(files)) == files
+
+
+@pytest.mark.parametrize("damage", ["torn", "index", "length"])
+def test_unpack_refuses_a_torn_or_damaged_buffer(damage):
+    packed = bytearray(pack({"model.safetensors": b"x" * 100, "manifest.json": b"{}"}))
+    if damage == "torn":
+        packed = packed[:60] + packed[-40:]
+    elif damage == "index":
+        packed[-12] ^= 0xFF  # a byte of the index's JSON
+    else:
+        packed[-8:] = (10**6).to_bytes(8, "little")
+    with pytest.raises(CheckpointError, match="torn or damaged"):
+        unpack(bytes(packed))
+
+
+def laid_out_snapshot(tmp_path: Path) -> tuple[mpt.Runtime, nn.Module, Path]:
+    """A one-process run's snapshot after 3 steps, laid out as ``lay_out`` sends and keeps it,
+    unpacked into a checkpoint directory; the run's weights spoiled afterwards."""
+    torch.manual_seed(0)
+    rt = mpt.Runtime(env={}, quiet=True)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model, _ = rt.setup(model, torch.optim.Adam(model.parameters(), lr=0.1))
+    for _ in range(3):
+        rt.backward(model(torch.randn(5, 4)).pow(2).mean())
+        rt.step()
+    parts = TrainingState(backend=rt.backend, pairs=rt.pairs.pairs)
+    snapshot = take_snapshot(parts, step=3, stage=lambda _, tensors: {
+        key: t.clone() for key, t in tensors.items()})
+    tensors: dict[str, torch.Tensor] = {}
+    rngs = [encode(rng_state(), "rng/0", tensors)]
+    memory = HostMemory()
+    size = lay_out(snapshot.files(rngs, tensors), snapshot.manifest_of, memory)
+    files = unpack(memory.get(size)[:size])
+    assert list(files)[-1] == "manifest.json"  # written last
+    where = tmp_path / "step-000000003"
+    where.mkdir()
+    for name, data in files.items():
+        (where / name).write_bytes(bytes(data))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(7.0)
+    return rt, model, where
+
+
+def test_a_snapshot_is_a_checkpoint_checked_by_crc32(tmp_path):
+    rt, model, where = laid_out_snapshot(tmp_path)
+    manifest = json.loads((where / "manifest.json").read_text())
+    assert manifest["step"] == 3 and sorted(manifest["files"]) == [
+        "model.safetensors", "state.json", "state.safetensors"]
+    for name, entry in manifest["files"].items():
+        assert set(entry) == {"bytes", "crc32"}
+        assert int(entry["crc32"], 16) == zlib.crc32((where / name).read_bytes())
+    assert rt.load(where)["step"] == 3
+    assert all(not torch.all(p == 7.0) for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "state.safetensors", "state.json"])
+@pytest.mark.parametrize("place", ["local", "memory"])
+def test_a_damaged_snapshot_file_is_refused_by_its_crc32(tmp_path, name, place):
+    rt, model, where = laid_out_snapshot(tmp_path)
+    data = bytearray((where / name).read_bytes())
+    data[-3] ^= 0x01  # one bit, in the last tensor's bytes (or the JSON's end)
+    (where / name).write_bytes(bytes(data))
+    url = str(where)
+    if place == "memory":
+        url = f"memory://damaged-{name}/step-000000003"
+        for path in where.iterdir():
+            io.Location.parse(url).write(path.name, path.read_bytes())
+    with pytest.raises(CheckpointError, match=f"{name}: crc32 [0-9a-f]{{8}} does not match"):
+        rt.load(url)
+    assert all(torch.all(p == 7.0) for p in model.parameters())
+
+
+def test_a_manifest_entry_without_a_checksum_is_refused(tmp_path):
+    rt, _, where = laid_out_snapshot(tmp_path)
+    manifest = json.loads((where / "manifest.json").read_text())
+    del manifest["files"]["state.json"]["crc32"]
+    (where / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"state\.json: the manifest records no checksum"):
+        rt.load(where)
+
+
+def test_a_store_commits_one_file_per_snapshot_and_keeps_the_newest_two(tmp_path):
+    world = SimpleNamespace(gpus=1, world_size=1, rank=0)
+    store = tmp_path / "store"
+    snapshots = PeerSnapshots(every=1, store=str(store), backend=SimpleNamespace(world=world),
+                              timeout=timedelta(seconds=10))
+    assert snapshots.newest() is None
+    for step in (1, 2, 3):
+        snapshots._keep(step, memoryview(bytes([step]) * (1000 * step)))
+    (store / ".tmp-step-000000004-killed").write_bytes(b"half")  # a worker killed mid-write
+    assert sorted(p.name for p in store.iterdir()) == [
+        ".tmp-step-000000004-killed", "step-000000002.snapshot", "step-000000003.snapshot"]
+    assert snapshots.newest() == 3
+    snapshots._keep(4, memoryview(b"\x04" * 10))
+    assert sorted(p.name for p in store.iterdir()) == ["step-000000003.snapshot",
+                                                       "step-000000004.snapshot"]
+    assert (store / "step-000000004.snapshot").read_bytes() == b"\x04" * 10  # written over
+    # a run resumed from an earlier step: the abandoned run's later snapshots go
+    snapshots._keep(2, memoryview(b"\x02"))
+    assert sorted(p.name for p in store.iterdir()) == ["step-000000002.snapshot"]
+    assert snapshots.newest() == 2
 
 
 def test_snapshots_need_a_store_and_a_backend_that_can_copy_them(run_cli, tmp_path):
