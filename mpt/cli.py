@@ -506,6 +506,8 @@ def _print_stages(net: Any, stages: int, spec: Any, states: int) -> None:
                       f"{trained * spec.params.itemsize / gib:.3f}",
                       f"{(4 * states * trained + masters) / gib:.3f}")
     Console(width=max(out.width, 120)).print(table)
+    out.print("Each rank of a stage holds it whole under --backend ddp; under --backend fsdp "
+              "1/D of it, D = world / P replicas (plus the unit it gathers).")
 
 
 @app.command()

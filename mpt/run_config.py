@@ -150,7 +150,12 @@ class RunConfig:
         if self.pipeline is not None and not backend.pipelines:
             raise UsageError("--pipeline-stages", self.pipeline_stages, f"--backend "
                              f"{self.backend} cannot cut a model into pipeline stages",
-                             "use --backend ddp, or drop --pipeline-stages")
+                             "use --backend ddp or fsdp, or drop --pipeline-stages")
+        if self.pipeline is not None:
+            refusal = backend.pipeline_refusal(self.pipeline.schedule,
+                                               backend.check_options(self.backend_options))
+            if refusal is not None:
+                raise UsageError(*refusal)
         if self.pipeline is not None and self.precision is not None:
             import torch
 

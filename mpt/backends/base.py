@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -20,6 +20,8 @@ from mpt.precision import Precision, PrecisionSpec
 from mpt.state.named import from_named, to_named
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from mpt.step import TrainStep
 
 
@@ -189,6 +191,14 @@ class Backend(ABC):
         return None
 
     @classmethod
+    def pipeline_refusal(cls, schedule: str, values: Mapping[str, Any]
+                         ) -> tuple[str, Any, str, str] | None:
+        """Why this backend (``pipelines``) cannot run pipeline schedule ``schedule`` with its
+        options ``values`` (parsed): the flag, its value, why and what works; None where it
+        can."""
+        return None
+
+    @classmethod
     def check_comm(cls, comm: GradComm, values: Mapping[str, Any]) -> None:
         """Refuse, in one line naming flag, value, backend and what works, a setting this
         backend cannot honour: `mpt launch` before any process starts (RunConfig), the Runtime
@@ -310,6 +320,20 @@ class Backend(ABC):
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         """Clear the gradients after a step (to None: the next backward allocates them)."""
         optimizer.zero_grad(set_to_none=True)
+
+    # -- as the data dimension of a pipeline (``pipelines``) ----------------------------------
+    def setup_stage(self, stage: nn.Module, chunks: Sequence[nn.Module],
+                    optimizer: torch.optim.Optimizer, mesh: DeviceMesh) -> None:
+        """Make the replicas of one pipeline stage (``mesh``: the ranks holding it, one per
+        replica) start equal and stay so. ``chunks``: the parts of ``stage`` the schedule runs
+        (each one's forward is called, ``stage``'s never); ``optimizer`` holds ``stage``'s
+        parameters. Only a backend with ``pipelines`` implements it."""
+        raise NotImplementedError(f"--backend {self.name} does not pipeline")
+
+    def reduce_stage(self, stage: nn.Module, mesh: DeviceMesh) -> None:
+        """Average the gradients of ``stage`` over its replicas, once per optimizer step, after
+        the step's last schedule (``setup_stage``'s ``mesh``)."""
+        raise NotImplementedError(f"--backend {self.name} does not pipeline")
 
     # -- state for checkpoints ----------------------------------------------------------------
     @abstractmethod

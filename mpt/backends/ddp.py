@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import atexit
 import gc
-from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,9 @@ from mpt.backends.powersgd import DEFAULT_RANK, DEFAULT_START_STEP, PowerSGD, po
 from mpt.comm import GradComm
 from mpt.errors import UsageError
 from mpt.parse import parse_int
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 DEFAULT_BUCKET_MB = 25.0
 """torch DDP's bucket cap when none is given."""
@@ -192,6 +195,38 @@ class DDPBackend(Backend):
             ddp.register_comm_hook(powersgd, powersgd_hook)
             self._powersgd[id(ddp)] = powersgd
         return ddp
+
+    def setup_stage(self, stage: nn.Module, chunks: Sequence[nn.Module],
+                    optimizer: torch.optim.Optimizer, mesh: DeviceMesh) -> None:
+        """Rank 0's weights on every replica of the stage, as DDP's wrapper would give them.
+        Not the wrapper itself: its reducer fails under GPipe here (its bucket rebuild counts
+        every micro-batch's backward)."""
+        if mesh.size() > 1:
+            for tensor in stage.state_dict().values():
+                dist.broadcast(tensor, group_src=0, group=mesh.get_group())
+
+    def reduce_stage(self, stage: nn.Module, mesh: DeviceMesh) -> None:
+        """One flat allreduce per bucket of ``--bucket-mb`` (25 MiB by default) in the
+        ``--grad-compression`` dtype, after the schedule: once per optimizer step, also under
+        accumulation."""
+        if mesh.size() == 1:
+            return
+        wire = CAST_DTYPES.get(self.comm.compression)
+        limit = int((self.comm.bucket_mb or DEFAULT_BUCKET_MB) * 2**20)
+        grads = [p.grad for p in stage.parameters() if p.grad is not None]
+        bucket: list[torch.Tensor] = []
+        for index, grad in enumerate(grads):
+            bucket.append(grad)
+            size = sum(g.numel() * (wire or g.dtype).itemsize for g in bucket)
+            last = index == len(grads) - 1
+            if size >= limit or last or grads[index + 1].dtype != grad.dtype:
+                flat = torch.cat([g.reshape(-1).to(wire or g.dtype) for g in bucket])
+                dist.all_reduce(flat, group=mesh.get_group())
+                flat /= mesh.size()
+                for g, part in zip(bucket, flat.split([g.numel() for g in bucket]),
+                                   strict=True):
+                    g.copy_(part.view_as(g))
+                bucket = []
 
     def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
         # What DDP.no_sync() does, without a context the user's loop would have to open around

@@ -11,8 +11,8 @@ for the one, and reduces each unit's gradients in one collective instead of buck
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
-from typing import Any, ClassVar
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -25,7 +25,11 @@ from mpt.comm import GradComm
 from mpt.errors import UsageError
 from mpt.estimate import MemoryEstimate, parameter_counts
 from mpt.parse import parse_bool, parse_text
+from mpt.pipeline.config import ZERO_BUBBLE
 from mpt.precision import PrecisionSpec
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 MIN_UNIT_PARAMETERS = 1_000_000
 """Without ``--fsdp-wrap``, a submodule holding at least this many parameters that no smaller
@@ -93,17 +97,19 @@ class FSDPBackend(DDPBackend):
     """
 
     name = "fsdp"
-    pipelines: ClassVar[bool] = False
+    pipelines: ClassVar[bool] = True
     options: ClassVar[dict[str, BackendOption]] = {
         "wrap": BackendOption(help="module classes that become FSDP units, comma-separated "
                                    "(default: each submodule of at least "
                                    f"{MIN_UNIT_PARAMETERS:,} parameters)",
                               parse=parse_class_names, flag="--fsdp-wrap"),
         "reshard_after_forward": BackendOption(
-            help="yes (default): free gathered parameters after each unit's forward and gather "
-                 "them again for its backward; no: keep them, one all-gather less per unit",
-            # a value, not a switch: the default is on
-            parse=lambda argument, value: parse_bool(argument, value), default=True,
+            help="yes: free gathered parameters after each unit's forward and gather them "
+                 "again for its backward; no: keep them, one all-gather less per unit "
+                 "(default: yes, and no under --pipeline-stages, where a stage runs a forward "
+                 "per micro-batch)",
+            # a value, not a switch; None: the default, which depends on the pipeline
+            parse=lambda argument, value: parse_bool(argument, value), default=None,
             flag="--fsdp-reshard-after-forward"),
         "cpu_offload": BackendOption(
             help="keep the shards, their gradients and the optimizer step in CPU memory",
@@ -139,6 +145,16 @@ class FSDPBackend(DDPBackend):
         return None
 
     @classmethod
+    def pipeline_refusal(cls, schedule: str, values: Mapping[str, Any]
+                         ) -> tuple[str, Any, str, str] | None:
+        if schedule in ZERO_BUBBLE and values["reshard_after_forward"]:
+            return ("--fsdp-reshard-after-forward", "yes", f"--pipeline-schedule {schedule} "
+                    "computes the weights' gradients after the inputs', and by then fsdp has "
+                    "freed the weights it gathered for them", "leave the flag out (no, under a "
+                    "pipeline), or use --pipeline-schedule interleaved-1f1b")
+        return None
+
+    @classmethod
     def casts_model(cls, spec: PrecisionSpec) -> bool:
         # A model cast with fp32 masters (O2): the fp32 shards are the masters and each unit
         # gathers its weights in the cast dtype (MixedPrecisionPolicy). A cast without masters
@@ -168,12 +184,6 @@ class FSDPBackend(DDPBackend):
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
               ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import (
-            CPUOffloadPolicy,
-            MixedPrecisionPolicy,
-            OffloadPolicy,
-            fully_shard,
-        )
 
         meta = on_meta(model)
         if optimizer is None:  # nothing to train: rank 0's weights everywhere, not sharded
@@ -189,6 +199,22 @@ class FSDPBackend(DDPBackend):
                              "set it up before its first step, and restore state with rt.load")
         if self._mesh is None:
             self._mesh = init_device_mesh(self.device.type, (self.world.world_size,))
+        self._shard(model, [model], optimizer, reshard=True)
+        return model, optimizer
+
+    def _shard(self, model: nn.Module, roots: Sequence[nn.Module],
+               optimizer: torch.optim.Optimizer, *, reshard: bool) -> None:
+        """``fully_shard`` each of ``roots`` (parts of ``model``, or the model itself) with its
+        units over ``self._mesh``, and point ``optimizer`` at the sharded parameters.
+        ``reshard``: whether to reshard after forward unless the option says."""
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
+
+        meta = on_meta(model)
         # fully_shard swaps each parameter for a DTensor shard: remember the optimizer's by name.
         name_of = {param: name for name, param in model.named_parameters()}
         unknown = [p for g in optimizer.param_groups for p in g["params"] if p not in name_of]
@@ -198,8 +224,9 @@ class FSDPBackend(DDPBackend):
                              "build it over model.parameters()")
         offload: OffloadPolicy = (CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
                                   if self.option_values["cpu_offload"] else OffloadPolicy())
+        chosen = self.option_values["reshard_after_forward"]
         settings = dict(mesh=self._mesh, offload_policy=offload,
-                        reshard_after_forward=self.option_values["reshard_after_forward"])
+                        reshard_after_forward=reshard if chosen is None else chosen)
         spec = self.precision.spec
         # O2: gathered in the cast dtype, reduced in the precision's (the fp32 shards are its
         # masters); O3 and the autocast precisions gather the shards as they are.
@@ -213,8 +240,9 @@ class FSDPBackend(DDPBackend):
                  and any(True for _ in m.parameters(recurse=False))
                  ] if spec.norm != spec.params else []
         shards = [(norm, kept) for norm in norms]
-        shards += [(unit, cast) for unit in [*units(model, self.option_values["wrap"]), model]
-                   if unit not in norms]
+        for root in roots:
+            shards += [(unit, cast) for unit in [*units(root, self.option_values["wrap"]), root]
+                       if unit not in norms]
         if meta:
             check_materialisable(model)
         with rank0_random_state(self) if meta else contextlib.nullcontext():
@@ -225,7 +253,21 @@ class FSDPBackend(DDPBackend):
         sharded = dict(model.named_parameters())
         for group in optimizer.param_groups:
             group["params"] = [sharded[name_of[param]] for param in group["params"]]
-        return model, optimizer
+
+    def setup_stage(self, stage: nn.Module, chunks: Sequence[nn.Module],
+                    optimizer: torch.optim.Optimizer, mesh: DeviceMesh) -> None:
+        """Each chunk sharded over the stage's replicas (``mesh``), as its own root with its
+        units: the schedule calls each chunk's forward, never the stage's. torch's
+        PipelineStage drives the rest: it holds gradients unsharded over the micro-batches
+        and reduce-scatters them after the last."""
+        super().setup_stage(stage, chunks, optimizer, mesh)  # replicas start equal
+        self._mesh = mesh
+        # Kept gathered from each micro-batch's forward to the schedule's last backward, as
+        # torchtitan does under a pipeline: one all-gather per unit and schedule, not M.
+        self._shard(stage, chunks, optimizer, reshard=False)
+
+    def reduce_stage(self, stage: nn.Module, mesh: DeviceMesh) -> None:
+        pass  # reduce-scattered by each schedule (PipelineStage.perform_reduce_grad)
 
     def place(self, model: nn.Module) -> nn.Module:
         return model if on_meta(model) else super().place(model)  # materialised in setup

@@ -6,32 +6,31 @@ a stage, which average gradients, share a node where they can. This class cuts t
 this rank's chunks, runs the schedule (``PipelineStep``), averages each stage's gradients over
 its replicas once per optimizer step, and makes what the rest of mpt sees look like one model:
 state dicts under the whole model's parameter names, gradient norms over every stage, one
-overflow verdict for all. The inner backend (ddp) joins the processes, steps the optimizer in
-the run's precision and offers the collectives.
-
-The replicas' average is one flat allreduce per bucket after the schedule, not DDP's hooks:
-DDP's reducer fails under GPipe here (its bucket rebuild counts every micro-batch's backward),
-and an average after the schedule also reduces once per optimizer step under accumulation.
+overflow verdict for all. The inner backend (ddp or fsdp) joins the processes, keeps each
+stage's replicas equal (``Backend.setup_stage``/``reduce_stage``: ddp replicates the stage and
+averages after the schedule, fsdp shards it over the replicas), steps the optimizer in the
+run's precision and offers the collectives.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from mpt.backends.base import Backend, Topology, on_meta
-from mpt.backends.ddp import CAST_DTYPES, DEFAULT_BUCKET_MB
 from mpt.backends.meta import check_materialisable, materialise, rank0_random_state
 from mpt.environments import World
 from mpt.errors import UsageError
 from mpt.pipeline.config import PipelinePlan
 from mpt.pipeline.split import Stage, stage_blocks
 from mpt.pipeline.step import PipelineStep
-from mpt.state.named import from_named, to_named
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def pipeline_topology(world: World, plan: PipelinePlan) -> Topology:
@@ -59,11 +58,11 @@ class PipelineBackend(Backend):
         """This rank's stage and replica."""
         self.pp_group: dist.ProcessGroup | None = None
         """The ranks of this rank's replica, one per stage (set by ``init_process_group``)."""
-        self.dp_group: dist.ProcessGroup | None = None
+        self.dp_mesh: DeviceMesh | None = None
         """The replicas of this rank's stage (set by ``init_process_group``)."""
-        self._ties: list[tuple[nn.Parameter, Any]] = []  # shared across stages: (param, group)
+        self._ties: list[tuple[str, Any]] = []  # shared across stages: (name here, group)
         self._aliases: dict[str, str] = {}  # a shared parameter's name here -> its owner's
-        self._not_owned: set[int] = set()  # ids of shared parameters another stage owns
+        self._not_owned: set[str] = set()  # names here of shared parameters another stage owns
         self._materialised: dict[int, nn.Parameter] = {}  # id of a meta parameter -> its own
 
     # -- life cycle ---------------------------------------------------------------------------
@@ -73,7 +72,7 @@ class PipelineBackend(Backend):
         self.inner.init_process_group()
         mesh = init_device_mesh(self.device.type, (self.plan.stages, self.layout.dp_size),
                                 mesh_dim_names=("pp", "dp"))
-        self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+        self.pp_group, self.dp_mesh = mesh.get_group("pp"), mesh["dp"]
 
     def place(self, model: nn.Module) -> nn.Module:
         """Keep this rank's chunks of ``model`` (the others are dropped) and place them."""
@@ -117,23 +116,23 @@ class PipelineBackend(Backend):
         for index, blocks in enumerate(chunks):
             for name, block in blocks:
                 for local, param in block.named_parameters(prefix=name, remove_duplicate=False):
-                    holders.setdefault(id(param), []).append(
-                        (self.plan.holder(index), local, param))
+                    holders.setdefault(id(param), []).append((self.plan.holder(index), local))
         replicas = self.layout.dp_size
         for held in holders.values():
-            stages = sorted({stage for stage, _, _ in held})
+            stages = sorted({stage for stage, _ in held})
             if len(stages) < 2:
                 continue
-            owner_name = min((stage, name) for stage, name, _ in held)[1]
+            owner_name = min(held)[1]
+            mine = [name for stage, name in held if stage == self.layout.stage]
             for replica in range(replicas):
                 group = dist.new_group([stage * replicas + replica for stage in stages])
-                if replica == self.layout.dp_rank and self.layout.stage in stages:
-                    self._ties.append((held[0][2], group))
-            for stage, name, param in held:
-                if stage == self.layout.stage and name != owner_name:
+                if replica == self.layout.dp_rank and mine:
+                    self._ties.append((mine[0], group))
+            for name in mine:
+                if name != owner_name:
                     self._aliases[name] = owner_name
-                    if stage != stages[0]:
-                        self._not_owned.add(id(param))
+                    if self.layout.stage != stages[0]:
+                        self._not_owned.add(name)
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
               ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
@@ -147,36 +146,20 @@ class PipelineBackend(Backend):
             params = [self._materialised.get(id(p), p) for p in group["params"]]
             group["params"] = [p for p in params if id(p) in own]
         self._materialised = {}
-        if self.layout.dp_size > 1:  # replicas start equal, as DDP would make them
-            for tensor in model.state_dict().values():
-                dist.broadcast(tensor, group_src=0, group=self.dp_group)
+        assert self.dp_mesh is not None
+        self.inner.setup_stage(model, model.chunks, optimizer, self.dp_mesh)
         return model, optimizer
 
     def average_gradients(self, model: nn.Module) -> None:
         """Sum the gradients of parameters shared across stages, then average this stage's
-        gradients over its replicas: flat buckets of ``--bucket-mb`` (25 MiB by default), sent
-        in the ``--grad-compression`` dtype."""
-        for param, group in self._ties:
-            if param.grad is not None:
-                dist.all_reduce(param.grad, group=group)
-        if self.layout.dp_size == 1:
-            return
-        wire = CAST_DTYPES.get(self.comm.compression)
-        limit = int((self.comm.bucket_mb or DEFAULT_BUCKET_MB) * 2**20)
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        bucket: list[torch.Tensor] = []
-        for index, grad in enumerate(grads):
-            bucket.append(grad)
-            size = sum(g.numel() * (wire or g.dtype).itemsize for g in bucket)
-            last = index == len(grads) - 1
-            if size >= limit or last or grads[index + 1].dtype != grad.dtype:
-                flat = torch.cat([g.reshape(-1).to(wire or g.dtype) for g in bucket])
-                dist.all_reduce(flat, group=self.dp_group)
-                flat /= self.layout.dp_size
-                for g, part in zip(bucket, flat.split([g.numel() for g in bucket]),
-                                   strict=True):
-                    g.copy_(part.view_as(g))
-                bucket = []
+        gradients over its replicas (the inner backend's ``reduce_stage``). Collective."""
+        params = dict(model.named_parameters())
+        for name, group in self._ties:
+            grad = params[name].grad
+            if grad is not None:  # under fsdp: this replica's shard, the same on each stage
+                dist.all_reduce(_local(grad), group=group)
+        assert self.dp_mesh is not None
+        self.inner.reduce_stage(model, self.dp_mesh)
 
     def make_step(self, **parts: Any) -> PipelineStep:
         return PipelineStep(backend=self, **parts)
@@ -199,12 +182,14 @@ class PipelineBackend(Backend):
 
     def clip_grad_norm_(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                         max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """The norm over every stage's gradients (replicas of a stage hold the same ones)."""
+        """The norm over every stage's gradients (replicas of a stage hold the same ones, or
+        shards of them: a DTensor norm, whole once reduced over them)."""
         self.precision.unscale_(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]
                   if p.grad is not None]
-        counted = [p.grad for p in params if id(p) not in self._not_owned]  # ties once
-        local = torch.nn.utils.get_total_norm(counted, norm_type).float()
+        names = {param: name for name, param in model.named_parameters()}
+        counted = [p.grad for p in params if names[p] not in self._not_owned]  # ties once
+        local = _whole(torch.nn.utils.get_total_norm(counted, norm_type).float())
         if norm_type == float("inf"):
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.pp_group)
             total = local
@@ -222,6 +207,7 @@ class PipelineBackend(Backend):
         if self.precision.spec.loss_scaling != "none":
             grads = [p.grad for group in optimizer.param_groups for p in group["params"]
                      if p.grad is not None]
+            grads = [_local(g) for g in grads]  # every rank's own: reduced over all of them
             bad = torch.tensor([float(any(not torch.isfinite(g).all() for g in grads))],
                                device=self.device)
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
@@ -243,7 +229,7 @@ class PipelineBackend(Backend):
         return found
 
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        local = self.precision.weights_to_save(model, model.state_dict())
+        local = self.inner.model_state_dict(model)  # this stage's, whole
         merged: dict[str, torch.Tensor] = {}
         for part in self._gather({k: v.detach().cpu() for k, v in local.items()}):
             merged.update(part)
@@ -256,9 +242,7 @@ class PipelineBackend(Backend):
             raise UsageError("checkpoint", ", ".join(missing[:3]), "it has no weights for "
                              "these parameters of this stage", "load it into the model it was "
                              "saved from")
-        mine = {k: state[k] for k in own}
-        model.load_state_dict(mine)
-        self.precision.weights_loaded(model, mine)
+        self.inner.load_model_state_dict(model, {k: state[k] for k in own})
 
     def parameter_names(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
         """As one process names them: a shared parameter by its owner's name on every stage."""
@@ -267,7 +251,7 @@ class PipelineBackend(Backend):
 
     def optimizer_state_dict(self, model: nn.Module,
                              optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        local = to_named(optimizer.state_dict(), self.parameter_names(model, optimizer))
+        local = _renamed(self.inner.optimizer_state_dict(model, optimizer), self._aliases)
         parts = self._gather(local)
         merged: dict[str, Any] = {"state": {}, "param_groups": []}
         for part in parts:
@@ -279,12 +263,12 @@ class PipelineBackend(Backend):
 
     def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                                   state: dict[str, Any]) -> None:
-        names = self.parameter_names(model, optimizer)
-        own = set(names)
+        own = set(self.parameter_names(model, optimizer))
         mine = {"state": {k: v for k, v in state["state"].items() if k in own},
                 "param_groups": [{**group, "params": [n for n in group["params"] if n in own]}
                                  for group in state["param_groups"]]}
-        optimizer.load_state_dict(from_named(mine, names))
+        owners = {owner: name for name, owner in self._aliases.items()}
+        self.inner.load_optimizer_state_dict(model, optimizer, _renamed(mine, owners))
 
     # -- collectives over the whole world: the inner backend's --------------------------------
     def broadcast_tensor_(self, tensor: torch.Tensor, src: int = 0) -> None:
@@ -301,3 +285,25 @@ class PipelineBackend(Backend):
 
     def sum_async(self, tensor: torch.Tensor) -> Callable[[], None]:
         return self.inner.sum_async(tensor)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: its shard where it is a DTensor (fsdp), else itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` reduced over its shards where it is a DTensor (collective), else itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _renamed(state: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """An optimizer state by parameter name (``mpt.state.named``), its names mapped by
+    ``names`` (those it lacks kept)."""
+    return {"state": {names.get(k, k): v for k, v in state["state"].items()},
+            "param_groups": [{**group, "params": [names.get(n, n) for n in group["params"]]}
+                             for group in state["param_groups"]]}

@@ -13,6 +13,8 @@ and interleaved zero bubble (two model chunks per rank), each checked on gloo. N
 steal_bwd_input if this stage doesn't have backward")."""
 LOOPED = {"interleaved-1f1b": 2, "interleaved-zb": 2}
 """Model chunks per rank of the schedules that give a rank several."""
+ZERO_BUBBLE = frozenset({"interleaved-zb"})
+"""Schedules that split a backward in two: the inputs' gradients first, the weights' later."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

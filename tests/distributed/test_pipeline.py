@@ -74,6 +74,16 @@ CASES = [pytest.param(2, "1f1b", (), id="P2xD1-1f1b", marks=pytest.mark.slow),
          pytest.param(2, "1f1b", ("--accumulate", "2"), id="P2xD1-1f1b-accumulate2",
                       marks=pytest.mark.slow),
          pytest.param(2, "1f1b", ("--pipeline-split", "4"), id="P2xD1-split-by-name",
+                      marks=pytest.mark.slow),
+         # fsdp as the data dimension: each stage sharded over its replicas
+         pytest.param(2, "gpipe", ("--backend", "fsdp"), id="fsdp-P2xD1-gpipe",
+                      marks=pytest.mark.slow),
+         pytest.param(4, "interleaved-1f1b", ("--backend", "fsdp", "--microbatches", "2"),
+                      id="fsdp-P2xD2-interleaved-M2", marks=pytest.mark.slow),
+         pytest.param(4, "interleaved-zb", ("--backend", "fsdp"), id="fsdp-P2xD2-interleaved-zb",
+                      marks=pytest.mark.slow),
+         pytest.param(4, "1f1b", ("--backend", "fsdp", "--accumulate", "2", "--microbatches",
+                                  "2"), id="fsdp-P2xD2-1f1b-accumulate2",
                       marks=pytest.mark.slow)]
 
 
@@ -82,6 +92,18 @@ def test_a_pipeline_trains_as_one_process_on_the_global_batch(tmp_path, gpus, sc
     got = launch(tmp_path / "out.json", gpus, "--pipeline-stages", "2", "--pipeline-schedule",
                  schedule, *flags, script_args=("--clip", "0.5"))
     assert_close(got, reference(clip=0.5), rel=1e-5)
+
+
+def test_fsdp_shards_each_stage_over_its_replicas(tmp_path):
+    """P = 2 x D = 2 under --backend fsdp: each rank holds half its stage's parameters (one
+    more where a tensor's rows do not halve), and the job trains as one process does."""
+    got = launch(tmp_path / "out.json", 4, "--backend", "fsdp", "--pipeline-stages", "2",
+                 "--pipeline-schedule", "1f1b", script_args=("--clip", "0.5"))
+    assert_close(got, reference(clip=0.5), rel=1e-5)
+    for stage in (got["sizes"][:2], got["sizes"][2:]):  # rank = stage x 2 + replica
+        assert stage[0]["stage"] == stage[1]["stage"], got["sizes"]
+        assert sum(rank["held"] for rank in stage) == stage[0]["stage"], got["sizes"]
+        assert max(rank["held"] for rank in stage) < stage[0]["stage"], got["sizes"]
 
 
 def test_a_meta_model_materialises_only_each_ranks_stage(tmp_path):
@@ -97,24 +119,44 @@ def test_a_meta_model_materialises_only_each_ranks_stage(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("precision", "rel"), [("bf16-mixed", 5e-2), ("fp16-mixed", 5e-3),
-                                              ("O1", 5e-3)])
+@pytest.mark.parametrize(("precision", "rel", "flags"), [
+    ("bf16-mixed", 5e-2, ()), ("fp16-mixed", 5e-3, ()), ("O1", 5e-3, ()),
+    ("bf16-mixed", 5e-2, ("--backend", "fsdp")), ("fp16-mixed", 5e-3, ("--backend", "fsdp"))])
 def test_mixed_precision_pipelines_train_within_the_conformance_tolerance(tmp_path, precision,
-                                                                          rel):
-    got = launch(tmp_path / "out.json", 2, "--pipeline-stages", "2", "--precision", precision)
+                                                                          rel, flags):
+    got = launch(tmp_path / "out.json", 2, "--pipeline-stages", "2", "--precision", precision,
+                 *flags)
     want = reference()
     assert got["losses"] == pytest.approx(want["losses"], rel=rel)
     if precision != "bf16-mixed":
         assert got["scale"] == 65536.0  # one verdict for both stages: no step was skipped
 
 
+@pytest.mark.slow
+def test_an_overflow_on_any_replica_skips_the_step_alike_under_ddp_and_fsdp(tmp_path):
+    """fp16 at P = 2 x D = 2: micro-batches of one sample overflow the first step at the
+    initial scale. Every rank skips it and halves its scale, whether the stage's replicas are
+    whole (ddp) or shards (fsdp, where each rank sees only its shard's gradients)."""
+    runs = {backend: launch(tmp_path / f"{backend}.json", 4, "--backend", backend,
+                            "--pipeline-stages", "2", "--precision", "fp16-mixed")
+            for backend in ("ddp", "fsdp")}
+    assert runs["ddp"]["scale"] == runs["fsdp"]["scale"] == 32768.0  # one skip, one halving
+    assert len(runs["fsdp"]["losses"]) == STEPS - 1
+    assert runs["fsdp"]["losses"] == pytest.approx(runs["ddp"]["losses"], rel=1e-5)
+    for name, values in runs["ddp"]["weights"].items():
+        assert runs["fsdp"]["weights"][name] == pytest.approx(values, rel=1e-5, abs=1e-6), name
+
+
 P2 = (2, ("--pipeline-stages", "2"))
 CHAIN = [pytest.param(P2, ("ddp", 1, ()), id="P2xD1-to-ddp-P1"),
          *(pytest.param(P2, to, id=f"P2xD1-to-{to[0]}-{to[1]}", marks=pytest.mark.slow)
            for to in (("ddp", 4, ("--pipeline-stages", "2")), ("fsdp", 2, ()),
-                      ("deepspeed", 2, ("--zero-stage", "2")))),
+                      ("deepspeed", 2, ("--zero-stage", "2")),
+                      ("fsdp", 4, ("--pipeline-stages", "2")))),
          pytest.param((1, ()), ("ddp", 2, ("--pipeline-stages", "2")), id="P1-to-P2xD1",
-                      marks=pytest.mark.slow)]
+                      marks=pytest.mark.slow),
+         pytest.param((4, ("--backend", "fsdp", "--pipeline-stages", "2")), ("ddp", 1, ()),
+                      id="fsdp-P2xD2-to-ddp-P1", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize(("source", "target"), CHAIN)
@@ -144,7 +186,10 @@ def test_a_pipeline_checkpoint_resumes_on_the_uninterrupted_curve(tmp_path, sour
     (("--gpus", "2", "--pipeline-stages", "2", "--grad-compression", "powersgd"),
      "--grad-compression=powersgd is invalid"),
     (("--gpus", "2", "--pipeline-stages", "2", "--precision", "O2"),
-     "--precision=O2 is invalid")])
+     "--precision=O2 is invalid"),
+    (("--gpus", "2", "--pipeline-stages", "2", "--backend", "fsdp", "--pipeline-schedule",
+      "interleaved-zb", "--fsdp-reshard-after-forward", "yes"),
+     "--fsdp-reshard-after-forward=yes is invalid")])
 def test_bad_pipeline_flags_are_refused_before_any_process_starts(tmp_path, flags, words):
     result = run_mpt("launch", *flags, worker("pipeline_train.py"), str(tmp_path / "out.json"))
     assert result.returncode == 2, result.stderr

@@ -6,8 +6,9 @@ usage: pipeline_train.py OUT [--steps N] [--clip C] [--save-at K --ckpt DIR] [--
 The pipeline, precision and world come from `mpt launch`; the same script runs without a
 pipeline, which is what tests/distributed/test_pipeline.py compares it with. --save-at saves at
 step K into DIR; --resume loads DIR's latest checkpoint and trains on (losses keyed by step).
---meta builds the model on the meta device; every rank reports how many of the whole model's
-parameters it gave real values (OUT's "sizes").
+--meta builds the model on the meta device. Every rank reports (OUT's "sizes") how many of
+the whole model's parameters it gave real values, its stage's, and the ones it holds (fewer
+where --backend fsdp shards the stage).
 """
 
 import argparse
@@ -52,7 +53,9 @@ if __name__ == "__main__":
     # Per rank: the parameters the whole model holds for real (on meta: this stage's only)
     real = {"materialised": sum(p.numel() for p in whole.parameters() if not p.is_meta),
             "stage": sum(p.numel() for p in model.parameters()),
-            "model": sum(p.numel() for p in whole.parameters())}
+            "model": sum(p.numel() for p in whole.parameters()),
+            "held": sum(getattr(p, "to_local", lambda p=p: p)().numel()  # a shard's, sharded
+                        for p in model.parameters())}
     sizes: list[dict] = [real]
     if rt.world_size > 1:  # one process opens no process group
         sizes = [{} for _ in range(rt.world_size)]
