@@ -13,6 +13,11 @@ once without, the side that goes first alternating. A run's step time is the med
 interval where that is longer, so that each record holds the same number of snapshots; the
 first, warm-up record left out). The figure is the median over rounds of with/without, with
 the rounds' spread: the goal is <= 1.05.
+
+On a machine whose cores other work shares, step times wander more than a snapshot costs; the
+CPU time the two nodes' processes used (user + system, every thread, from ``getrusage``) does
+not, so each round also gives (CPU with - CPU without) / snapshots taken: what one snapshot
+costs in CPU, on both nodes together, start-up and training being the same on both sides.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -36,8 +42,10 @@ EXAMPLES = {
 }
 
 
-def step_time(example: str, every: int, log_every: int) -> float:
-    """Median seconds per step of one two-node run of ``example``."""
+def step_time(example: str, every: int, log_every: int) -> tuple[float, float]:
+    """Median seconds per step of one two-node run of ``example``, and the CPU seconds its
+    processes used."""
+    before = _children_cpu()
     with tempfile.TemporaryDirectory(prefix="mpt-snapshot-bench-") as tmp:
         port = str(free_port())
         flags = ["--snapshot-every", str(every)] if every else []
@@ -54,7 +62,13 @@ def step_time(example: str, every: int, log_every: int) -> float:
         records = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text()
                    .splitlines()]
         times = [r["step_time_s"] for r in records if r.get("step_time_s")][1:]
-        return statistics.median(times)
+        return statistics.median(times), _children_cpu() - before
+
+
+def _children_cpu() -> float:
+    """CPU seconds of every ended child process (and theirs) so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main() -> None:
@@ -67,18 +81,22 @@ def main() -> None:
     args = parser.parse_args()
     log_every = args.every * max(1, 10 // args.every)  # each record's window: whole snapshots
     for example in args.examples:
-        ratios, on_ms, off_ms = [], [], []
+        ratios, on_ms, off_ms, cpu_ms = [], [], [], []
+        snapshots = int(EXAMPLES[example][EXAMPLES[example].index("--steps") + 1]) // args.every
         for r in range(args.rounds):
             order = (True, False) if r % 2 == 0 else (False, True)
             got = {side: step_time(example, args.every if side else 0, log_every)
                    for side in order}
-            on_ms.append(got[True] * 1e3)
-            off_ms.append(got[False] * 1e3)
-            ratios.append(got[True] / got[False])
+            on_ms.append(got[True][0] * 1e3)
+            off_ms.append(got[False][0] * 1e3)
+            ratios.append(got[True][0] / got[False][0])
+            cpu_ms.append((got[True][1] - got[False][1]) / snapshots * 1e3)
         print(f"{example}: step {statistics.median(on_ms):.2f} ms with a snapshot every "
               f"{args.every} step(s), "
               f"{statistics.median(off_ms):.2f} ms without: ratio {statistics.median(ratios):.3f}"
-              f" (rounds {min(ratios):.3f}-{max(ratios):.3f}, {args.rounds} rounds)", flush=True)
+              f" (rounds {min(ratios):.3f}-{max(ratios):.3f}, {args.rounds} rounds); CPU per "
+              f"snapshot {statistics.median(cpu_ms):.2f} ms (rounds {min(cpu_ms):.2f}-"
+              f"{max(cpu_ms):.2f})", flush=True)
 
 
 if __name__ == "__main__":
