@@ -103,8 +103,9 @@ test: $(STAMP)
 	$(BIN)/python -m pytest
 
 # The tests marked slow (longer cases of grids whose fast cases `make test` runs), then every
-# backend x precision x world size 1/2 x accumulation 1/2 against ddp fp32, one launch per cell
-# (~40-55 min on 2 cores); prints the table and writes docs/support-matrix.md. `make test` runs a
+# backend x precision x world size 1/2 x accumulation 1/2 against ddp fp32, one launch per cell,
+# and ddp and fsdp at 2 pipeline stages (~50-65 min on 2 cores); prints the table and writes
+# docs/support-matrix.md. `make test` runs a
 # fast subset (tests/conformance/test_grid.py). Options: CONFORMANCE_ARGS="--zero-stages 0,1,2,3".
 conformance: $(STAMP)
 	$(BIN)/python -m pytest -m slow

@@ -113,7 +113,7 @@ class RunConfig:
     metrics_all_ranks: bool = _setting(False, "Every rank writes metrics, not only rank 0.",
                                        parse=parse_bool)
     pipeline_stages: int = _setting(
-        1, "Cut the model into P pipeline stages over ranks (ddp); the world is P x the "
+        1, "Cut the model into P pipeline stages over ranks (ddp, fsdp); the world is P x the "
         "data-parallel size (docs/pipeline.md).", parse=parse_int, metavar="P")
     pipeline_schedule: str = _setting(
         "1f1b", "Pipeline schedule: gpipe, 1f1b, or with two chunks per rank "
@@ -162,9 +162,10 @@ class RunConfig:
             from mpt.precision import describe
 
             if describe(self.precision, options=self.precision_options).params != torch.float32:
-                raise UsageError("--precision", self.precision, "a pipeline is checked against "
-                                 "one process only with fp32 weights (the mixed precisions "
-                                 "autocast them); casting the weights themselves is not",
+                raise UsageError("--precision", self.precision, f"--backend {self.backend} "
+                                 "under a pipeline is checked against one process only with "
+                                 "fp32 weights (the mixed precisions autocast them); casting "
+                                 "the weights themselves is not",
                                  "use --precision bf16-mixed, fp16-mixed or O1, or drop "
                                  "--pipeline-stages")
         if self.pipeline is not None and self.grad_compression == "powersgd":

@@ -153,7 +153,7 @@ class PipelineBackend(Backend):
     def average_gradients(self, model: nn.Module) -> None:
         """Sum the gradients of parameters shared across stages, then average this stage's
         gradients over its replicas (the inner backend's ``reduce_stage``). Collective."""
-        params = dict(model.named_parameters())
+        params = dict(model.named_parameters(remove_duplicate=False))
         for name, group in self._ties:
             grad = params[name].grad
             if grad is not None:  # under fsdp: this replica's shard, the same on each stage

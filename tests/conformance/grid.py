@@ -2,7 +2,8 @@
 
 usage: python tests/conformance/grid.py [--backends ddp,apex] [--precisions fp32,O2]
                                         [--shapes 1x1,2x2] [--zero-stages 0,3]
-                                        [--compressions fp16,bf16,powersgd] [--output FILE]
+                                        [--compressions fp16,bf16,powersgd]
+                                        [--pipeline-stages 1,2] [--output FILE]
 
 Each cell is one `mpt launch --gpus WS --backend B --precision P` of
 tests/workers/conformance_job.py (the model, data and optimizer are in conformance_model.py)
@@ -23,6 +24,12 @@ reference trained them from their initial values W_0).
   precision, before any worker process started.
 - F (fail): anything else (wrong numbers, NaN, a crash, a traceback, another exit code, a
   refusal after start). The grid exits with 1 when a cell fails.
+
+The pipeline rows (``--pipeline-stages``, default 1,2; P = 1 is every other row) run the
+backends that pipeline (ddp, fsdp) with the model cut into P stages: their world size is the
+data-parallel size (P x ws processes), and each shape's reference is ddp fp32 at the same P,
+checked against plain torch fp32 on the micro-batches the schedule ran (M per replica batch:
+batch norm sees those).
 
 The compression rows run each backend in fp32 with `--grad-compression C`: fp16 and bf16 are
 judged as mixed cells of ``COMPRESSED_AS[C]`` (within that mixed-precision tolerance of the
@@ -103,9 +110,10 @@ def command(cell: Cell, out: Path) -> list[str]:
     if cell.compression == "powersgd" and set(POWERSGD_OPTIONS) <= set(
             get_backend(cell.backend).options):  # the others must refuse powersgd itself
         comm += ["--backend-options", json.dumps(POWERSGD_OPTIONS)]
-    return [sys.executable, "-m", "mpt", "launch", "--gpus", str(cell.world_size),
+    pipeline = ["--pipeline-stages", str(cell.stages)] if cell.stages > 1 else []
+    return [sys.executable, "-m", "mpt", "launch", "--gpus", str(cell.processes),
             "--master-port", "auto", "--backend", cell.backend, "--precision", cell.precision,
-            *stage, *comm, str(JOB), str(out), str(cell.accumulate)]
+            *stage, *comm, *pipeline, str(JOB), str(out), str(cell.accumulate)]
 
 
 def launch(cell: Cell, out: Path) -> tuple[subprocess.CompletedProcess[str] | None, float]:
@@ -123,10 +131,10 @@ def launch(cell: Cell, out: Path) -> tuple[subprocess.CompletedProcess[str] | No
 def read_run(out: Path, cell: Cell) -> Run:
     from safetensors.torch import load_file
 
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(cell.world_size)]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(cell.processes)]
     acc = cell.accumulate
     for r, data in enumerate(ranks):
-        if (data["world_size"], data["accumulate"]) != (cell.world_size, acc):
+        if (data["world_size"], data["accumulate"]) != (cell.processes, acc):
             raise ValueError(f"rank {r} ran world size {data['world_size']}, accumulation "
                              f"{data['accumulate']}")
         ran = (data["backend"], data["precision"], data["compression"])
@@ -137,11 +145,13 @@ def read_run(out: Path, cell: Cell) -> Run:
             raise ValueError(f"rank {r} ran {len(data['losses'])} micro-batches, not "
                              f"{STEPS * acc}")
     losses, schedule, stepped = [], [], []
+    readers = [data for data in ranks if data["stage"] == 0]  # a replica's stages: one batch
     for s in range(STEPS):
         micro = range(s * acc, (s + 1) * acc)
-        values = [data["losses"][k] for data in ranks for k in micro]
+        values = [data["losses"][k] for data in readers for k in micro]
         losses.append(sum(values) / len(values))
-        schedule.append([data["indices"][k] for data in ranks for k in micro])
+        schedule.append([chunk for data in readers for k in micro
+                         for chunk in data["indices"][k]])
         stepped.append(all(data["stepped"][(s + 1) * acc - 1] for data in ranks))
     off = sum(bool(v) for data in ranks for k, v in enumerate(data["stepped"])
               if (k + 1) % acc != 0)
@@ -198,10 +208,10 @@ def run_cell(cell: Cell, reference: Reference | None) -> tuple[Outcome, Run | No
                      seconds, reference.planted), run
 
 
-def make_reference(world_size: int, accumulate: int) -> Reference:
-    """ddp fp32 at this shape (a failed check against plain torch fails that cell only; the
-    others are still compared with what it trained, if it trained)."""
-    outcome, run = run_cell(Cell("ddp", "fp32", world_size, accumulate), None)
+def make_reference(world_size: int, accumulate: int, stages: int = 1) -> Reference:
+    """ddp fp32 at this shape and pipeline (a failed check against plain torch fails that cell
+    only; the others are still compared with what it trained, if it trained)."""
+    outcome, run = run_cell(Cell("ddp", "fp32", world_size, accumulate, stages=stages), None)
     if run is None:
         return Reference(run=None, outcome=outcome)
     return Reference(run=run, outcome=outcome, baseline=measure_baseline(run.schedule),
@@ -211,13 +221,14 @@ def make_reference(world_size: int, accumulate: int) -> Reference:
 def run_grid(cells: Sequence[Cell], log=print) -> tuple[list[Outcome], dict[str, Reference]]:
     """Run ``cells`` one after the other (the references first); their outcomes, and the
     references by shape (``ws2 acc2``)."""
-    references: dict[tuple[int, int], Reference] = {}
+    references: dict[tuple[int, int, int], Reference] = {}
     outcomes = []
-    for cell in sorted(cells, key=lambda c: (c.world_size, c.accumulate)):
-        shape = (cell.world_size, cell.accumulate)
+    for cell in sorted(cells, key=lambda c: (c.stages, c.world_size, c.accumulate)):
+        shape = (cell.world_size, cell.accumulate, cell.stages)
         if shape not in references:
             references[shape] = make_reference(*shape)
-            log(f"{references[shape].outcome.verdict} ddp fp32 {cell.shape} (reference) "
+            reference = Cell("ddp", "fp32", *shape[:2], stages=cell.stages)
+            log(f"{references[shape].outcome.verdict} {reference} (reference) "
                 f"{references[shape].outcome.seconds:5.1f} s  {references[shape].outcome.detail}")
         if (cell.backend, cell.precision, cell.zero_stage, cell.compression) == (
                 "ddp", "fp32", None, "none"):
@@ -226,7 +237,8 @@ def run_grid(cells: Sequence[Cell], log=print) -> tuple[list[Outcome], dict[str,
             outcome, _ = run_cell(cell, references[shape])
             log(f"{outcome.verdict} {cell} {outcome.seconds:5.1f} s  {outcome.detail}")
         outcomes.append(outcome)
-    return outcomes, {f"ws{ws} acc{acc}": ref for (ws, acc), ref in references.items()}
+    return outcomes, {f"ws{ws} acc{acc}" + (f" P{p}" if p > 1 else ""): ref
+                      for (ws, acc, p), ref in references.items()}
 
 
 # -- command line ------------------------------------------------------------------------------
@@ -240,6 +252,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--zero-stages", default="",
                         help="also run deepspeed at these ZeRO stages (e.g. 0,1,2,3); "
                         "deepspeed's own row uses mpt's default stage")
+    parser.add_argument("--pipeline-stages", default="1,2",
+                        help="the rows of each --pipeline-stages P: 1, every row above; more, "
+                        "the backends that pipeline (ddp, fsdp), the world being P x ws")
     parser.add_argument("--compressions", default=",".join(COMPRESSIONS),
                         help="also run every backend in fp32 with each --grad-compression "
                         "('' for none)")
@@ -254,13 +269,19 @@ def cells_of(args: argparse.Namespace) -> list[Cell]:
     shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",") if s]
     stages = [int(s) for s in args.zero_stages.split(",") if s]
     compressions = [c for c in args.compressions.split(",") if c]
+    pipelines = [int(p) for p in args.pipeline_stages.split(",") if p]
     rows = [(b, None) for b in backends]
     rows += [("deepspeed", s) for s in stages]
     cells = [Cell(b, p, ws, acc, stage) for b, stage in rows for p in precisions
              for ws, acc in shapes]
     # one process communicates nothing: compression rows start at two
-    return cells + [Cell(b, "fp32", ws, acc, compression=c) for b in backends
-                    for c in compressions for ws, acc in shapes if ws > 1]
+    cells += [Cell(b, "fp32", ws, acc, compression=c) for b in backends
+              for c in compressions for ws, acc in shapes if ws > 1]
+    if 1 not in pipelines:
+        cells = []
+    return cells + [Cell(b, p, ws, acc, stages=stages) for stages in pipelines if stages > 1
+                    for b in backends if get_backend(b).pipelines for p in precisions
+                    for ws, acc in shapes]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

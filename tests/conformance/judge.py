@@ -54,16 +54,25 @@ class Cell:
     accumulate: int
     zero_stage: int | None = None
     compression: str = "none"
+    stages: int = 1
+    """``--pipeline-stages``: with P > 1 the job runs P x ``world_size`` processes, and
+    ``world_size`` is its data-parallel size (each replica's stages read the same data)."""
 
     @property
     def row(self) -> str:
         stage = self.zero_stage
         row = self.backend if stage is None else f"{self.backend} (ZeRO-{stage})"
+        if self.stages > 1:
+            row += f" --pipeline-stages {self.stages}"
         return row if self.compression == "none" else f"{row} --grad-compression {self.compression}"
 
     @property
     def shape(self) -> str:
         return f"ws{self.world_size} acc{self.accumulate}"
+
+    @property
+    def processes(self) -> int:
+        return self.world_size * self.stages
 
     def __str__(self) -> str:
         return f"{self.row} {self.precision} {self.shape}"

@@ -60,6 +60,9 @@ def markdown(outcomes: Sequence[Outcome], references: Mapping[str, Reference], c
         f"norm, SGD with momentum, {STEPS} steps of {GLOBAL_BATCH} samples) launched with "
         "`mpt launch --gpus WS --backend B --precision P`, compared with ddp fp32 at the same "
         f"world size and accumulation. Its four letters are, in order: {shapes}.",
+        "A `--pipeline-stages P` row cuts the model into P stages: its world size is the "
+        "data-parallel size (P x WS processes), and it is compared with ddp fp32 at the same P, "
+        "which is itself checked against plain torch fp32 on the micro-batches the schedule ran.",
         "",
         "- **P**: trains and matches ddp fp32 (fp32/O0: 1e-5 relative on every step's loss "
         f"and on the weights' update; mixed precision: {TOLERANCE_FACTOR:g} x the largest "

@@ -1,10 +1,10 @@
 """The conformance grid's fast subset, and checks of the instrument itself.
 
 `make conformance` (tests/conformance/grid.py) runs every backend x precision x world size x
-accumulation, and every backend x gradient compression; here: each backend once in mixed
-precision at 2 ranks with accumulation 2, DeepSpeed's communication dtype (the compression no
-other fast test trains), pairs that must be refused before start, and the judging rules on
-plain-torch runs (no launch).
+accumulation, every backend x gradient compression, and the pipeline rows; here: each backend
+once in mixed precision at 2 ranks with accumulation 2, DeepSpeed's communication dtype (the
+compression no other fast test trains), one pipeline cell, pairs that must be refused before
+start, and the judging rules on plain-torch runs (no launch).
 """
 
 from __future__ import annotations
@@ -138,6 +138,16 @@ def test_each_backend_trains_a_mixed_precision_like_ddp_fp32(reference_2x2, back
     pytest.param("ddp", "powersgd", marks=pytest.mark.slow)])
 def test_a_compression_trains_like_the_uncompressed_run(reference_2x2, backend, compression):
     outcome, _ = run_cell(Cell(backend, "fp32", 2, 2, compression=compression), reference_2x2)
+    assert outcome.verdict == "P", outcome.detail
+
+
+def test_a_pipeline_trains_a_mixed_precision_like_its_fp32_reference():
+    """The pipeline row's fast cell: 2 stages, fsdp over each stage's replica, accumulation 2,
+    against ddp fp32 at 2 stages (itself checked against plain torch on the micro-batches the
+    schedule ran)."""
+    reference = make_reference(1, 2, stages=2)
+    assert reference.outcome.verdict == "P", reference.outcome.detail
+    outcome, _ = run_cell(Cell("fsdp", "fp16-mixed", 1, 2, stages=2), reference)
     assert outcome.verdict == "P", outcome.detail
 
 

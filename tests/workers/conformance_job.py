@@ -2,9 +2,12 @@
 
 usage: mpt launch --gpus WS --backend B --precision P conformance_job.py OUT_DIR ACCUMULATE
 Each process first writes OUT_DIR/started-<pid> (a refusal must come before any of them), then
-trains STEPS optimizer steps of GLOBAL_BATCH samples in ACCUMULATE micro-batches per rank and
-writes OUT_DIR/rank<R>.json: per micro-batch its loss and sample indices, and what each
-``rt.step()`` returned. Rank 0 also writes the final weights (fp32) to OUT_DIR/weights.safetensors.
+trains STEPS optimizer steps of GLOBAL_BATCH samples in ACCUMULATE micro-batches per
+data-parallel replica, through ``rt.forward_backward`` (which pipelines under
+``--pipeline-stages``), and writes OUT_DIR/rank<R>.json: per ``rt.forward_backward`` its loss,
+the sample indices of each micro-batch it ran (the schedule's M under a pipeline, else one), and
+what each ``rt.step()`` returned. Rank 0 also writes the final weights (fp32) to
+OUT_DIR/weights.safetensors.
 """
 
 import json
@@ -25,17 +28,17 @@ rt = mpt.Runtime(accumulate=accumulate, quiet=True)
 model = make_model()
 names = [name for name, _ in model.named_parameters()]
 model, optimizer = rt.setup(model, make_optimizer(model.parameters()))
-micro = GLOBAL_BATCH // (rt.world_size * accumulate)
+micro = GLOBAL_BATCH // (rt.topology.dp_size * accumulate)
 loader = rt.setup_dataloader(DataLoader(Images(), batch_size=micro, shuffle=True,
                                         drop_last=True))
+# torch's schedule cuts a batch into M consecutive chunks (tensor_split along dim 0)
+chunks = rt.config.pipeline.microbatches if rt.config.pipeline else 1
 losses, indices, stepped = [], [], []
 for x, y, index in loader:
-    with rt.autocast():
-        loss = loss_fn(model(x), y)
-    rt.backward(loss)
+    loss = rt.forward_backward(x, y, loss_fn)
     stepped.append(rt.step())
     losses.append(loss.item())
-    indices.append(index.tolist())
+    indices.append([part.tolist() for part in index.tensor_split(chunks)])
 
 state = rt.backend.model_state_dict(model)  # collective: full weights on every rank
 if rt.rank == 0:
@@ -43,6 +46,7 @@ if rt.rank == 0:
               str(out / "weights.safetensors"))
 (out / f"rank{rt.rank}.json").write_text(json.dumps({
     "rank": rt.rank, "world_size": rt.world_size, "accumulate": rt.accumulate,
+    "stage": rt.topology.stage,
     "backend": rt.backend.name, "precision": rt.precision.name,
     "compression": rt.config.grad_compression,
     "losses": losses, "indices": indices, "stepped": stepped}))
