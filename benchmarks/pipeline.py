@@ -14,6 +14,11 @@ Each prints:
 
 Goals (issue 24): 1F1B step <= 1.15 x the ideal at P = 2, M = 8; each stage <= 0.55 x the state.
 
+    .venv/bin/python benchmarks/pipeline.py --replicas 2 --backend fsdp
+
+runs P x D processes, each stage's D replicas under --backend (fsdp shards the stage over them:
+each rank's state about 1 / (P x D) of the one-process figure; ddp: 1 / P).
+
     .venv/bin/python benchmarks/pipeline.py --crossover [--rate 1gbit] [--width 1024]
 
 runs on two emulated nodes (mpt.cluster; needs root) joined by links of --rate, one process per
@@ -42,15 +47,20 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 
 def state_bytes(model: Any, optimizer: Any) -> int:
-    """Parameters, their gradients and the optimizer's tensors held by this rank."""
+    """Parameters, their gradients and the optimizer's tensors held by this rank (a DTensor's
+    local shard under fsdp)."""
     import torch
+    from torch.distributed.tensor import DTensor
+
+    def held(t: torch.Tensor) -> int:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        return local.numel() * local.element_size()
 
     params = list({id(p): p for p in model.parameters()}.values())
-    total = sum(p.numel() * p.element_size() for p in params)
-    total += sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    total = sum(held(p) for p in params)
+    total += sum(held(p.grad) for p in params if p.grad is not None)
     for state in optimizer.state.values():
-        total += sum(t.numel() * t.element_size() for t in state.values()
-                     if isinstance(t, torch.Tensor))
+        total += sum(held(t) for t in state.values() if isinstance(t, torch.Tensor))
     return total
 
 
@@ -165,6 +175,10 @@ def main() -> None:
     parser.add_argument("--embed", type=int, default=256)
     parser.add_argument("--block", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=16, help="global, over replicas")
+    parser.add_argument("--replicas", type=int, default=1, help="D: data-parallel replicas of "
+                        "each stage (P x D processes)")
+    parser.add_argument("--backend", default="ddp", help="the replicas' backend: ddp, or fsdp "
+                        "(each stage sharded over its D replicas)")
     parser.add_argument("--crossover", action="store_true",
                         help="P = 2 against D = 2 on two emulated nodes (root)")
     parser.add_argument("--rate", default="1gbit", help="--crossover: each node's link")
@@ -186,12 +200,17 @@ def main() -> None:
     print(f"GPT {args.layers} layers x {args.embed}, context {args.block}, batch "
           f"{args.batch_size}; P = {p}, M = {m}; one process: {t_one * 1e3:.1f} ms per step, "
           f"{one['state'][0] / 2**20:.1f} MiB of state")
-    print(f"{'schedule':<18}{'step ms':>9}{'ideal ms':>10}{'ratio':>7}   state per stage / one")
+    d = args.replicas
+    if p * d > (os.cpu_count() or 1):
+        print(f"({p * d} processes share {os.cpu_count()} cores: the step times say nothing "
+              "here, the state per rank does)")
+    print(f"{'schedule':<18}{'step ms':>9}{'ideal ms':>10}{'ratio':>7}   state per rank / one "
+          f"(rank = stage x {d} + replica, --backend {args.backend})")
     for schedule in ("gpipe", "1f1b", "interleaved-1f1b"):
-        run = launch(args, p, "--pipeline-stages", str(p), "--pipeline-schedule", schedule,
-                     "--microbatches", str(m))
+        run = launch(args, p * d, "--backend", args.backend, "--pipeline-stages", str(p),
+                     "--pipeline-schedule", schedule, "--microbatches", str(m))
         step = statistics.median(run["times"][2:])
-        ideal = t_one / p * (m + p - 1) / m
+        ideal = t_one / (p * d) * (m + p - 1) / m
         shares = " ".join(f"{s / one['state'][0]:.3f}" for s in run["state"])
         print(f"{schedule:<18}{step * 1e3:>9.1f}{ideal * 1e3:>10.1f}{step / ideal:>7.3f}   "
               f"{shares}")

@@ -47,10 +47,15 @@ def parse_class_names(argument: str, value: Any) -> frozenset[str]:
     return cleaned
 
 
+CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+"""Modules without a forward of their own, which fully_shard refuses: never a unit (FSDP1's
+size-based policy skipped them too); their parameters count towards the module above."""
+
+
 def units(model: nn.Module, wrap: frozenset[str] | None) -> list[nn.Module]:
     """The submodules sharded apart from the root, innermost first (fully_shard's order): those
     of the classes ``wrap`` names, else each that holds ``MIN_UNIT_PARAMETERS`` no unit below
-    it took."""
+    it took; never a container (``CONTAINERS``)."""
     found, taken = [], set()
 
     def visit(module: nn.Module) -> int:
@@ -58,16 +63,23 @@ def units(model: nn.Module, wrap: frozenset[str] | None) -> list[nn.Module]:
         (fully_shard's order, and the order in which a meta model's units are initialised)."""
         free = sum(visit(child) for child in module.children())
         free += sum(p.numel() for p in module.parameters(recurse=False) if id(p) not in taken)
-        if module is not model and (type(module).__name__ in wrap if wrap is not None
-                                    else free >= MIN_UNIT_PARAMETERS):
+        if module is not model and not isinstance(module, CONTAINERS) and (
+                type(module).__name__ in wrap if wrap is not None
+                else free >= MIN_UNIT_PARAMETERS):
             found.append(module)
             taken.update(id(p) for p in module.parameters())
             return 0
         return free
 
     visit(model)
+    containers = sorted(wrap & {c.__name__ for c in CONTAINERS}) if wrap is not None else []
+    if containers:
+        raise UsageError("--fsdp-wrap", ",".join(sorted(wrap)), f"{containers[0]} has no "
+                         "forward of its own, and fully_shard shards only modules that run one",
+                         "name the class of the blocks it holds, or of the module holding it")
     if wrap is not None and not found:
-        classes = sorted({type(m).__name__ for m in model.modules()})
+        classes = sorted({type(m).__name__ for m in model.modules()
+                          if not isinstance(m, CONTAINERS)})
         raise UsageError("--fsdp-wrap", ",".join(sorted(wrap)), "the model has no submodule "
                          "of these classes", "name classes the model uses "
                          f"({', '.join(classes[:8])})")
