@@ -10,6 +10,7 @@ for several models and one ``GradScaler``) and ``global_step`` counts one.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -46,8 +47,10 @@ class Pairs:
     stepping: list[Pair] = field(default_factory=list)
     """The pairs that have an optimizer, in ``setup`` order."""
     _stepping_ids: set[int] = field(default_factory=set)
-    _by_object: dict[int, Pair] = field(default_factory=dict)
-    """id of each model and optimizer, given and returned, to its pair."""
+    _by_object: weakref.WeakKeyDictionary[object, Pair] = field(
+        default_factory=weakref.WeakKeyDictionary)
+    """Each model and optimizer, given and returned, to its pair; weakly, since a model given
+    may be gone (a pipeline keeps only its stage) and its id taken by a new object."""
     _since_update: set[int] = field(default_factory=set)
     """Pairs (ids) whose optimizer stepped since the loss scale was last updated."""
     _since_count: set[int] = field(default_factory=set)
@@ -64,9 +67,9 @@ class Pairs:
             raise UsageError("name", name, "a model was already set up under this name",
                              f"give each rt.setup call its own name (taken: {self.names()})")
         for what, obj in (("model", model), ("optimizer", optimizer)):
-            if obj is not None and id(obj) in self._by_object:
+            if obj is not None and obj in self._by_object:
                 raise UsageError(what, type(obj).__name__, f"this {what} was already set up as "
-                                 f"{self._by_object[id(obj)].name!r}", "call rt.setup once per "
+                                 f"{self._by_object[obj].name!r}", "call rt.setup once per "
                                  "model and optimizer, and use what it returned")
         return name
 
@@ -78,7 +81,7 @@ class Pairs:
             self._stepping_ids.add(id(pair))
         for obj in (pair.model, pair.optimizer, *originals):
             if obj is not None:
-                self._by_object[id(obj)] = pair
+                self._by_object[obj] = pair
         return pair
 
     def names(self) -> str:
@@ -88,7 +91,7 @@ class Pairs:
         """The pair of ``model`` (None for None); a UsageError for a model never set up."""
         if model is None:
             return None
-        pair = self._by_object.get(id(model))
+        pair = self._by_object.get(model)
         if pair is None:
             raise UsageError("model", type(model).__name__, "this model was not set up",
                              f"pass the model rt.setup returned (set up: {self.names()})")
@@ -106,7 +109,7 @@ class Pairs:
             names = ", ".join(p.name for p in stepping)
             raise UsageError(f"rt.{method}", "()", f"{len(stepping)} optimizers are set up "
                              f"({names})", f"name the one you mean: rt.{method}(optimizer)")
-        pair = self._by_object.get(id(optimizer))
+        pair = self._by_object.get(optimizer)
         if pair is None or pair.optimizer is None:
             raise UsageError("optimizer", type(optimizer).__name__, "this optimizer was not "
                              "set up", "pass it to rt.setup(model, optimizer) first, and "

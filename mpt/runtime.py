@@ -187,7 +187,8 @@ class Runtime:
         """
         name = self.pairs.check_new(name, model, optimizer)
         original_model, original_optimizer = model, optimizer
-        model = self.precision.convert_module(self.backend.place(model))
+        model = self.precision.convert_module(
+            self.backend.place(model, trained=optimizer is not None))
         wrapped, wrapped_optimizer = self.backend.setup(model, optimizer)
         pair = self.pairs.add(Pair(name=name, model=wrapped, optimizer=wrapped_optimizer),
                               original_model, original_optimizer)

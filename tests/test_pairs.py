@@ -181,3 +181,23 @@ def test_a_format_1_checkpoint_loads_as_the_model_named_model(tmp_path, monkeypa
     assert rt.load(tmp_path) == {"step": 7, "note": "format 1"}
     assert torch.equal(model.weight, weights["weight"]) and torch.equal(model.bias,
                                                                         weights["bias"])
+
+
+def test_a_model_given_to_setup_and_gone_blocks_no_new_object_at_its_address():
+    """What rt.setup was given is found weakly: a model a backend replaced (a pipeline keeps
+    only its stage) may be freed, and a new optimizer may get its id."""
+    from mpt.pairs import Pair, Pairs
+
+    pairs = Pairs()
+    given = nn.Linear(2, 2)
+    pairs.add(Pair(name="model", model=nn.Linear(2, 2), optimizer=None), given)
+    address = id(given)
+    del given
+    newcomer = None
+    for _ in range(10_000):  # CPython hands a freed object's memory to the next of its size
+        candidate = nn.Linear(2, 2)
+        if id(candidate) == address:
+            newcomer = candidate
+            break
+    assert newcomer is not None, "no new object reused the address; the check proves nothing"
+    assert pairs.check_new(None, newcomer, None) == "model_1"

@@ -258,8 +258,9 @@ class Backend(ABC):
         trains nothing: it is made equal on every rank and left unwrapped.
         """
 
-    def place(self, model: nn.Module) -> nn.Module:
-        """Move ``model`` to this rank's device, before ``setup``.
+    def place(self, model: nn.Module, *, trained: bool = True) -> nn.Module:
+        """Move ``model`` to this rank's device, before ``setup``. ``trained``: whether an
+        optimizer comes with it to ``setup`` (a pipeline cuts only that model into stages).
 
         A model on the meta device has no weights to move: only a backend that materialises it
         piece by piece (fsdp, a pipeline) takes one.

@@ -281,7 +281,7 @@ class FSDPBackend(DDPBackend):
     def reduce_stage(self, stage: nn.Module, mesh: DeviceMesh) -> None:
         pass  # reduce-scattered by each schedule (PipelineStage.perform_reduce_grad)
 
-    def place(self, model: nn.Module) -> nn.Module:
+    def place(self, model: nn.Module, *, trained: bool = True) -> nn.Module:
         return model if on_meta(model) else super().place(model)  # materialised in setup
 
     def _materialise(self, unit: nn.Module) -> None:

@@ -64,6 +64,7 @@ class PipelineBackend(Backend):
         self._aliases: dict[str, str] = {}  # a shared parameter's name here -> its owner's
         self._not_owned: set[str] = set()  # names here of shared parameters another stage owns
         self._materialised: dict[int, nn.Parameter] = {}  # id of a meta parameter -> its own
+        self._placed = False  # the model cut into stages was placed
 
     # -- life cycle ---------------------------------------------------------------------------
     def init_process_group(self) -> None:
@@ -74,12 +75,22 @@ class PipelineBackend(Backend):
                                 mesh_dim_names=("pp", "dp"))
         self.pp_group, self.dp_mesh = mesh.get_group("pp"), mesh["dp"]
 
-    def place(self, model: nn.Module) -> nn.Module:
-        """Keep this rank's chunks of ``model`` (the others are dropped) and place them."""
+    def place(self, model: nn.Module, *, trained: bool = True) -> nn.Module:
+        """Keep this rank's chunks of ``model`` (the others are dropped) and place them; a
+        model set up without an optimizer (a frozen teacher) is placed whole, by the inner
+        backend, on every rank."""
+        if not trained:
+            return self.inner.place(model, trained=False)
+        if self._placed:
+            raise UsageError("model", type(model).__name__, "a pipeline cuts one model with "
+                             "its optimizer over the ranks, and one is set up already",
+                             "set up the others without an optimizer (frozen: placed whole on "
+                             "every rank), or drop --pipeline-stages")
         if len([p for p in model.parameters() if p.requires_grad]) == 0:
-            raise UsageError("model", type(model).__name__, "a pipeline trains one model with "
-                             "an optimizer", "set up models without an optimizer (EMA, "
-                             "teachers) without --pipeline-stages")
+            raise UsageError("model", type(model).__name__, "a pipeline trains the model it "
+                             "cuts, and this one has no parameter that requires a gradient",
+                             "set it up without an optimizer")
+        self._placed = True
         meta = on_meta(model)
         if meta:
             check_materialisable(model)
@@ -136,10 +147,8 @@ class PipelineBackend(Backend):
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
               ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-        if optimizer is None:
-            raise UsageError("optimizer", None, "a pipeline splits one model with its "
-                             "optimizer over the ranks", "pass the model's optimizer to "
-                             "rt.setup, and set up other models without --pipeline-stages")
+        if optimizer is None:  # placed whole: rank 0's weights everywhere
+            return self.inner.setup(model, None)
         assert isinstance(model, Stage)
         own = {id(p) for p in model.parameters()}
         for group in optimizer.param_groups:  # this rank steps its own stage's parameters

@@ -18,6 +18,7 @@ from torch import nn
 
 from mpt.errors import UsageError
 from mpt.pairs import Pair
+from mpt.pipeline.split import Stage
 from mpt.step import TrainStep
 
 if TYPE_CHECKING:
@@ -131,8 +132,10 @@ class PipelineStep(TrainStep):
 
     def evaluate(self, model: nn.Module | None, inputs: Any, target: Any = None,
                  loss_fn: LossFn | None = None) -> Any:
-        output = self._run(self.pair_of(model, "evaluate"), inputs, target, loss_fn,
-                           train=False)
+        pair = self.pair_of(model, "evaluate")
+        if not isinstance(pair.model, Stage):  # set up without an optimizer: whole here
+            return super().evaluate(model, inputs, target, loss_fn)
+        output = self._run(pair, inputs, target, loss_fn, train=False)
         if loss_fn is not None:
             return self._from_last_stage(self._batch_loss())
         return self._from_last_stage(None if output is None else output.detach().cpu())

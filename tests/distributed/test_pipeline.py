@@ -18,19 +18,24 @@ from conftest import find_free_port, run_mpt, worker
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
-from pipeline_train import GLOBAL_BATCH, make_data, make_model
+from pipeline_train import GLOBAL_BATCH, TEACHER_SEED, make_data, make_model
 
 STEPS = 4
 
 
-def reference(steps: int = STEPS, clip: float | None = None) -> dict:
-    """The loop in plain torch, one process, the whole global batch per step."""
+def reference(steps: int = STEPS, clip: float | None = None, teacher: bool = False) -> dict:
+    """The loop in plain torch, one process, the whole global batch per step (``teacher``:
+    towards a frozen model's outputs)."""
     model = make_model()
+    frozen = make_model(seed=TEACHER_SEED) if teacher else None
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     data = make_data(steps)
     losses, norms, evals = {}, [], []
     for step in range(steps):
         x, y = (t[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH] for t in data.tensors)
+        if frozen is not None:
+            with torch.no_grad():
+                y = frozen(x)
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         if clip is not None:
@@ -104,6 +109,31 @@ def test_fsdp_shards_each_stage_over_its_replicas(tmp_path):
         assert stage[0]["stage"] == stage[1]["stage"], got["sizes"]
         assert sum(rank["held"] for rank in stage) == stage[0]["stage"], got["sizes"]
         assert max(rank["held"] for rank in stage) < stage[0]["stage"], got["sizes"]
+
+
+@pytest.mark.parametrize("backend", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
+def test_a_frozen_model_beside_the_pipeline_is_whole_on_every_rank(tmp_path, backend):
+    """A teacher set up without an optimizer is placed whole on every rank (not cut), and
+    rt.evaluate(x, model=teacher) runs it there: the student, cut over 2 stages x 2 replicas,
+    trains on its outputs as one process does (1e-5)."""
+    got = launch(tmp_path / "out.json", 4, "--backend", backend, "--pipeline-stages", "2",
+                 script_args=("--clip", "0.5", "--teacher"))
+    assert_close(got, reference(clip=0.5, teacher=True), rel=1e-5)
+
+
+def test_a_second_trained_model_under_a_pipeline_is_refused_in_one_line(tmp_path):
+    script = tmp_path / "two.py"
+    script.write_text(
+        "import torch\nimport mpt\nrt = mpt.Runtime()\n"
+        "g, d = (torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))\n"
+        "        for _ in range(2))\n"
+        "g, g_opt = rt.setup(g, torch.optim.SGD(g.parameters(), lr=0.1))\n"
+        "d, d_opt = rt.setup(d, torch.optim.SGD(d.parameters(), lr=0.1))\n")
+    result = run_mpt("launch", "--gpus", "2", "--master-port", str(find_free_port()),
+                     "--pipeline-stages", "2", str(script), timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "a pipeline cuts one model with its optimizer over the ranks, and one is set up " \
+        "already" in result.stderr
 
 
 def test_a_meta_model_materialises_only_each_ranks_stage(tmp_path):

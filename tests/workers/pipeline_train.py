@@ -2,13 +2,14 @@
 step (the batch's, as every rank gets it), the final weights by name and each rank's loss.
 
 usage: pipeline_train.py OUT [--steps N] [--clip C] [--save-at K --ckpt DIR] [--resume DIR]
-                         [--meta]
+                         [--meta] [--teacher]
 The pipeline, precision and world come from `mpt launch`; the same script runs without a
 pipeline, which is what tests/distributed/test_pipeline.py compares it with. --save-at saves at
 step K into DIR; --resume loads DIR's latest checkpoint and trains on (losses keyed by step).
 --meta builds the model on the meta device. Every rank reports (OUT's "sizes") how many of
 the whole model's parameters it gave real values, its stage's, and the ones it holds (fewer
-where --backend fsdp shards the stage).
+where --backend fsdp shards the stage). --teacher sets up a second model of other weights
+without an optimizer and trains on its outputs (rt.evaluate(x, model=teacher)) as targets.
 """
 
 import argparse
@@ -22,10 +23,11 @@ from torch.utils.data import DataLoader, TensorDataset
 import mpt
 
 GLOBAL_BATCH, FEATURES = 8, 6
+TEACHER_SEED = 5
 
 
-def make_model(device: str = "cpu") -> nn.Sequential:
-    torch.manual_seed(0)
+def make_model(device: str = "cpu", seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
     with torch.device(device):
         return nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
                              nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
@@ -46,10 +48,12 @@ if __name__ == "__main__":
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--resume", default=None)
     parser.add_argument("--meta", action="store_true", help="build the model on the meta device")
+    parser.add_argument("--teacher", action="store_true", help="targets from a frozen model")
     args = parser.parse_args()
     rt = mpt.Runtime()
     whole = make_model("meta" if args.meta else "cpu")
     model, optimizer = rt.setup(whole, torch.optim.Adam(whole.parameters(), lr=0.01))
+    teacher = rt.setup(make_model(seed=TEACHER_SEED)) if args.teacher else None
     # Per rank: the parameters the whole model holds for real (on meta: this stage's only)
     real = {"materialised": sum(p.numel() for p in whole.parameters() if not p.is_meta),
             "stage": sum(p.numel() for p in model.parameters()),
@@ -67,6 +71,8 @@ if __name__ == "__main__":
     losses, norms, evals = {}, [], []
     micro: list[tuple[torch.Tensor, ...]] = []  # this step's micro-batches and their losses
     for x, y in loader:
+        if teacher is not None:
+            y = rt.evaluate(x, model=teacher)
         micro.append((x, y, rt.forward_backward(x, y, nn.functional.mse_loss)))
         if args.clip is not None:
             norm = rt.clip_grad_norm_(args.clip)
