@@ -5,6 +5,7 @@ ranks.
 usage: env_join_worker.py OUT
 """
 
+import gc
 import json
 import os
 import sys
@@ -26,4 +27,5 @@ names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
     "horovod": [hvd.rank(), hvd.size(), hvd.local_rank(), hvd.cross_rank(), hvd_sum.item()],
 }))
 dist.destroy_process_group()
+gc.collect()  # gloo's work objects, freed at teardown, can abort the exit
 hvd.shutdown()

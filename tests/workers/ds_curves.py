@@ -13,6 +13,7 @@ Each rank writes OUT_DIR/SUITE-rank{r}.pt: {label: {"losses", "norms", "params",
 A run's losses are this rank's micro-batch losses, one per optimizer step (the last micro-batch).
 """
 
+import gc
 import sys
 import time
 from pathlib import Path
@@ -104,3 +105,4 @@ import torch.distributed as dist  # noqa: E402
 torch.save(runs, out / f"{suite}-rank{dist.get_rank()}.pt")
 dist.barrier()
 dist.destroy_process_group()
+gc.collect()  # gloo's work objects, freed at teardown, can abort the exit

@@ -8,6 +8,7 @@ load: at any N, reads the checkpoint three ways (into this rank's ranges of the 
 and into DTensor shards of the first dimension) and writes what it got to DIR/rank-R.json.
 """
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -70,6 +71,7 @@ def main(directory: Path, mode: str) -> None:
         }
         (directory / f"rank-{dist.get_rank()}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
+    gc.collect()  # gloo's work objects, freed at teardown, can abort the exit
 
 
 if __name__ == "__main__":

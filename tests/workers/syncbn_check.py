@@ -5,6 +5,7 @@ running statistics. Writes OUT_DIR/ok<rank> when they match.
 usage: syncbn_check.py OUT_DIR
 """
 
+import gc
 import sys
 from pathlib import Path
 
@@ -46,3 +47,4 @@ for name, (a, b) in checks.items():
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=name)
 Path(sys.argv[1], f"ok{rank}").write_text("ok")
 dist.destroy_process_group()
+gc.collect()  # gloo's work objects, freed at teardown, can abort the exit
