@@ -109,7 +109,6 @@ class FSDPBackend(DDPBackend):
     """
 
     name = "fsdp"
-    pipelines: ClassVar[bool] = True
     options: ClassVar[dict[str, BackendOption]] = {
         "wrap": BackendOption(help="module classes that become FSDP units, comma-separated "
                                    "(default: each submodule of at least "
