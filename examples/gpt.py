@@ -279,14 +279,22 @@ def evaluate(rt: mpt.Runtime, model: nn.Module, held_out: Windows, batches: int,
 
 @torch.no_grad()
 def sample(model: nn.Module, rt: mpt.Runtime, tok: CharTokenizer, prompt: str, length: int,
-           block: int) -> str:
-    """Greedy-ish continuation of ``prompt`` (temperature 0.8), for a look at what was learnt."""
+           block: int, batch_size: int) -> str:
+    """Greedy-ish continuation of ``prompt`` (temperature 0.8), for a look at what was learnt.
+
+    Each token is one ``rt.evaluate`` of a window of the same shape, so that a model cut into
+    pipeline stages samples too (its stages send the shapes they trained with: ``batch_size``
+    rows of ``block`` tokens): the last ``block`` tokens, padded on the right (attention is
+    causal, so what follows the last token does not change its logits)."""
     model.eval()
     gen = torch.Generator(device=rt.device).manual_seed(0)
     idx = tok.encode(prompt)[None].to(rt.device)
+    rows = batch_size if rt.topology.stages > 1 else 1
     for _ in range(length):
-        with rt.autocast():
-            logits = model(idx[:, -block:])[:, -1].float()
+        window = idx[:, -block:]
+        last = window.shape[1] - 1
+        padded = F.pad(window, (0, block - 1 - last)).expand(rows, -1)
+        logits = rt.evaluate(padded)[:1, last].to(rt.device).float()  # every rank, every stage
         probs = F.softmax(logits / 0.8, dim=-1)
         idx = torch.cat([idx, torch.multinomial(probs, 1, generator=gen)], dim=1)
     model.train()
@@ -368,10 +376,8 @@ def main() -> None:
                 break
     if math.isnan(val_loss):  # resumed at the end: score what was loaded
         val_loss = evaluate(rt, model, held_out, args.eval_batches, args.batch_size, args.seed)
-    if args.sample and rt.topology.stages > 1:
-        rt.print("no sample: a model cut into pipeline stages generates one token per schedule")
-    elif args.sample:  # every rank runs the forwards (ZeRO-3 gathers weights collectively)
-        rt.print(sample(model, rt, tok, "The ", args.sample, args.block))
+    if args.sample:  # every rank runs the forwards (ZeRO-3 gathers weights collectively)
+        rt.print(sample(model, rt, tok, "The ", args.sample, args.block, args.batch_size))
     rt.print(f"final val loss {val_loss:.4f} after {step} steps")
     rt.close()
 

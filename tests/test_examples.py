@@ -70,13 +70,16 @@ def test_example_runs_three_steps_under_every_backend_in_bf16(example, backend, 
 @pytest.mark.slow
 def test_gpt_cut_into_two_pipeline_stages_trains_as_one_process(tmp_path, free_port):
     """examples/gpt.py's blocks over 2 ranks (its embedding and output layer share weights on
-    the first and last stage) reach the one-process run's train and val losses (fp32)."""
-    args = [str(EXAMPLES / "gpt.py"), *TINY["gpt"], "--sample", "0", "--steps", "3"]
+    the first and last stage) reach the one-process run's train and val losses (fp32), and
+    sample the same text."""
+    args = [str(EXAMPLES / "gpt.py"), *TINY["gpt"], "--sample", "24", "--steps", "3"]
     reports = []
     for gpus, flags in ((1, ()), (2, ("--pipeline-stages", "2"))):
         result = run_mpt("launch", "--gpus", str(gpus), *flags, "--master-port",
                          str(free_port), *args, timeout=300)
         assert result.returncode == 0, result.stdout + result.stderr
+        lines = result.stdout.splitlines()
+        sampled = next(line for line in lines if line.startswith("The "))
         reports.append([re.sub(r"\s+[\d,]+ tokens/s.*", "", line)
-                        for line in result.stdout.splitlines() if "val loss" in line])
+                        for line in lines if "val loss" in line] + [sampled])
     assert reports[0] and reports[0] == reports[1], reports

@@ -39,6 +39,7 @@ class PipelineStep(TrainStep):
         self._schedules: dict[int, _PipelineSchedule] = {}
         self._loss_fn: LossFn | None = None
         self._losses: list[torch.Tensor] = []  # this call's micro-batch losses, unscaled
+        self._shapes: dict[int, tuple[int, ...]] = {}  # the inputs' shape each pair first ran
 
     def _schedule(self, pair: Pair) -> _PipelineSchedule:
         """The pair's schedule, built on first use: one PipelineStage per chunk of this rank."""
@@ -69,8 +70,10 @@ class PipelineStep(TrainStep):
 
     def _scaled_loss(self, output: Any, target: Any) -> torch.Tensor:
         """What the schedule backpropagates for one micro-batch: the script's loss, divided for
-        micro-batches and accumulation, times the loss scale."""
-        assert self._loss_fn is not None
+        micro-batches and accumulation, times the loss scale. Nothing for an evaluation
+        without loss (the schedule computes one all the same: see ``_run``)."""
+        if self._loss_fn is None:
+            return torch.zeros((), device=self.backend.device)
         loss = self._loss_fn(output, target)
         self._losses.append(loss.detach().float())
         divided = loss / (self.backend.plan.microbatches * self.accumulate)
@@ -89,6 +92,13 @@ class PipelineStep(TrainStep):
                                  f"into the {plan.microbatches} micro-batches of the pipeline",
                                  f"make the per-replica batch a multiple of "
                                  f"{plan.microbatches}, or pass another --microbatches")
+        if isinstance(inputs, torch.Tensor):  # every rank is given them: all refuse alike
+            shape = self._shapes.setdefault(id(pair), tuple(inputs.shape))
+            if tuple(inputs.shape) != shape:
+                raise UsageError("inputs", f"a batch of shape {tuple(inputs.shape)}", "torch's "
+                                 "pipeline stages send the shapes of their first call, "
+                                 f"{shape}, every call after it", "train and evaluate on "
+                                 "batches of one shape (drop_last=True, equal lengths)")
         schedule = self._schedule(pair)
         self._loss_fn, self._losses = loss_fn, []
         args = (inputs,) if first else ()
@@ -99,8 +109,11 @@ class PipelineStep(TrainStep):
         with self.backend.precision.autocast():
             if train:
                 return schedule.step(*args, target=target if last else None)
+            # A schedule with a loss function computes it on the last stage, in eval too: without
+            # a loss asked for, the inputs stand in for the target (the same micro-batches).
             with torch.no_grad():
-                return schedule.eval(*args, target=target if last and loss_fn else None)
+                return schedule.eval(*args, target=(target if loss_fn else inputs)
+                                     if last else None)
 
     def _from_last_stage(self, value: torch.Tensor | None) -> torch.Tensor:
         """``value`` of the last stage, on every stage of this replica."""

@@ -25,7 +25,7 @@ STEPS = 4
 
 def reference(steps: int = STEPS, clip: float | None = None, teacher: bool = False) -> dict:
     """The loop in plain torch, one process, the whole global batch per step (``teacher``:
-    towards a frozen model's outputs)."""
+    towards a frozen model's outputs); at the end, its outputs for the first batch."""
     model = make_model()
     frozen = make_model(seed=TEACHER_SEED) if teacher else None
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -45,7 +45,9 @@ def reference(steps: int = STEPS, clip: float | None = None, teacher: bool = Fal
         losses[str(step + 1)] = loss.item()
         with torch.no_grad():
             evals.append(nn.functional.mse_loss(model(x), y).item())
-    return {"losses": losses, "norms": norms, "evals": evals,
+    with torch.no_grad():
+        outputs = model(data.tensors[0][:GLOBAL_BATCH]).flatten().tolist()
+    return {"losses": losses, "norms": norms, "evals": evals, "outputs": outputs,
             "weights": {k: v.flatten().tolist() for k, v in model.state_dict().items()}}
 
 
@@ -59,6 +61,9 @@ def launch(out: Path, gpus: int, *flags: str, script_args: tuple[str, ...] = ())
 def assert_close(got: dict, want: dict, rel: float) -> None:
     for key in ("losses", "norms", "evals"):
         assert got[key] == pytest.approx(want[key], rel=rel), key
+    # evaluated without a loss on one replica's batch: the first rows (one output each)
+    assert got["outputs"] == pytest.approx(want["outputs"][:len(got["outputs"])], rel=rel,
+                                           abs=rel)
     assert got["weights"].keys() == want["weights"].keys()
     for name, values in want["weights"].items():
         assert got["weights"][name] == pytest.approx(values, rel=rel, abs=rel), name
@@ -134,6 +139,25 @@ def test_a_second_trained_model_under_a_pipeline_is_refused_in_one_line(tmp_path
     assert result.returncode == 2, result.stderr[-2000:]
     assert "a pipeline cuts one model with its optimizer over the ranks, and one is set up " \
         "already" in result.stderr
+
+
+def test_a_batch_of_another_shape_is_refused_in_one_line_not_a_gloo_abort(tmp_path):
+    """torch's stages send the shapes of their first call: an evaluation on a batch of
+    another size would break the peer's receive (gloo aborts the process)."""
+    script = tmp_path / "odd.py"
+    script.write_text(
+        "import torch\nimport mpt\nrt = mpt.Runtime()\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))\n"
+        "m, opt = rt.setup(m, torch.optim.SGD(m.parameters(), lr=0.1))\n"
+        "loss_fn = torch.nn.functional.mse_loss\n"
+        "rt.forward_backward(torch.ones(4, 2), torch.ones(4, 1), loss_fn)\n"
+        "rt.step()\n"
+        "rt.evaluate(torch.ones(8, 2))\n")
+    result = run_mpt("launch", "--gpus", "2", "--master-port", str(find_free_port()),
+                     "--pipeline-stages", "2", str(script), timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "inputs=a batch of shape (8, 2) is invalid" in result.stderr
+    assert "SIGABRT" not in result.stderr
 
 
 def test_a_meta_model_materialises_only_each_ranks_stage(tmp_path):

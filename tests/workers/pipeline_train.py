@@ -65,8 +65,9 @@ if __name__ == "__main__":
         sizes = [{} for _ in range(rt.world_size)]
         torch.distributed.all_gather_object(sizes, real)
     replicas = rt.topology.dp_size
+    batch = GLOBAL_BATCH // replicas // rt.accumulate
     loader = rt.setup_dataloader(DataLoader(make_data(args.steps), shuffle=False,
-                                            batch_size=GLOBAL_BATCH // replicas // rt.accumulate))
+                                            batch_size=batch))
     step = rt.load(args.resume)["step"] if args.resume else 0
     losses, norms, evals = {}, [], []
     micro: list[tuple[torch.Tensor, ...]] = []  # this step's micro-batches and their losses
@@ -89,10 +90,15 @@ if __name__ == "__main__":
                                      for x, y, _ in micro]).mean()
             evals.append(rt.all_reduce(evaluated).item())
             micro = []
+    # The trained model's outputs for the first batch (no loss: the schedule's eval path; a
+    # pipeline's stages keep the shapes they trained with)
+    first = make_data(args.steps).tensors[0][:batch]
+    outputs = rt.evaluate(first).flatten().tolist()
     weights = rt.backend.model_state_dict(model)
     if rt.rank == 0:
         args.out.write_text(json.dumps({
-            "losses": losses, "norms": norms, "evals": evals, "scale": rt.precision.loss_scale,
+            "losses": losses, "norms": norms, "evals": evals, "outputs": outputs,
+            "scale": rt.precision.loss_scale,
             "sizes": sizes,
             "weights": {k: v.float().flatten().tolist() for k, v in weights.items()}}))
     rt.close()
