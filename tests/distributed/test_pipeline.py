@@ -126,38 +126,39 @@ def test_a_frozen_model_beside_the_pipeline_is_whole_on_every_rank(tmp_path, bac
     assert_close(got, reference(clip=0.5, teacher=True), rel=1e-5)
 
 
-def test_a_second_trained_model_under_a_pipeline_is_refused_in_one_line(tmp_path):
-    script = tmp_path / "two.py"
-    script.write_text(
-        "import torch\nimport mpt\nrt = mpt.Runtime()\n"
-        "g, d = (torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))\n"
-        "        for _ in range(2))\n"
-        "g, g_opt = rt.setup(g, torch.optim.SGD(g.parameters(), lr=0.1))\n"
-        "d, d_opt = rt.setup(d, torch.optim.SGD(d.parameters(), lr=0.1))\n")
+PREAMBLE = "import torch\nimport mpt\nrt = mpt.Runtime()\nnn = torch.nn\n"
+
+
+def refusal(tmp_path: Path, body: str) -> str:
+    """stderr of a 2-stage job running ``body`` after a Runtime is made; it must exit 2."""
+    script = tmp_path / "script.py"
+    script.write_text(PREAMBLE + body)
     result = run_mpt("launch", "--gpus", "2", "--master-port", str(find_free_port()),
                      "--pipeline-stages", "2", str(script), timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
+    return result.stderr
+
+
+def test_a_second_trained_model_under_a_pipeline_is_refused_in_one_line(tmp_path):
+    stderr = refusal(tmp_path, (
+        "g, d = (nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)) for _ in range(2))\n"
+        "g, g_opt = rt.setup(g, torch.optim.SGD(g.parameters(), lr=0.1))\n"
+        "d, d_opt = rt.setup(d, torch.optim.SGD(d.parameters(), lr=0.1))\n"))
     assert "a pipeline cuts one model with its optimizer over the ranks, and one is set up " \
-        "already" in result.stderr
+        "already" in stderr
 
 
 def test_a_batch_of_another_shape_is_refused_in_one_line_not_a_gloo_abort(tmp_path):
     """torch's stages send the shapes of their first call: an evaluation on a batch of
     another size would break the peer's receive (gloo aborts the process)."""
-    script = tmp_path / "odd.py"
-    script.write_text(
-        "import torch\nimport mpt\nrt = mpt.Runtime()\n"
-        "m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))\n"
+    stderr = refusal(tmp_path, (
+        "m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))\n"
         "m, opt = rt.setup(m, torch.optim.SGD(m.parameters(), lr=0.1))\n"
-        "loss_fn = torch.nn.functional.mse_loss\n"
-        "rt.forward_backward(torch.ones(4, 2), torch.ones(4, 1), loss_fn)\n"
+        "rt.forward_backward(torch.ones(4, 2), torch.ones(4, 1), nn.functional.mse_loss)\n"
         "rt.step()\n"
-        "rt.evaluate(torch.ones(8, 2))\n")
-    result = run_mpt("launch", "--gpus", "2", "--master-port", str(find_free_port()),
-                     "--pipeline-stages", "2", str(script), timeout=120)
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert "inputs=a batch of shape (8, 2) is invalid" in result.stderr
-    assert "SIGABRT" not in result.stderr
+        "rt.evaluate(torch.ones(8, 2))\n"))
+    assert "inputs=a batch of shape (8, 2) is invalid" in stderr
+    assert "SIGABRT" not in stderr
 
 
 def test_a_meta_model_materialises_only_each_ranks_stage(tmp_path):
