@@ -22,7 +22,6 @@ import os
 import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from io import BytesIO
 from typing import TYPE_CHECKING, BinaryIO
 
 import torch
@@ -109,13 +108,6 @@ def dump(tensors: dict[str, torch.Tensor]) -> bytes:
     takes longer over its checks than this over the bytes)."""
     ordered = {name: t.detach().contiguous() for name, t in sorted(tensors.items())}
     return b"".join([header(ordered), *(_raw(t) for t in ordered.values())])
-
-
-def to_bytes(tensors: dict[str, torch.Tensor]) -> tuple[bytes, FileEntry]:
-    """The safetensors file of ``tensors`` in memory, with its size and sha256."""
-    buffer = BytesIO()
-    entry = write(buffer, tensors)
-    return buffer.getvalue(), entry
 
 
 def read(location: Location, name: str, entry: FileEntry | None) -> dict[str, torch.Tensor]:
