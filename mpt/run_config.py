@@ -134,7 +134,8 @@ class RunConfig:
         from mpt.scaling import check_lr_scaling
 
         backend = get_backend(self.backend)
-        backend.check_comm(self.grad_comm, backend.check_options(self.backend_options))
+        values = backend.check_options(self.backend_options)
+        backend.check_comm(self.grad_comm, values)
         if self.precision is not None:
             check_precision(self.precision)
         LossScaleConfig.parse(self.loss_scale)
@@ -152,8 +153,7 @@ class RunConfig:
                              f"{self.backend} cannot cut a model into pipeline stages",
                              "use --backend ddp or fsdp, or drop --pipeline-stages")
         if self.pipeline is not None:
-            refusal = backend.pipeline_refusal(self.pipeline.schedule,
-                                               backend.check_options(self.backend_options))
+            refusal = backend.pipeline_refusal(self.pipeline.schedule, values)
             if refusal is not None:
                 raise UsageError(*refusal)
         if self.pipeline is not None and self.precision is not None:

@@ -215,9 +215,10 @@ class DDPBackend(Backend):
         limit = int((self.comm.bucket_mb or DEFAULT_BUCKET_MB) * 2**20)
         grads = [p.grad for p in stage.parameters() if p.grad is not None]
         bucket: list[torch.Tensor] = []
+        size = 0
         for index, grad in enumerate(grads):
             bucket.append(grad)
-            size = sum(g.numel() * (wire or g.dtype).itemsize for g in bucket)
+            size += grad.numel() * (wire or grad.dtype).itemsize
             last = index == len(grads) - 1
             if size >= limit or last or grads[index + 1].dtype != grad.dtype:
                 flat = torch.cat([g.reshape(-1).to(wire or g.dtype) for g in bucket])
@@ -226,7 +227,7 @@ class DDPBackend(Backend):
                 for g, part in zip(bucket, flat.split([g.numel() for g in bucket]),
                                    strict=True):
                     g.copy_(part.view_as(g))
-                bucket = []
+                bucket, size = [], 0
 
     def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
         # What DDP.no_sync() does, without a context the user's loop would have to open around

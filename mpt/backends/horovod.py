@@ -302,9 +302,17 @@ class HorovodBackend(Backend):
         else:
             self._sync_off.add(id(model))
 
+    @functools.cached_property
     def _compression(self) -> Any:
+        """Horovod's compressor for ``--grad-compression`` (read once Horovod has started)."""
         hvd = self._require()
         return hvd.Compression.fp16 if self.comm.compression == "fp16" else hvd.Compression.none
+
+    @functools.cached_property
+    def _hvd_op(self) -> Any:
+        """Horovod's reduce op for ``--horovod-op``."""
+        hvd = self._require()
+        return {"average": hvd.Average, "sum": hvd.Sum, "adasum": hvd.Adasum}[self.op]
 
     def _start(self, model: int, name: str, param: nn.Parameter) -> None:
         """Backward accumulated ``param``'s gradient: start its allreduce where one optimizer
@@ -313,7 +321,7 @@ class HorovodBackend(Backend):
                 or param.grad is None:
             return  # a second backward before the step leaves the first one stale
         hvd, grad = self._require(), param.grad
-        sent, context = self._compression().compress(grad.contiguous())
+        sent, context = self._compression.compress(grad.contiguous())
         if sent is grad:  # not compressed, so not copied yet
             # A copy goes over the wire, as DDP's buckets do: the gradient may still change (a
             # second backward) while it is sent. One buffer per parameter, kept: a fresh 100 MB
@@ -324,18 +332,14 @@ class HorovodBackend(Backend):
             sent = buffer.copy_(grad)
         self._started[param] = _Started(grad=grad, version=grad._version, context=context,
                                         sent=sent, handle=hvd.allreduce_async_(
-                                            sent, name=name, op=self._hvd_op()))
-
-    def _hvd_op(self) -> Any:
-        hvd = self._require()
-        return {"average": hvd.Average, "sum": hvd.Sum, "adasum": hvd.Adasum}[self.op]
+                                            sent, name=name, op=self._hvd_op))
 
     def _reduce(self, optimizer: torch.optim.Optimizer) -> None:
         """Average ``optimizer``'s gradients over the ranks, once per step."""
         if id(optimizer) in self._reduced or self.world.world_size == 1:
             return  # one process: nothing to average (hvd.DistributedOptimizer skips it too)
         self._reduced.add(id(optimizer))
-        hvd, compression, op = self._require(), self._compression(), self._hvd_op()
+        hvd, compression, op = self._require(), self._compression, self._hvd_op
         pending = []
         for param, name in self._grad_names[id(optimizer)].items():
             started = self._started.pop(param, None)

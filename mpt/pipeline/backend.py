@@ -214,13 +214,12 @@ class PipelineBackend(Backend):
         another's overflowed skips the step too (its scaler sees the overflow), so every scale
         backs off the same way."""
         if self.precision.spec.loss_scaling != "none":
-            grads = [p.grad for group in optimizer.param_groups for p in group["params"]
-                     if p.grad is not None]
-            grads = [_local(g) for g in grads]  # every rank's own: reduced over all of them
-            bad = torch.tensor([float(any(not torch.isfinite(g).all() for g in grads))],
-                               device=self.device)
+            grads = [_local(p.grad) for group in optimizer.param_groups  # this rank's own
+                     for p in group["params"] if p.grad is not None]
+            mine = any(not torch.isfinite(g).all() for g in grads)
+            bad = torch.tensor([float(mine)], device=self.device)
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-            if bad.item() and grads and all(torch.isfinite(g).all() for g in grads):
+            if bad.item() and not mine and grads:
                 grads[0].fill_(float("inf"))
         return self.inner.optimizer_step(model, optimizer)
 

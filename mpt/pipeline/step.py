@@ -134,6 +134,11 @@ class PipelineStep(TrainStep):
                          loss_fn: LossFn) -> torch.Tensor:
         self.mark("backward")
         pair = self.pair_of(model, "forward_backward")
+        if not isinstance(pair.model, Stage):
+            raise UsageError("model", pair.name, "it was set up without an optimizer, whole on "
+                             "every rank, and a pipeline trains only the model it cuts",
+                             "call rt.forward_backward without model=, or with the pipelined "
+                             "model")
         self._run(pair, inputs, target, loss_fn, train=True)
         if not self.accumulating(pair):  # the step's last micro-batch: replicas agree now
             self.backend.average_gradients(pair.model)

@@ -161,6 +161,16 @@ def test_a_batch_of_another_shape_is_refused_in_one_line_not_a_gloo_abort(tmp_pa
     assert "SIGABRT" not in stderr
 
 
+def test_training_a_frozen_model_beside_the_pipeline_is_refused_in_one_line(tmp_path):
+    stderr = refusal(tmp_path, (
+        "m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))\n"
+        "m, opt = rt.setup(m, torch.optim.SGD(m.parameters(), lr=0.1))\n"
+        "teacher = rt.setup(nn.Linear(2, 1))\n"
+        "rt.forward_backward(torch.ones(4, 2), torch.ones(4, 1), nn.functional.mse_loss,\n"
+        "                    model=teacher)\n"))
+    assert "it was set up without an optimizer, whole on every rank" in stderr
+
+
 def test_a_meta_model_materialises_only_each_ranks_stage(tmp_path):
     """Built on the meta device, each rank gives real weights to its own stage only (the other
     stages' modules go back to meta once they drew their numbers), and they are the weights
