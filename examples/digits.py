@@ -68,8 +68,7 @@ def main() -> None:
             break
         total = torch.zeros(2, device=rt.device)
         for x, y in loader:
-            with rt.autocast():
-                loss = loss_fn(model(x), y)
+            loss = loss_fn(model(x), y)  # the forward autocasts under bf16/fp16-mixed
             rt.backward(loss)
             rt.clip_grad_norm_(1.0)
             rt.step()
@@ -90,8 +89,7 @@ def main() -> None:
     counts = torch.zeros(2, device=rt.device)
     with torch.no_grad():
         for x, y in rt.setup_dataloader(DataLoader(test, batch_size=256)):
-            with rt.autocast():
-                pred = model(x).argmax(dim=1)
+            pred = model(x).argmax(dim=1)
             n = torch.tensor(len(y), device=rt.device)
             counts += torch.stack([(pred == y).sum(), n]).float()
     rt.all_reduce(counts, op="sum")

@@ -71,6 +71,11 @@ def connect(env: Mapping[str, str], *, batch_size: int | None,
     plan = None if total is None else plan_batch(total, topology.dp_size, batch_size=batch_size,
                                                  accumulate=config.accumulate)
     accumulate = plan.accumulate if plan else config.accumulate or 1
+    if plan is not None:
+        batch_size = plan.batch_size
+    elif batch_size is None:
+        batch_size = backend_class.default_batch_size(config.backend_options, accumulate,
+                                                      topology.dp_size)
     scale = (loss_scale if isinstance(loss_scale, LossScaleConfig)
              else LossScaleConfig.parse(config.loss_scale))
     # The check `mpt launch` made, again for scripts other launchers started.
@@ -85,5 +90,5 @@ def connect(env: Mapping[str, str], *, batch_size: int | None,
         backend = PipelineBackend(backend, pipeline)
     return Connection(config=config, world=world, device=device, topology=topology,
                       batch_plan=plan, accumulate=accumulate,
-                      batch_size=plan.batch_size if plan else batch_size, precision=precision,
+                      batch_size=batch_size, precision=precision,
                       backend=backend)

@@ -25,6 +25,7 @@ from mpt.connector import connect
 from mpt.data import DistributedLoader, Loaders
 from mpt.elastic import report_resize
 from mpt.environments import World
+from mpt.errors import UsageError
 from mpt.fault import REQUEUE_EXIT_CODE
 from mpt.fault.worker import WorkerFaults
 from mpt.launchers.notes import note_runtime
@@ -93,8 +94,7 @@ class Runtime:
         self.batch_plan: BatchPlan | None = run.batch_plan
         """How the global batch splits over replicas and micro-batches (None: no global size)."""
         self.accumulate: int = run.accumulate
-        self.batch_size: int | None = run.batch_size
-        """Per-rank micro-batch size to build the DataLoader with (None: the script decides)."""
+        self._batch_size = run.batch_size
         self.precision: Precision = run.precision
         self.backend: Backend = run.backend
         config = self.config
@@ -144,6 +144,19 @@ class Runtime:
         return self.world.rank == 0
 
     @property
+    def batch_size(self) -> int:
+        """Per-rank micro-batch size to build the training DataLoader with: the share of
+        ``--global-batch-size``, else ``Runtime(batch_size=...)``, else the DeepSpeed config's
+        micro-batch. Raises where none of them names one."""
+        if self._batch_size is None:
+            raise UsageError("rt.batch_size", None, "no per-rank batch size is named (by "
+                             "--global-batch-size, Runtime(batch_size=...) or a DeepSpeed "
+                             "config's train_micro_batch_size_per_gpu)", "pass "
+                             "--global-batch-size B to mpt launch, or build the DataLoader "
+                             "with the script's own batch size")
+        return self._batch_size
+
+    @property
     def checkpoint_dir(self) -> str | None:
         """Default root of ``save`` and ``resume`` (None: pass a path to them)."""
         return self.config.checkpoint_dir
@@ -182,6 +195,9 @@ class Runtime:
         is returned, placed and equal on every rank). ``name`` keys the pair in checkpoints
         (default ``model``, then ``model_1``, ... in the order of the calls).
 
+        Under an autocast precision the returned model's forward runs under
+        ``torch.autocast`` with no ``rt.autocast()`` in the script (``mpt.precision.forward``).
+
         Build the optimizer over ``model.parameters()`` before calling this; the parameters
         move in place, so the optimizer keeps pointing at them.
         """
@@ -190,6 +206,7 @@ class Runtime:
         model = self.precision.convert_module(
             self.backend.place(model, trained=optimizer is not None))
         wrapped, wrapped_optimizer = self.backend.setup(model, optimizer)
+        self.precision.autocast_forward(wrapped)  # no rt.autocast() needed in the script
         pair = self.pairs.add(Pair(name=name, model=wrapped, optimizer=wrapped_optimizer),
                               original_model, original_optimizer)
         if wrapped_optimizer is None:
@@ -223,7 +240,9 @@ class Runtime:
 
     # -- the step -----------------------------------------------------------------------------
     def autocast(self) -> Any:
-        """Context for forward pass and loss, in the run's precision."""
+        """Context for forward pass and loss, in the run's precision. Optional: the models
+        ``setup`` returns autocast their forwards by themselves (their low-precision outputs
+        leave in fp32); inside this context they add nothing and return autocast's dtypes."""
         return self.precision.autocast()
 
     @property

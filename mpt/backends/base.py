@@ -221,6 +221,13 @@ class Backend(ABC):
         return None
 
     @classmethod
+    def default_batch_size(cls, options: Mapping[str, Any], accumulate: int,
+                           dp_size: int) -> int | None:
+        """The per-rank micro-batch the backend's own configuration names (a DeepSpeed
+        config's), which ``rt.batch_size`` gives without a global batch size; None: none."""
+        return None
+
+    @classmethod
     def estimate_memory(cls, model: nn.Module, spec: PrecisionSpec, optimizer_states: int,
                         world_size: int, options: Mapping[str, Any]) -> list[MemoryEstimate]:
         """Bytes per rank of ``model`` (built on the meta device) trained in ``spec`` with an

@@ -214,6 +214,18 @@ class DeepSpeedBackend(DDPBackend):
         return None if mode is None else f"{mode}-mixed"
 
     @classmethod
+    def default_batch_size(cls, options: Mapping[str, Any], accumulate: int,
+                           dp_size: int) -> int | None:
+        """``train_micro_batch_size_per_gpu``, or ``train_batch_size`` over the accumulation
+        steps and the replicas: what ``engine.train_micro_batch_size_per_gpu()`` returns."""
+        config = load_user_config(options.get("config"))
+        micro, total = config.get("train_micro_batch_size_per_gpu"), config.get("train_batch_size")
+        if micro is None and total is not None:
+            steps = int(config.get("gradient_accumulation_steps", accumulate))
+            micro = int(total) // (steps * dp_size) or None
+        return None if micro is None else int(micro)
+
+    @classmethod
     def availability(cls) -> Availability:
         version = _installed_version()
         if version is None:

@@ -23,18 +23,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from mpt.errors import UsageError
 from mpt.precision.amp_config import AmpConfig
 from mpt.precision.base import PrecisionSpec
+from mpt.precision.forward import cast_floats
 from mpt.precision.mixed import LossScaleConfig, MixedPrecision
-
-
-def _cast(obj: Any, dtype: torch.dtype) -> Any:
-    """``obj`` with every floating tensor inside (tuples, lists, dicts) cast to ``dtype``."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, dict):
-        return {k: _cast(v, dtype) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(_cast(v, dtype) for v in obj)
-    return obj
 
 
 def _refuse_vanishing_eps(optimizer: torch.optim.Optimizer) -> None:
@@ -131,8 +121,9 @@ class ApexPrecision(MixedPrecision):
         # As Apex's patched forward: floating inputs to the model's dtype, outputs to fp32.
         outputs = config.cast_model_outputs or torch.float32
         module.register_forward_pre_hook(
-            lambda _m, args, kwargs: (_cast(args, dtype), _cast(kwargs, dtype)), with_kwargs=True)
-        module.register_forward_hook(lambda _m, _args, out: _cast(out, outputs))
+            lambda _m, args, kwargs: (cast_floats(args, dtype), cast_floats(kwargs, dtype)),
+            with_kwargs=True)
+        module.register_forward_hook(lambda _m, _args, out: cast_floats(out, outputs))
         return module
 
     def setup_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -9,6 +9,8 @@ from typing import Any, Literal
 
 import torch
 
+from mpt.precision.forward import AutocastForward
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PrecisionSpec:
@@ -90,6 +92,16 @@ class Precision:
     def autocast(self) -> AbstractContextManager[Any]:
         """Context for the forward pass and the loss."""
         return contextlib.nullcontext()
+
+    def autocast_forward(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Make every forward of ``module`` (what ``rt.setup`` returns) run under ``autocast()``
+        where its caller is not in one already, so that a script with no ``rt.autocast()``
+        trains in this precision all the same; formats that cast the weights instead (or
+        compute in fp32) leave it as it is. See ``mpt.precision.forward``."""
+        spec = self.spec
+        if spec.autocast:
+            AutocastForward(self.device_type, spec.compute).attach(module)
+        return module
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Cast the model's parameters where the format keeps them in a lower precision."""

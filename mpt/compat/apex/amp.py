@@ -25,6 +25,7 @@ from torch import nn
 from mpt.errors import UsageError
 from mpt.precision.amp_config import AmpConfig
 from mpt.precision.apex import ApexPrecision
+from mpt.precision.forward import AutocastForward
 from mpt.precision.mixed import LossScaleConfig
 
 
@@ -129,6 +130,9 @@ def initialize(models: Any, optimizers: Any = None, enabled: bool = True, opt_le
     precision = ApexPrecision(device_type, config, LossScaleConfig())
     for model in model_list:
         precision.convert_module(model)
+        if config.patch_torch_functions:  # Apex patched torch's functions: every forward casts
+            AutocastForward(device_type, config.low_dtype,
+                            outputs=config.cast_model_outputs).attach(model)
     optimizer_list = [] if optimizers is None else _as_list(optimizers)
     dynamic = config.loss_scale == "dynamic"
     initial = LossScaleConfig().init_scale if dynamic else float(config.loss_scale)
