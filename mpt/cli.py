@@ -331,13 +331,14 @@ def _print_plan(spec: LaunchSpec, cuda_devices: int) -> None:
                   f"{spec.master_addr}:{spec.master_port}")
     run = spec.run
     pipeline = run.pipeline
-    replicas = spec.world.world_size // (pipeline.stages if pipeline else 1)
+    layout = spec.layout
+    replicas = layout.dp_size
     columns = ("node", "local rank", "global rank", *(("stage", "replica") if pipeline else ()),
                "device")
     for column in columns:
         table.add_column(column, justify="right" if column != "device" else "left")
     for node, local_rank, rank in spec.world.all_processes():
-        place = (str(rank // replicas), str(rank % replicas)) if pipeline else ()
+        place = (str(layout.stage(rank)), str(layout.dp_rank(rank))) if pipeline else ()
         table.add_row(str(node), str(local_rank), str(rank), *place,
                       device_name(local_rank, cuda_devices > 0))
     out.print(table)
@@ -352,8 +353,8 @@ def _print_plan(spec: LaunchSpec, cuda_devices: int) -> None:
 
         out.print(f"elastic: --nodes {spec.node_range}, node ranks assigned at the rendezvous "
                   f"(the table shows {spec.nodes} nodes), up to {spec.max_restarts} restart(s)")
-        for line in describe_sizes(spec.node_range, spec.gpus, pipeline.stages if pipeline
-                                   else 1, run.global_batch_size, run.accumulate):
+        for line in describe_sizes(spec.node_range, spec.gpus, layout, run.global_batch_size,
+                                   run.accumulate):
             out.print(line)
     elif run.global_batch_size is not None:
         out.print(f"global batch size {run.global_batch_size}: "

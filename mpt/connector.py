@@ -17,8 +17,7 @@ import torch
 
 from mpt.backends import Backend, Topology, checked_precision, get_backend
 from mpt.environments import World, detect_world, device_name
-from mpt.pipeline.backend import PipelineBackend, pipeline_topology
-from mpt.pipeline.config import plan_pipeline
+from mpt.pipeline.backend import PipelineBackend
 from mpt.precision import LossScaleConfig, Precision
 from mpt.run_config import RunConfig
 from mpt.scaling import BatchPlan, plan_batch
@@ -60,13 +59,10 @@ def connect(env: Mapping[str, str], *, batch_size: int | None,
         **settings)
     device = torch.device(device_name(world.local_rank, torch.cuda.is_available()))
     backend_class = get_backend(config.backend)
+    layout = config.layout(world.world_size)
     pipeline = config.pipeline
-    if pipeline is not None:  # the model cut over ranks: fewer data-parallel replicas
-        pipeline = plan_pipeline(pipeline.stages, pipeline.schedule, pipeline.microbatches,
-                                 config.pipeline_split, world.world_size)
-        topology = pipeline_topology(world, pipeline)
-    else:
-        topology = backend_class.topology(world, config.backend_options)
+    topology = Topology(plan=layout, rank=world.rank, computes_loss=pipeline is None or (
+        pipeline.holder(pipeline.chunks - 1) == layout.stage(world.rank)))
     total = config.global_batch_size
     plan = None if total is None else plan_batch(total, topology.dp_size, batch_size=batch_size,
                                                  accumulate=config.accumulate)
@@ -87,7 +83,7 @@ def connect(env: Mapping[str, str], *, batch_size: int | None,
                                                                      or 1800.0),
                             options=config.backend_options, comm=config.grad_comm)
     if pipeline is not None:
-        backend = PipelineBackend(backend, pipeline)
+        backend = PipelineBackend(backend, pipeline, topology)
     return Connection(config=config, world=world, device=device, topology=topology,
                       batch_plan=plan, accumulate=accumulate,
                       batch_size=batch_size, precision=precision,

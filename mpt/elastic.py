@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mpt.errors import UsageError
+from mpt.parallel import ParallelPlan
 from mpt.scaling import BatchPlan, lr_factor, plan_batch
 
 EXTRA_RESTARTS = 3
@@ -127,21 +128,24 @@ def rendezvous_configs(join_timeout: int) -> dict[str, Any]:
             "keep_alive_max_attempt": KEEP_ALIVE_MAX_ATTEMPT}
 
 
-def plan_sizes(global_batch_size: int, nodes: NodeRange, gpus: int, stages: int = 1,
+def plan_sizes(global_batch_size: int, nodes: NodeRange, gpus: int,
+               layout: ParallelPlan | None = None,
                accumulate: int | None = None) -> dict[int, BatchPlan]:
-    """The batch plan at every node count of ``nodes``, or one UsageError naming the counts at
-    which ``global_batch_size`` does not divide and those at which it does."""
+    """The batch plan at every node count of ``nodes`` (``layout``: the job's, at any of
+    them; default: data parallelism alone), or one UsageError naming the counts at which
+    ``global_batch_size`` does not divide and those at which it does."""
+    layout = layout or ParallelPlan()
+    replicas = {count: layout.at_world(count * gpus).dp_size for count in nodes.sizes}
     plans: dict[int, BatchPlan] = {}
     bad: list[int] = []
     for count in nodes.sizes:
         try:
-            plans[count] = plan_batch(global_batch_size, count * gpus // stages,
-                                      accumulate=accumulate)
+            plans[count] = plan_batch(global_batch_size, replicas[count], accumulate=accumulate)
         except UsageError:
             bad.append(count)
     if bad:
         good = ", ".join(map(str, plans)) or "none"
-        step = math.lcm(*(c * gpus // stages * (accumulate or 1) for c in nodes.sizes))
+        step = math.lcm(*(size * (accumulate or 1) for size in replicas.values()))
         fits = max(step, round(global_batch_size / step) * step)
         raise UsageError("--global-batch-size", global_batch_size, "it cannot be divided over "
                          f"{', '.join(map(str, bad))} node(s) of --nodes {nodes} (the node counts "
@@ -150,15 +154,15 @@ def plan_sizes(global_batch_size: int, nodes: NodeRange, gpus: int, stages: int 
     return plans
 
 
-def describe_sizes(nodes: NodeRange, gpus: int, stages: int, global_batch_size: int | None,
-                   accumulate: int | None) -> list[str]:
+def describe_sizes(nodes: NodeRange, gpus: int, layout: ParallelPlan,
+                   global_batch_size: int | None, accumulate: int | None) -> list[str]:
     """One line per node count of an elastic job: its world and how its batch splits (the
     ``--dry-run`` of ``--nodes MIN:MAX``)."""
     plans = ({} if global_batch_size is None
-             else plan_sizes(global_batch_size, nodes, gpus, stages, accumulate))
+             else plan_sizes(global_batch_size, nodes, gpus, layout, accumulate))
     lines = []
     for count in nodes.sizes:
-        replicas = count * gpus // stages
+        replicas = layout.at_world(count * gpus).dp_size
         how = (plans[count].describe() if count in plans else
                f"the script's per-rank batch, global batch {replicas} x that x accumulation")
         lines.append(f"{count} node(s), {count * gpus} process(es): {how}")
@@ -200,13 +204,13 @@ class Resize:
 
 
 def resize(manifest: Mapping[str, Any], *, world_size: int, plan: BatchPlan | None,
-           samples_per_step: int | None, lr_scaling: str | None = None, stages: int = 1,
-           now: float | None = None) -> Resize | None:
+           samples_per_step: int | None, lr_scaling: str | None = None,
+           layout: ParallelPlan | None = None, now: float | None = None) -> Resize | None:
     """The resize a resume from a checkpoint with ``manifest`` (its ``world_size``, ``step``,
     ``saved_at``) makes, or None at the same world size. With a ``plan`` the global batch is
     kept, and the learning rate; without one the per-rank batch is kept, the global batch
     follows the world and ``lr_scaling`` (``--lr-scaling``) rescales the learning rate to the
-    new data-parallel size (the world over ``stages`` pipeline stages)."""
+    new data-parallel size (``layout``'s at each world; default: data parallelism alone)."""
     old = int(manifest["world_size"])
     if old == world_size:
         return None
@@ -216,8 +220,8 @@ def resize(manifest: Mapping[str, Any], *, world_size: int, plan: BatchPlan | No
         how = f"{plan.describe()} (kept; lr unchanged)"
         total: int | None = plan.global_batch_size
     else:
-        ratio = (lr_factor(lr_scaling, world_size // stages)
-                 / lr_factor(lr_scaling, old // stages))
+        span = 1 if layout is None else layout.model_size
+        ratio = lr_factor(lr_scaling, world_size // span) / lr_factor(lr_scaling, old // span)
         lr = f"; lr x {ratio:.4g} (--lr-scaling {lr_scaling})" if lr_scaling else ""
         if samples_per_step:
             before = samples_per_step * old // world_size
@@ -231,7 +235,7 @@ def resize(manifest: Mapping[str, Any], *, world_size: int, plan: BatchPlan | No
 
 
 def report_resize(found: str, *, world_size: int, plan: BatchPlan | None,
-                  samples_per_step: int | None, lr_scaling: str | None, stages: int,
+                  samples_per_step: int | None, lr_scaling: str | None, layout: ParallelPlan,
                   say: Callable[[str], None],
                   log: Callable[[dict[str, float]], None]) -> Resize | None:
     """After ``rt.resume()`` loaded checkpoint ``found``: say and log a resize, if it was one
@@ -241,7 +245,7 @@ def report_resize(found: str, *, world_size: int, plan: BatchPlan | None,
     manifest = io.resolve(found).manifest()
     done = resize({"world_size": manifest.world_size, "step": manifest.step,
                    "saved_at": manifest.saved_at}, world_size=world_size, plan=plan,
-                  samples_per_step=samples_per_step, lr_scaling=lr_scaling, stages=stages)
+                  samples_per_step=samples_per_step, lr_scaling=lr_scaling, layout=layout)
     if done is not None:
         say(done.line())
         log(done.metrics())

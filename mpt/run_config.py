@@ -20,6 +20,7 @@ from typing import Any
 
 from mpt.comm import COMPRESSIONS, GradComm, parse_bucket_mb, parse_compression
 from mpt.errors import UsageError
+from mpt.parallel import ParallelPlan
 from mpt.parse import parse_bool, parse_int, parse_number
 from mpt.pipeline.config import PipelinePlan, plan_pipeline
 
@@ -191,6 +192,15 @@ class RunConfig:
             return None
         return plan_pipeline(self.pipeline_stages, self.pipeline_schedule, self.microbatches,
                              self.pipeline_split)
+
+    def layout(self, world_size: int) -> ParallelPlan:
+        """The job's parallel layout at ``world_size`` processes: the pipeline's stages, and the
+        backend's data axis over the ranks they leave (a UsageError names the flag when they do
+        not divide the world)."""
+        from mpt.backends import get_backend
+
+        data_axis = get_backend(self.backend).data_axis(self.backend_options)
+        return ParallelPlan.for_world(world_size, pp=self.pipeline_stages, data_axis=data_axis)
 
     @property
     def grad_comm(self) -> GradComm:

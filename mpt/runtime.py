@@ -430,7 +430,7 @@ class Runtime:
         resized = report_resize(  # an elastic job's new world, or a manual resize
             found, world_size=self.world_size, plan=self.batch_plan,
             samples_per_step=self.monitor.samples_per_step, lr_scaling=self.config.lr_scaling,
-            stages=self.topology.stages, say=self.print, log=self.monitor.log)
+            layout=self.topology.plan, say=self.print, log=self.monitor.log)
         if resized is not None:
             self._checkpoints.scale_lr(resized.lr_ratio)
         return info

@@ -12,12 +12,13 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from mpt.backends.apex import ApexBackend
-from mpt.backends.base import Availability, Backend, Topology
+from mpt.backends.base import Availability, Backend
 from mpt.backends.ddp import DDPBackend
 from mpt.backends.deepspeed import DeepSpeedBackend
 from mpt.backends.fsdp import FSDPBackend
 from mpt.backends.horovod import HorovodBackend  # imports horovod only when used
 from mpt.errors import MissingDependencyError, UsageError
+from mpt.parallel import Topology
 from mpt.precision import LossScaleConfig, Precision, make_precision
 
 BUILTIN: dict[str, type[Backend]] = {DDPBackend.name: DDPBackend,

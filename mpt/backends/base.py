@@ -15,6 +15,7 @@ from mpt.comm import GradComm
 from mpt.environments import World
 from mpt.errors import UsageError
 from mpt.estimate import MemoryEstimate, parameter_counts
+from mpt.parallel import Axis
 from mpt.parse import parse_bool, parse_text
 from mpt.precision import Precision, PrecisionSpec
 from mpt.state.named import from_named, to_named
@@ -58,24 +59,6 @@ class Availability:
     """Why it cannot run, when it cannot."""
     install: str = ""
     """The command that makes it available."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Topology:
-    """Where a rank sits in its backend's layout of the job, as data loading, batch planning,
-    learning-rate scaling and throughput need it: a backend that splits the model over ranks
-    (pipeline stages) has fewer data-parallel replicas than ranks."""
-
-    dp_rank: int
-    """This rank's data-parallel replica: which shard of the data it reads."""
-    dp_size: int
-    """Data-parallel replicas: the ranks that read distinct data and average gradients."""
-    computes_loss: bool = True
-    """Whether this rank's step produces the loss (a pipeline's last stage; every rank here)."""
-    stage: int = 0
-    """This rank's pipeline stage."""
-    stages: int = 1
-    """Pipeline stages one model replica spans (1: the whole model on every rank)."""
 
 
 def devices_of(module: nn.Module) -> set[torch.device]:
@@ -221,6 +204,13 @@ class Backend(ABC):
         return None
 
     @classmethod
+    def data_axis(cls, options: Mapping[str, Any]) -> Axis:
+        """The ``ParallelPlan`` axis its data parallelism runs on: ``dp_shard`` where it splits
+        parameters, gradients or optimizer state over the ranks (fsdp, ZeRO 1-3), else
+        ``dp_replicate`` (whole replicas)."""
+        return "dp_replicate"
+
+    @classmethod
     def default_batch_size(cls, options: Mapping[str, Any], accumulate: int,
                            dp_size: int) -> int | None:
         """The per-rank micro-batch the backend's own configuration names (a DeepSpeed
@@ -239,12 +229,6 @@ class Backend(ABC):
             label=cls.name, parameters=weights * spec.params.itemsize,
             gradients=trained * spec.params.itemsize,
             optimizer=4 * optimizer_states * trained + masters)]
-
-    @classmethod
-    def topology(cls, world: World, options: Mapping[str, Any]) -> Topology:
-        """This rank's place in the backend's layout; by default every rank is a data-parallel
-        replica of the whole model."""
-        return Topology(dp_rank=world.rank, dp_size=world.world_size)
 
     @classmethod
     def availability(cls) -> Availability:

@@ -53,6 +53,7 @@ from mpt.comm import GradComm
 from mpt.environments import World
 from mpt.errors import MissingDependencyError, UsageError
 from mpt.estimate import MemoryEstimate, parameter_counts
+from mpt.parallel import Axis
 from mpt.precision import LossScaleConfig, Precision, PrecisionSpec
 from mpt.state.flat import FlatPiece
 from mpt.state.named import from_named
@@ -212,6 +213,13 @@ class DeepSpeedBackend(DDPBackend):
         """A config that enables fp16 or bf16 asks for fp16-mixed or bf16-mixed."""
         mode = config_mode(load_user_config(options.get("config")))
         return None if mode is None else f"{mode}-mixed"
+
+    @classmethod
+    def data_axis(cls, options: Mapping[str, Any]) -> Axis:
+        """ZeRO 1-3 split the state over the ranks; stage 0 replicates it."""
+        values = cls.check_options(options)
+        stage = check_stage_and_offload(values["config"], values["zero_stage"], values["offload"])
+        return "dp_shard" if stage else "dp_replicate"
 
     @classmethod
     def default_batch_size(cls, options: Mapping[str, Any], accumulate: int,

@@ -24,6 +24,7 @@ from mpt.backends.meta import check_materialisable, materialise, rank0_random_st
 from mpt.comm import GradComm
 from mpt.errors import UsageError
 from mpt.estimate import MemoryEstimate, parameter_counts
+from mpt.parallel import Axis
 from mpt.parse import parse_bool, parse_text
 from mpt.pipeline.config import ZERO_BUBBLE
 from mpt.precision import PrecisionSpec
@@ -130,6 +131,10 @@ class FSDPBackend(DDPBackend):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._mesh: Any = None
+
+    @classmethod
+    def data_axis(cls, options: Mapping[str, Any]) -> Axis:
+        return "dp_shard"
 
     @classmethod
     def availability(cls) -> Availability:

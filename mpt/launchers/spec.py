@@ -16,7 +16,7 @@ from mpt.environments import World
 from mpt.errors import UsageError
 from mpt.launchers.local_rank import LOCAL_RANK_ARG
 from mpt.launchers.logs import DEFAULT_TEE
-from mpt.pipeline.config import plan_pipeline
+from mpt.parallel import ParallelPlan
 from mpt.precision import LossScaleConfig
 from mpt.run_config import RunConfig
 from mpt.scaling import plan_batch
@@ -114,17 +114,14 @@ class LaunchSpec:
         object.__setattr__(self, "run", dataclasses.replace(run, precision=resolved))
         if self.elastic:
             check_elastic(self.node_range, self.backend)
-        pipeline = self.run.pipeline
-        stages = 1 if pipeline is None else pipeline.stages
-        if pipeline is not None:
-            for count in self.node_range.sizes:  # P must divide every world the job may run at
-                plan_pipeline(pipeline.stages, pipeline.schedule, pipeline.microbatches,
-                              self.run.pipeline_split, count * self.gpus)
+        layout = self.layout  # the model axes must divide every world the job may run at
+        for count in self.node_range.sizes:
+            layout.at_world(count * self.gpus)
         if self.run.global_batch_size is not None:  # the script's batch size is checked later
             if self.elastic:
-                plan_sizes(self.run.global_batch_size, self.node_range, self.gpus, stages)
+                plan_sizes(self.run.global_batch_size, self.node_range, self.gpus, layout)
             else:
-                plan_batch(self.run.global_batch_size, self.world.world_size // stages)
+                plan_batch(self.run.global_batch_size, layout.dp_size)
         if not self.script.is_file():
             raise UsageError("SCRIPT", str(self.script), "no such file",
                              "pass the path of the training script, e.g. examples/digits.py")
@@ -146,6 +143,11 @@ class LaunchSpec:
     @property
     def backend(self) -> str:
         return self.run.backend
+
+    @property
+    def layout(self) -> ParallelPlan:
+        """The job's parallel layout (at its largest world, for an elastic job)."""
+        return self.run.layout(self.world.world_size)
 
     def worker_env(self) -> dict[str, str]:
         """What every worker inherits, whichever launcher starts it: the run's settings (its

@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mpt.backends.base import Backend, Topology, on_meta
+from mpt.backends.base import Backend, on_meta
 from mpt.backends.meta import check_materialisable, materialise, rank0_random_state
-from mpt.environments import World
 from mpt.errors import UsageError
+from mpt.parallel import Topology
 from mpt.pipeline.config import PipelinePlan
 from mpt.pipeline.split import Stage, stage_blocks
 from mpt.pipeline.step import PipelineStep
@@ -33,28 +33,19 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-def pipeline_topology(world: World, plan: PipelinePlan) -> Topology:
-    """Rank r is stage r // D of replica r % D (D = world / P)."""
-    replicas = world.world_size // plan.stages
-    stage = world.rank // replicas
-    return Topology(dp_rank=world.rank % replicas, dp_size=replicas,
-                    computes_loss=plan.holder(plan.chunks - 1) == stage, stage=stage,
-                    stages=plan.stages)
-
-
 class PipelineBackend(Backend):
     """``inner`` (a data-parallel backend) over each stage's replicas, the stages in a pipe."""
 
     launcher = "elastic"
 
-    def __init__(self, inner: Backend, plan: PipelinePlan) -> None:
+    def __init__(self, inner: Backend, plan: PipelinePlan, topology: Topology) -> None:
         self.inner = inner
         self.plan = plan
         self.name = inner.name  # type: ignore[misc]  # the run's backend, as it was asked for
         self.option_values = inner.option_values
         self.world, self.device, self.precision = inner.world, inner.device, inner.precision
         self.accumulate, self.timeout, self.comm = inner.accumulate, inner.timeout, inner.comm
-        self.layout = pipeline_topology(inner.world, plan)
+        self.layout = topology
         """This rank's stage and replica."""
         self.pp_group: dist.ProcessGroup | None = None
         """The ranks of this rank's replica, one per stage (set by ``init_process_group``)."""
@@ -68,12 +59,11 @@ class PipelineBackend(Backend):
 
     # -- life cycle ---------------------------------------------------------------------------
     def init_process_group(self) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
-
         self.inner.init_process_group()
-        mesh = init_device_mesh(self.device.type, (self.plan.stages, self.layout.dp_size),
-                                mesh_dim_names=("pp", "dp"))
-        self.pp_group, self.dp_mesh = mesh.get_group("pp"), mesh["dp"]
+        layout = self.layout.plan
+        mesh = layout.mesh(self.device.type)
+        data_axis = "dp_shard" if layout.dp_shard > 1 else "dp_replicate"
+        self.pp_group, self.dp_mesh = mesh.get_group("pp"), mesh[data_axis]
 
     def place(self, model: nn.Module, *, trained: bool = True) -> nn.Module:
         """Keep this rank's chunks of ``model`` (the others are dropped) and place them; a

@@ -54,20 +54,16 @@ class PipelinePlan:
         return (self.stages - 1) / (self.microbatches + self.stages - 1)
 
 
-def plan_pipeline(stages: int, schedule: str, microbatches: int | None, split: str | None,
-                  world_size: int | None = None) -> PipelinePlan:
-    """The plan, or a UsageError naming the flag: P must divide the world, M >= P."""
+def plan_pipeline(stages: int, schedule: str, microbatches: int | None,
+                  split: str | None) -> PipelinePlan:
+    """The plan, or a UsageError naming the flag (M >= P; that P divides the world is the
+    ``ParallelPlan``'s check)."""
     if stages < 1:
         raise UsageError("--pipeline-stages", stages, "it must be at least 1",
                          "pass 1 (no pipeline) or more")
     if schedule not in SCHEDULES:
         raise UsageError("--pipeline-schedule", schedule, "torch has no such schedule here",
                          f"pass one of {', '.join(SCHEDULES)}")
-    if world_size is not None and world_size % stages:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise UsageError("--pipeline-stages", stages, f"it does not divide the world of "
-                         f"{world_size} processes into whole model replicas",
-                         f"pass one of {', '.join(map(str, divisors))}, or change --gpus/--nodes")
     count = 2 * stages if microbatches is None else microbatches
     if count < stages and schedule in ("gpipe", "1f1b"):
         raise UsageError("--microbatches", count, f"{schedule} keeps every one of the "

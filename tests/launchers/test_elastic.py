@@ -63,6 +63,7 @@ from mpt.launchers.elastic import (
     torch_launch_config,
 )
 from mpt.launchers.notes import Note
+from mpt.parallel import ParallelPlan
 from mpt.scaling import plan_batch
 
 STEPS = 10
@@ -204,7 +205,8 @@ def test_a_resize_keeps_the_global_batch_or_else_the_per_rank_batch():
     assert scaled is not None and scaled.lr_ratio == pytest.approx(4 / 3)
     assert scaled.line().endswith("(--lr-scaling linear)")
     assert resize(saved, world_size=6, plan=None, samples_per_step=None, lr_scaling="sqrt",
-                  stages=3).lr_ratio == pytest.approx((2 / 1) ** 0.5)  # replicas 1 -> 2
+                  layout=ParallelPlan(pp=3, dp_replicate=2)
+                  ).lr_ratio == pytest.approx((2 / 1) ** 0.5)  # replicas 1 -> 2
 
 
 def test_a_resize_without_a_global_batch_rescales_lr_of_optimizer_and_scheduler(tmp_path):
