@@ -24,6 +24,7 @@ from mpt.cli_checkpoint import app as checkpoint_app
 from mpt.config import ConfigurableCommand, load_into_context
 from mpt.errors import MptError, UsageError
 from mpt.estimate import OPTIMIZER_STATES
+from mpt.parallel import ParallelPlan
 from mpt.parse import parse_int, parse_number
 from mpt.run_config import RunConfig, flag_of
 
@@ -452,6 +453,7 @@ def estimate_memory(
 
     if world_size < 1:
         raise UsageError("--world-size", world_size, "it must be at least 1", "pass 1 or more")
+    layout = ParallelPlan.for_world(world_size, pp=pipeline_stages)  # P must divide the world
     states = OPTIMIZER_STATES[one_of(*OPTIMIZER_STATES)("--optimizer", optimizer)]
     spec = describe(precision)
     net = meta_model(load_model(model))
@@ -483,20 +485,20 @@ def estimate_memory(
               "Not counted: communication buffers, the allocator's slack and the process "
               "itself (a few hundred MiB at least); activations as saved for backward in the "
               "model's own dtype (autocast keeps some in 16 bits: fewer bytes).")
-    if pipeline_stages > 1:
-        _print_stages(net, pipeline_stages, spec, states)
+    if layout.pp > 1:
+        _print_stages(net, layout, spec, states)
 
 
-def _print_stages(net: Any, stages: int, spec: Any, states: int) -> None:
+def _print_stages(net: Any, layout: ParallelPlan, spec: Any, states: int) -> None:
     """Each pipeline stage's blocks and its bytes of parameters, gradients and optimizer state
     (a parameter two stages share counts on both)."""
     from mpt.pipeline.split import stage_blocks
 
     gib = 2.0**30
-    table = Table(title=f"per-stage memory, {stages} pipeline stages, GiB")
+    table = Table(title=f"per-stage memory, {layout.pp} pipeline stages, GiB")
     for column in ("stage", "blocks", "count", "parameters", "gradients", "optimizer"):
         table.add_column(column, justify="left" if column == "blocks" else "right")
-    for index, blocks in enumerate(stage_blocks(net, stages)):
+    for index, blocks in enumerate(stage_blocks(net, layout.pp)):
         params = {id(p): p for _, block in blocks for p in block.parameters()}.values()
         count = sum(p.numel() for p in params)
         trained = sum(p.numel() for p in params if p.requires_grad)
@@ -508,7 +510,8 @@ def _print_stages(net: Any, stages: int, spec: Any, states: int) -> None:
                       f"{(4 * states * trained + masters) / gib:.3f}")
     Console(width=max(out.width, 120)).print(table)
     out.print("Each rank of a stage holds it whole under --backend ddp; under --backend fsdp "
-              "1/D of it, D = world / P replicas (plus the unit it gathers).")
+              f"1/{layout.dp_size} of it, over the stage's {layout.dp_size} replicas (plus the "
+              "unit it gathers).")
 
 
 @app.command()

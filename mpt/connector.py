@@ -8,6 +8,7 @@ lives in one place.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -20,7 +21,7 @@ from mpt.environments import World, detect_world, device_name
 from mpt.pipeline.backend import PipelineBackend
 from mpt.precision import LossScaleConfig, Precision
 from mpt.run_config import RunConfig
-from mpt.scaling import BatchPlan, plan_batch
+from mpt.scaling import BatchPlan, lr_factor, plan_batch
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,18 +46,28 @@ class Connection:
     precision: Precision
     backend: Backend
 
+    def notes(self) -> list[str]:
+        """What rank 0 says of the run at start: how the batch splits, how rates scale."""
+        lines = [] if self.batch_plan is None else [f"mpt: {self.batch_plan.describe()}"]
+        rule, replicas = self.config.lr_scaling, self.topology.dp_size
+        if rule is not None:
+            lines.append(f"mpt: lr scaling {rule}: rt.scale_lr multiplies learning rates by "
+                         f"{lr_factor(rule, replicas):g} (data-parallel size {replicas})")
+        return lines
 
-def connect(env: Mapping[str, str], *, batch_size: int | None,
-            loss_scale: str | float | LossScaleConfig | None,
-            timeout: timedelta | float | None, **settings: Any) -> Connection:
-    """The run `env` (`mpt launch`'s hand-off) describes, with ``settings`` (``RunConfig``
-    fields as the Runtime's arguments give them; None keeps the launcher's) on top, both checked
-    by ``RunConfig`` whichever way they came."""
+
+def connect(env: Mapping[str, str], config: RunConfig | None = None, *,
+            batch_size: int | None = None, **settings: Any) -> Connection:
+    """The run ``config`` describes (default: `env`, `mpt launch`'s hand-off), with
+    ``settings`` (``RunConfig`` fields by name; None keeps a value) on top, both checked by
+    ``RunConfig`` whichever way they came."""
     world = detect_world(env)
-    config = RunConfig.from_env(env).replace(
+    loss_scale, timeout = settings.pop("loss_scale", None), settings.pop("timeout", None)
+    config = (RunConfig.from_env(env) if config is None else config).replace(
         loss_scale=None if isinstance(loss_scale, LossScaleConfig) else loss_scale,
         timeout=timeout.total_seconds() if isinstance(timeout, timedelta) else timeout,
-        **settings)
+        **{name: os.fspath(value) if isinstance(value, os.PathLike) else value
+           for name, value in settings.items()})
     device = torch.device(device_name(world.local_rank, torch.cuda.is_available()))
     backend_class = get_backend(config.backend)
     layout = config.layout(world.world_size)

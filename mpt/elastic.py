@@ -98,16 +98,17 @@ def check_node_rank(nodes: NodeRange, nr: str | None) -> None:
 
 def check_elastic(nodes: NodeRange, backend: str) -> None:
     """Refuse what an elastic job cannot run: a range out of order (a LaunchSpec built in
-    code), and Horovod, whose rendezvous serves one fixed round of workers (see
-    ``mpt.launchers.horovod_join``)."""
+    code), and a backend that declares it cannot resize (Horovod, whose rendezvous serves one
+    fixed round of workers: see ``mpt.launchers.horovod_join``)."""
     if not 1 <= nodes.min <= nodes.max:
         raise UsageError("--nodes", nodes, "it needs 1 <= MIN <= MAX", "pass --nodes 2:4, "
                          "for example")
-    if backend == "horovod":
-        raise UsageError("--nodes", nodes, "--backend horovod cannot change its world size "
-                         "under mpt launch (Horovod's rendezvous serves one fixed round)",
-                         "pass a fixed --nodes N with --nr R, or --backend ddp, fsdp or "
-                         "deepspeed")
+    from mpt.backends import get_backend, offering
+
+    if not get_backend(backend).elastic:
+        raise UsageError("--nodes", nodes, f"--backend {backend} cannot change its world size "
+                         "under mpt launch", "pass a fixed --nodes N with --nr R, or "
+                         f"--backend {offering('elastic')}")
 
 
 def default_max_restarts(nodes: NodeRange) -> int:

@@ -128,7 +128,7 @@ class RunConfig:
         "parameter count).", metavar="NAMES")
 
     def __post_init__(self) -> None:
-        from mpt.backends import get_backend
+        from mpt.backends import get_backend, offering
         from mpt.checkpoint import check_resume, check_root
         from mpt.metrics.config import parse_log_every
         from mpt.precision import LossScaleConfig, check_precision
@@ -152,9 +152,11 @@ class RunConfig:
         if self.pipeline is not None and not backend.pipelines:
             raise UsageError("--pipeline-stages", self.pipeline_stages, f"--backend "
                              f"{self.backend} cannot cut a model into pipeline stages",
-                             "use --backend ddp or fsdp, or drop --pipeline-stages")
+                             f"use --backend {offering('pipelines')}, or drop "
+                             "--pipeline-stages")
         if self.pipeline is not None:
-            refusal = backend.pipeline_refusal(self.pipeline.schedule, values)
+            pipeline = self.pipeline
+            refusal = backend.pipeline_refusal(pipeline.schedule, pipeline.split_backward, values)
             if refusal is not None:
                 raise UsageError(*refusal)
         if self.pipeline is not None and self.precision is not None:
@@ -181,8 +183,7 @@ class RunConfig:
         if self.snapshot_every and not backend.snapshots:
             raise UsageError("--snapshot-every", self.snapshot_every, f"--backend {self.backend} "
                              "has no torch.distributed group to copy snapshots over",
-                             "drop --snapshot-every, or use --backend ddp, apex, fsdp or "
-                             "deepspeed")
+                             f"drop --snapshot-every, or use --backend {offering('snapshots')}")
         parse_log_every(self.log_every)
 
     @property

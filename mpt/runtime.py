@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, overload
 
@@ -26,12 +25,11 @@ from mpt.data import DistributedLoader, Loaders
 from mpt.elastic import report_resize
 from mpt.environments import World
 from mpt.errors import UsageError
-from mpt.fault import REQUEUE_EXIT_CODE
 from mpt.fault.worker import WorkerFaults
 from mpt.launchers.notes import note_runtime
 from mpt.metrics import MetricsConfig, Monitor
 from mpt.pairs import Pair, Pairs
-from mpt.precision import LossScaleConfig, Precision
+from mpt.precision import Precision
 from mpt.run_config import RunConfig
 from mpt.scaling import BatchPlan, lr_factor
 from mpt.step import TrainStep
@@ -40,50 +38,26 @@ from mpt.step import TrainStep
 class Runtime:
     """Run one training script on any backend, precision and number of processes.
 
-    Each argument is the ``mpt.RunConfig`` setting of the same name (its `mpt launch` flag says
-    what it does): those left as None come from `mpt launch` (``MPT_RUN_CONFIG``), then from the
-    defaults (``ddp``, ``fp32``, no accumulation, dynamic loss scaling). Besides them:
-
     Args:
-        loss_scale: also a ``LossScaleConfig``.
-        timeout: also a ``timedelta``.
+        config: every run setting (``mpt.RunConfig``); default: what `mpt launch` handed this
+            process (``MPT_RUN_CONFIG``), else the defaults (``ddp``, ``fp32``, no
+            accumulation, dynamic loss scaling).
         seed: seed of the per-epoch shuffle of ``setup_dataloader``.
         batch_size: the script's per-rank micro-batch size; with a global batch size, the
             accumulation steps are derived from it (else the batch size is derived).
         env: the environment to read (``os.environ`` by default).
+        **settings: ``RunConfig`` settings by name (``backend="fsdp"``, ``precision=
+            "bf16-mixed"``; each `mpt launch` flag says what it does), on top of ``config``;
+            None keeps its value. ``loss_scale`` may be a ``LossScaleConfig``, ``timeout`` a
+            ``timedelta``.
     """
 
-    def __init__(self, backend: str | None = None, precision: str | None = None, *,
-                 accumulate: int | None = None,
-                 loss_scale: str | float | LossScaleConfig | None = None,
-                 timeout: timedelta | float | None = None, seed: int = 0,
-                 backend_options: Mapping[str, Any] | None = None,
-                 precision_options: Mapping[str, Any] | None = None,
-                 grad_compression: str | None = None, bucket_mb: float | None = None,
-                 global_batch_size: int | None = None, batch_size: int | None = None,
-                 lr_scaling: str | None = None,
-                 run_dir: str | os.PathLike[str] | None = None, quiet: bool | None = None,
-                 log_every: int | None = None, metrics_all_ranks: bool | None = None,
-                 checkpoint_dir: str | os.PathLike[str] | None = None,
-                 async_save: bool | None = None, resume: str | None = None,
-                 snapshot_every: int | None = None, snapshot_dir: str | None = None,
-                 pipeline_stages: int | None = None, pipeline_schedule: str | None = None,
-                 microbatches: int | None = None, pipeline_split: str | None = None,
-                 env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, config: RunConfig | None = None, *, seed: int = 0,
+                 batch_size: int | None = None, env: Mapping[str, str] | None = None,
+                 **settings: Any) -> None:
         env = os.environ if env is None else env
         note_runtime()  # `mpt launch` reports run flags no Runtime applied
-        run = connect(env, batch_size=batch_size, loss_scale=loss_scale, timeout=timeout,
-                      backend=backend, precision=precision, accumulate=accumulate,
-                      backend_options=backend_options, precision_options=precision_options,
-                      grad_compression=grad_compression, bucket_mb=bucket_mb,
-                      global_batch_size=global_batch_size, lr_scaling=lr_scaling,
-                      run_dir=None if run_dir is None else os.fspath(run_dir), quiet=quiet,
-                      log_every=log_every, metrics_all_ranks=metrics_all_ranks,
-                      checkpoint_dir=None if checkpoint_dir is None else os.fspath(checkpoint_dir),
-                      async_save=async_save, resume=resume, snapshot_every=snapshot_every,
-                      snapshot_dir=snapshot_dir, pipeline_stages=pipeline_stages,
-                      pipeline_schedule=pipeline_schedule, microbatches=microbatches,
-                      pipeline_split=pipeline_split)
+        run = connect(env, config, batch_size=batch_size, **settings)
         self._faults = WorkerFaults(run.world.rank, env)
         self.config: RunConfig = run.config
         """Every run setting, as this process trains with it."""
@@ -99,12 +73,8 @@ class Runtime:
         self.backend: Backend = run.backend
         config = self.config
         self.backend.init_process_group()
-        if self.batch_plan is not None:
-            self.print(f"mpt: {self.batch_plan.describe()}")
-        if config.lr_scaling is not None:
-            self.print(f"mpt: lr scaling {config.lr_scaling}: rt.scale_lr multiplies learning "
-                       f"rates by {lr_factor(config.lr_scaling, self.topology.dp_size):g} "
-                       f"(data-parallel size {self.topology.dp_size})")
+        for line in run.notes():
+            self.print(line)
         self.pairs = Pairs()
         """Every model and optimizer ``setup`` was given, by name."""
         self._loaders = Loaders(rank=self.topology.dp_rank, world_size=self.topology.dp_size,
@@ -150,10 +120,9 @@ class Runtime:
         micro-batch. Raises where none of them names one."""
         if self._batch_size is None:
             raise UsageError("rt.batch_size", None, "no per-rank batch size is named (by "
-                             "--global-batch-size, Runtime(batch_size=...) or a DeepSpeed "
-                             "config's train_micro_batch_size_per_gpu)", "pass "
-                             "--global-batch-size B to mpt launch, or build the DataLoader "
-                             "with the script's own batch size")
+                             "--global-batch-size, Runtime(batch_size=...) or the backend's "
+                             "own config)", "pass --global-batch-size B to mpt launch, or "
+                             "build the DataLoader with the script's own batch size")
         return self._batch_size
 
     @property
@@ -183,23 +152,14 @@ class Runtime:
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
               name: str | None = None) -> tuple[nn.Module, torch.optim.Optimizer] | nn.Module:
-        """Move the model to this rank's device and wrap it and its optimizer for the backend.
+        """Move the model to this rank's device and wrap it and its optimizer for the backend;
+        under an autocast precision its forward then autocasts by itself.
 
-        ``--backend fsdp`` also takes a model built on the meta device (``with
-        torch.device("meta"):``): it materialises it one unit at a time, each initialised by
-        its modules' ``reset_parameters`` from rank 0's random state, then sharded, so the
-        whole model never exists on a rank.
-
-        Call it once per model: a GAN sets up its generator and its discriminator, each with
-        its optimizer; an EMA copy or a frozen teacher comes without one (then only the model
-        is returned, placed and equal on every rank). ``name`` keys the pair in checkpoints
-        (default ``model``, then ``model_1``, ... in the order of the calls).
-
-        Under an autocast precision the returned model's forward runs under
-        ``torch.autocast`` with no ``rt.autocast()`` in the script (``mpt.precision.forward``).
-
-        Build the optimizer over ``model.parameters()`` before calling this; the parameters
-        move in place, so the optimizer keeps pointing at them.
+        Call it once per model (a GAN's generator and discriminator, each with its optimizer;
+        an EMA copy or a frozen teacher without one, placed and equal on every rank). ``name``
+        keys the pair in checkpoints (default ``model``, ``model_1``, ... in call order). Build
+        the optimizer over ``model.parameters()`` first: they move in place. ``--backend fsdp``
+        also takes a model built on the meta device, materialised one unit at a time.
         """
         name = self.pairs.check_new(name, model, optimizer)
         original_model, original_optimizer = model, optimizer
@@ -222,15 +182,9 @@ class Runtime:
 
     def setup_dataloader(self, loader: DataLoader[Any], name: str | None = None
                          ) -> DistributedLoader:
-        """This rank's shard of ``loader``'s dataset, batches on this rank's device.
-
-        A plain sampler (``shuffle=True``/``False``) becomes mpt's sharded, reshuffled one; a
-        ``DistributedSampler`` keeps its shuffle, seed and drop_last; any other sampler is kept
-        as it is (see ``mpt.data``). ``name`` keys the loader's position in checkpoints (set up
-        again under a name, a loader replaces the one before). The loader named ``"train"`` (the
-        first one set up, unless named otherwise) is the training loader: only its batch size
-        is bound to the global batch, and it counts the samples per step; evaluation loaders
-        (any other name) may have any batch size.
+        """This rank's shard of ``loader``'s dataset, batches on this rank's device (samplers:
+        see ``mpt.data``). ``name`` keys its position in checkpoints; the one named ``"train"``
+        (the first, unless named) alone is bound to the global batch and counts samples.
         """
         distributed = self._loaders.add(loader, name)
         if distributed.name == "train" and loader.batch_size:  # rt.progress(...) overrides
@@ -260,13 +214,9 @@ class Runtime:
                          loss_fn: Callable[[Any, Any], torch.Tensor], *,
                          model: nn.Module | None = None) -> torch.Tensor:
         """Forward ``inputs`` through the model (the only one set up with an optimizer, or
-        ``model``), ``loss_fn(output, target)`` and its backward, in the run's precision; return
-        the batch's loss (detached), on every rank.
-
-        The same call trains a model cut into pipeline stages (``--pipeline-stages``), where
-        the schedule runs the micro-batches' forwards and backwards over the ranks: a script
-        written with it trains with and without a pipeline. Call ``rt.step()`` after it.
-        """
+        ``model``), ``loss_fn(output, target)`` and its backward; return the loss (detached) on
+        every rank. Under ``--pipeline-stages`` the schedule runs it over the stages, so a script
+        written with it trains with and without a pipeline. Call ``rt.step()`` after it."""
         return self._step.forward_backward(model, inputs, target, loss_fn)
 
     def evaluate(self, inputs: Any, target: Any = None,
@@ -277,13 +227,10 @@ class Runtime:
         return self._step.evaluate(model, inputs, target, loss_fn)
 
     def backward(self, loss: torch.Tensor, *, model: nn.Module | None = None) -> None:
-        """Backward of one micro-batch's loss, scaled for precision and divided for accumulation.
-
-        Any loss of any model set up: gradients go wherever autograd takes them, as with
-        ``loss.backward()``. ``model`` names the model whose optimizer this loss trains, for
-        backends that backpropagate through one engine per model (DeepSpeed): without it, such a
-        backend uses the engine of the next ``rt.step``/``rt.clip_grad_norm_``.
-        """
+        """Backward of one micro-batch's loss, scaled for precision and divided for
+        accumulation; gradients go wherever autograd takes them. ``model``: the one whose
+        optimizer this loss trains, for backends with one engine per model (default: the
+        engine of the next ``rt.step``/``rt.clip_grad_norm_``)."""
         self._step.backward(loss, model)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
@@ -294,36 +241,23 @@ class Runtime:
         return self._step.clip_grad_norm_(pair, max_norm, norm_type)
 
     def step(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
-        """Step ``optimizer`` (the only one set up by default) once every ``accumulate`` calls,
-        then zero its gradients. Call it once per micro-batch.
+        """Step ``optimizer`` (the only one by default) once every ``accumulate`` calls (call
+        it once per micro-batch), then zero its gradients. True when its parameters changed;
+        False while accumulating or when fp16 gradients overflowed (skipped on every rank).
 
-        Returns True when its parameters changed; False while accumulating or when fp16
-        gradients overflowed (that step is skipped on every rank; the scale backs off).
-
-        With several optimizers, one training iteration ends when every optimizer has stepped:
-        there the shared loss scale is updated once and ``global_step`` counts one. An optimizer
-        stepping again before the others (a critic's extra steps) updates the scale first.
-        When the job is preempted (`mpt launch` got SIGTERM or SIGUSR1), every rank ends at the
-        same iteration: it saves to ``checkpoint_dir`` and exits with ``REQUEUE_EXIT_CODE``.
-        """
+        An iteration ends when every optimizer stepped: the shared loss scale is updated once,
+        ``global_step`` counts one, and a preempted job saves and exits there (code
+        ``REQUEUE_EXIT_CODE``) on every rank."""
         return self._step.step(self.pairs.of_optimizer(optimizer, "step"))
 
     def _on_iteration(self) -> None:
         """At the end of every training iteration: a snapshot when one is due; stop here if
         the job is preempted."""
         self._checkpoints.after_iteration(self.global_step)
-        if not self._faults.should_stop(self.backend.sum_async, self.world_size):
-            return
-        step = self.global_step
-        if self.checkpoint_dir is not None:  # committed before the process exits
-            where = self.save(step=step, async_save=False)
-            self.print(f"mpt: preempted: saved step {step} to {where}; exiting with "
-                       f"{REQUEUE_EXIT_CODE} (requeue)")
-        else:
-            self.print(f"mpt: preempted at step {step} with no --checkpoint-dir: nothing saved; "
-                       f"exiting with {REQUEUE_EXIT_CODE}")
-        self.close()
-        raise SystemExit(REQUEUE_EXIT_CODE)
+        self._faults.stop_if_preempted(
+            self.global_step, sum_async=self.backend.sum_async, world_size=self.world_size,
+            save=None if self.checkpoint_dir is None else lambda: self.save(async_save=False),
+            close=self.close, say=self.print)
 
     def progress(self, total: int | None = None, *, samples_per_step: int | None = None) -> None:
         """Tell the progress bar the run's optimizer steps (for its ETA) and, where the loader
@@ -333,11 +267,8 @@ class Runtime:
             self.monitor.samples_per_step = samples_per_step
 
     def log(self, **metrics: float | torch.Tensor) -> None:
-        """Record the script's own figures (e.g. ``val_acc=0.97``) at the current step.
-
-        Written where the run's metrics are (rank 0's files, or every rank's with
-        ``metrics_all_ranks``); a tensor is read here, which waits for the device.
-        """
+        """Record the script's own figures (``val_acc=0.97``) at the current step, where the
+        run's metrics are; a tensor is read here, which waits for the device."""
         self.monitor.log(metrics)
 
     # -- collectives --------------------------------------------------------------------------
@@ -358,30 +289,16 @@ class Runtime:
              epoch: int | None = None, scheduler: Schedulers = None,
              keep: int | None = None, sharded: bool | None = None,
              async_save: bool | None = None, **extra: Any) -> str:
-        """Checkpoint the run into ``path/step-<step>/`` and point ``path/latest`` at it.
+        """Checkpoint the run atomically into ``path/step-<step>/`` (``path``: default
+        ``checkpoint_dir``, or an fsspec URL) and point ``path/latest`` at it; every rank calls
+        it. Returns the directory's URL. docs/checkpoints.md says what is kept.
 
-        ``path`` defaults to ``checkpoint_dir``, ``step`` to ``global_step``, ``scheduler`` to
-        the last one given to ``save``, ``load`` or ``resume``; several schedulers go in as a
-        dict by name (``scheduler={"G": sched_g, "D": sched_d}``).
-
-        Saved: the full weights and optimizer state of every model ``setup`` was given, under
-        its name, the precision state (loss scale, masters), the schedulers' states, the sampler
-        position of every ``setup_dataloader`` loader, every rank's RNG, ``step``, ``epoch`` and
-        the JSON-able ``extra`` values. Every rank calls it; it returns once the checkpoint is
-        committed. ``keep``: delete all but the newest ``keep`` checkpoints of ``path``.
-        ``sharded``: write models and optimizers as per-rank shards through
-        torch.distributed.checkpoint (default: when they pass 2 GiB). ``path`` may be an fsspec
-        URL (``s3://...``). Returns the checkpoint directory's URL.
-
-        ``async_save`` (default: the run's ``async_save`` setting, `mpt launch --async-save`):
-        return once the state is copied to host memory and let a thread write and commit it
-        while training goes on (with ``sharded``, each rank's shard is written before the
-        return). The commit stays atomic: until it, ``latest`` names the previous checkpoint.
-        The next ``save``, ``load`` and ``close`` wait for it, and raise its error if the write
-        failed; ``rt.wait_for_save()`` waits on demand.
-
-        ``model=``/``optimizer=`` (Fabric's habit) may name objects ``setup`` returned: they are
-        saved anyway, by name.
+        ``step``: default ``global_step``. ``scheduler``: one, or a dict by name (default: the
+        last one given). ``keep``: delete all but the newest ``keep``. ``sharded``: per-rank
+        shards through torch.distributed.checkpoint (default: past 2 GiB). ``async_save``
+        (default: the run's): return once the state is in host memory; a thread writes and
+        commits it, and the next ``save``/``load``/``close`` wait for it. ``extra``: JSON-able
+        values (``model=``/``optimizer=`` may name what ``setup`` returned: saved anyway).
         """
         self._faults.mark("checkpoint")
         where = self._checkpoints.save(
@@ -397,14 +314,10 @@ class Runtime:
 
     def load(self, path: str | os.PathLike[str], *,
              scheduler: Schedulers = None) -> dict[str, Any]:
-        """Restore a checkpoint (``path``: a root ``save`` wrote into, which loads its latest,
-        or one ``step-*`` directory) into the set-up models, optimizers, schedulers and loaders.
-
-        The checkpoint must hold exactly the names set up; a mismatch names what is missing and
-        what is extra.
-        Works at any world size and under any backend. Returns ``{"step": ..., "epoch": ...
-        (when known), **extra}``. Call ``setup_dataloader`` before, so loaders resume mid-epoch.
-        """
+        """Restore a checkpoint (a root ``save`` wrote into: its latest; or one ``step-*``
+        directory) into what was set up, at any world size and under any backend; it must hold
+        exactly the names set up. Call ``setup_dataloader`` first, so loaders resume mid-epoch.
+        Returns ``{"step": ..., "epoch": ... (when known), **extra}``."""
         self._faults.mark("checkpoint")
         info = self._checkpoints.load(path, scheduler)
         self._step.global_step = info["step"]
@@ -413,15 +326,11 @@ class Runtime:
         return info
 
     def resume(self, *, scheduler: Schedulers = None) -> dict[str, Any]:
-        """Load what the run's ``resume`` setting names, if anything: call it once, after
-        ``setup`` and ``setup_dataloader``, and train on from the returned ``"step"``.
-
-        ``auto`` loads the latest complete checkpoint of ``checkpoint_dir`` and starts afresh
-        when there is none, so the same command starts a job, resumes it after a crash or a
-        preemption, and a restart by ``--max-restarts`` loses no step. ``never`` starts afresh
-        and refuses a ``checkpoint_dir`` that holds checkpoints already (they would be
-        overwritten). Returns ``load``'s result, or ``{"step": 0}`` for a fresh start.
-        """
+        """Load what the run's ``resume`` setting names, once, after ``setup`` and
+        ``setup_dataloader``; train on from the returned ``"step"``. ``auto``: the latest
+        complete checkpoint of ``checkpoint_dir``, or a fresh start (``{"step": 0}``), so one
+        command starts, resumes and restarts a job; ``never`` refuses a ``checkpoint_dir`` that
+        holds checkpoints (they would be overwritten)."""
         found = self._checkpoints.to_resume(scheduler)
         if found is None:
             return {"step": 0}

@@ -73,3 +73,19 @@ def test_backends_and_checkpoints_do_not_import_each_other(importer, imported):
              for module in _imports(path) if module == imported
              or module.startswith(imported + ".")]
     assert not found, "\n".join(found)
+
+
+def test_no_two_packages_import_each_other():
+    """The packages of ``mpt`` form layers: a cycle (backends <-> pipeline was one) would
+    make each half unimportable without the other and hide which one owns a concept."""
+    packages = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file())
+    uses = {name: {module.split(".")[1] for path in (PACKAGE / name).rglob("*.py")
+                   for module in _imports(path) if module.startswith("mpt.")
+                   and module.split(".")[1] in packages and module.split(".")[1] != name}
+            for name in packages}
+    reach = {name: set(used) for name, used in uses.items()}
+    for _ in packages:  # the transitive closure, one more step each round
+        for name in packages:
+            reach[name] |= {far for near in reach[name] for far in reach[near]}
+    cycles = sorted(name for name in packages if name in reach[name])
+    assert not cycles, f"packages on an import cycle: {', '.join(cycles)}"

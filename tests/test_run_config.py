@@ -4,7 +4,6 @@ Runtime(...) arguments are all RunConfig, checked in one place, with one yes/no 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 
 import pytest
@@ -18,8 +17,13 @@ from mpt.run_config import VARIABLE, RunConfig
 
 def test_every_setting_is_a_runtime_argument_and_a_launch_option():
     settings = {f.name for f in dataclasses.fields(RunConfig)}
-    arguments = set(inspect.signature(mpt.Runtime).parameters)
-    assert settings <= arguments, settings - arguments
+    with mpt.Runtime(env={}, **dict.fromkeys(settings)) as rt:  # None keeps each default
+        assert rt.config == RunConfig()
+    with pytest.raises(UsageError, match="run setting=pipeline_stage is invalid"):
+        mpt.Runtime(env={}, pipeline_stage=2)
+    config = RunConfig(precision="bf16-mixed", accumulate=3)
+    with mpt.Runtime(config, env={}, accumulate=2) as rt:  # a setting by name wins
+        assert (rt.config.precision, rt.accumulate) == ("bf16-mixed", 2)
     from typer.main import get_command
 
     from mpt.cli import app

@@ -67,6 +67,13 @@ def registered() -> dict[str, type[Backend]]:
     return dict(_registry)
 
 
+def offering(capability: str) -> str:
+    """The registered backends whose class declares ``capability`` (a true ``ClassVar`` such
+    as ``pipelines``, ``snapshots`` or ``elastic``), as a fix names them: ``ddp or fsdp``."""
+    names = sorted(name for name, cls in registered().items() if getattr(cls, capability))
+    return " or ".join(filter(None, (", ".join(names[:-1]), names[-1])))
+
+
 def get_backend(name: str) -> type[Backend]:
     """The class registered as ``name``; a UsageError lists the valid names otherwise."""
     backends = registered()
@@ -112,5 +119,5 @@ def resolve_precision(backend: str, precision: str | None, *, device_type: str,
 
 
 __all__ = ["Availability", "Backend", "DDPBackend", "DeepSpeedBackend", "FSDPBackend", "Topology",
-           "broken", "checked_precision", "get_backend", "register", "registered",
+           "broken", "checked_precision", "get_backend", "offering", "register", "registered",
            "resolve_precision"]

@@ -89,6 +89,9 @@ class Backend(ABC):
     snapshots: ClassVar[bool] = True
     """Whether ``--snapshot-every`` can copy state between nodes (a torch.distributed gloo
     group beside the training's collectives)."""
+    elastic: ClassVar[bool] = True
+    """Whether a job may change its world size between restarts (`mpt launch --nodes
+    MIN:MAX`)."""
     launcher: ClassVar[str] = "elastic"
     """``horovodrun`` where `mpt launch --hosts/--hostfile` may hand the whole job to horovodrun;
     without those flags every backend's processes are started by torch's elastic agent, one
@@ -174,11 +177,12 @@ class Backend(ABC):
         return None
 
     @classmethod
-    def pipeline_refusal(cls, schedule: str, values: Mapping[str, Any]
+    def pipeline_refusal(cls, schedule: str, split_backward: bool, values: Mapping[str, Any]
                          ) -> tuple[str, Any, str, str] | None:
-        """Why this backend (``pipelines``) cannot run pipeline schedule ``schedule`` with its
-        options ``values`` (parsed): the flag, its value, why and what works; None where it
-        can."""
+        """Why this backend (``pipelines``) cannot run pipeline schedule ``schedule`` (which
+        computes the weights' gradients after the inputs' where ``split_backward``, as zero
+        bubble schedules do) with its options ``values`` (parsed): the flag, its value, why and
+        what works; None where it can."""
         return None
 
     @classmethod

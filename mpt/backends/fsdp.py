@@ -26,7 +26,6 @@ from mpt.errors import UsageError
 from mpt.estimate import MemoryEstimate, parameter_counts
 from mpt.parallel import Axis
 from mpt.parse import parse_bool, parse_text
-from mpt.pipeline.config import ZERO_BUBBLE
 from mpt.precision import PrecisionSpec
 
 if TYPE_CHECKING:
@@ -161,9 +160,9 @@ class FSDPBackend(DDPBackend):
         return None
 
     @classmethod
-    def pipeline_refusal(cls, schedule: str, values: Mapping[str, Any]
+    def pipeline_refusal(cls, schedule: str, split_backward: bool, values: Mapping[str, Any]
                          ) -> tuple[str, Any, str, str] | None:
-        if schedule in ZERO_BUBBLE and values["reshard_after_forward"]:
+        if split_backward and values["reshard_after_forward"]:
             return ("--fsdp-reshard-after-forward", "yes", f"--pipeline-schedule {schedule} "
                     "computes the weights' gradients after the inputs', and by then fsdp has "
                     "freed the weights it gathered for them", "leave the flag out (no, under a "

@@ -134,6 +134,7 @@ class HorovodBackend(Backend):
 
     name = "horovod"
     launcher = "horovodrun"
+    elastic = False  # Horovod's rendezvous serves one fixed round (launchers.horovod_join)
     snapshots = False  # no torch.distributed process group: Horovod's own collectives
     options: ClassVar[dict[str, BackendOption]] = {
         "op": BackendOption(help=f"gradient reduction: {', '.join(OPS)}", parse=one_of(*OPS),

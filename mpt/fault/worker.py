@@ -12,7 +12,7 @@ import torch
 from mpt._native import bind_to_parent
 from mpt.environments.settings import launch_dir, launcher_pid
 from mpt.fault.heartbeat import Heartbeat
-from mpt.fault.preemption import Preemption
+from mpt.fault.preemption import REQUEUE_EXIT_CODE, Preemption
 
 
 def die_with_launcher(pid: int | None) -> None:
@@ -60,6 +60,24 @@ class WorkerFaults:
                     world_size: int) -> bool:
         """At the end of a training iteration: whether every rank stops here (collective)."""
         return self._preemption.should_stop(sum_async, world_size)
+
+    def stop_if_preempted(self, step: int, *, sum_async: Callable[[torch.Tensor],
+                                                              Callable[[], None]],
+                          world_size: int, save: Callable[[], str] | None,
+                          close: Callable[[], None], say: Callable[[str], None]) -> None:
+        """At the end of training iteration ``step`` (collective): where the job is preempted,
+        commit a checkpoint with ``save`` (None: nowhere to save), ``close`` the run and exit
+        with ``REQUEUE_EXIT_CODE``, on every rank at the same iteration."""
+        if not self.should_stop(sum_async, world_size):
+            return
+        if save is not None:  # committed before the process exits
+            say(f"mpt: preempted: saved step {step} to {save()}; exiting with "
+                f"{REQUEUE_EXIT_CODE} (requeue)")
+        else:
+            say(f"mpt: preempted at step {step} with no --checkpoint-dir: nothing saved; "
+                f"exiting with {REQUEUE_EXIT_CODE}")
+        close()
+        raise SystemExit(REQUEUE_EXIT_CODE)
 
     def settle(self) -> None:
         """Wait for the preemption check in flight: a collective, so before the process group

@@ -31,6 +31,12 @@ class PipelinePlan:
     """Names of the blocks where stages 1.. start; empty: balanced by parameter count."""
 
     @property
+    def split_backward(self) -> bool:
+        """Whether the schedule computes the weights' gradients after the inputs' (zero
+        bubble): a backend that frees gathered weights after the forward cannot run it."""
+        return self.schedule in ZERO_BUBBLE
+
+    @property
     def chunks_per_rank(self) -> int:
         """Model chunks each rank holds (2 under a looped schedule)."""
         return LOOPED.get(self.schedule, 1)
