@@ -24,7 +24,7 @@ from mpt.cli_checkpoint import app as checkpoint_app
 from mpt.config import ConfigurableCommand, load_into_context
 from mpt.errors import MptError, UsageError
 from mpt.estimate import OPTIMIZER_STATES
-from mpt.parallel import ParallelPlan
+from mpt.parallel import AXES, ParallelPlan
 from mpt.parse import parse_int, parse_number
 from mpt.run_config import RunConfig, flag_of
 
@@ -322,6 +322,11 @@ def _launch_horovodrun(spec: LaunchSpec, hosts: str | None, hostfile: Path | Non
         raise typer.Exit(result.code)
 
 
+AXIS_COLUMNS = {"pp": "stage", "dp_replicate": "replica", "dp_shard": "shard",
+                "tp": "tp rank"}
+"""``--dry-run``'s column for each axis of the ``ParallelPlan``."""
+
+
 def _print_plan(spec: LaunchSpec, cuda_devices: int) -> None:
     from mpt.environments import device_name
 
@@ -334,15 +339,20 @@ def _print_plan(spec: LaunchSpec, cuda_devices: int) -> None:
     pipeline = run.pipeline
     layout = spec.layout
     replicas = layout.dp_size
-    columns = ("node", "local rank", "global rank", *(("stage", "replica") if pipeline else ()),
+    # Each rank's coordinate on every axis in use, where more than one is.
+    axes = [axis for axis in AXES if getattr(layout, axis) > 1]
+    axes = axes if len(axes) > 1 else []
+    columns = ("node", "local rank", "global rank", *(AXIS_COLUMNS[axis] for axis in axes),
                "device")
     for column in columns:
         table.add_column(column, justify="right" if column != "device" else "left")
     for node, local_rank, rank in spec.world.all_processes():
-        place = (str(layout.stage(rank)), str(layout.dp_rank(rank))) if pipeline else ()
-        table.add_row(str(node), str(local_rank), str(rank), *place,
+        at = layout.coords(rank)
+        table.add_row(str(node), str(local_rank), str(rank), *(str(at[axis]) for axis in axes),
                       device_name(local_rank, cuda_devices > 0))
     out.print(table)
+    if axes:
+        out.print(f"layout: {layout.describe()}")
     if pipeline is not None:
         out.print(f"pipeline: {pipeline.stages} stages x {replicas} data-parallel replica(s), "
                   f"{pipeline.schedule}, {pipeline.microbatches} micro-batches per "
@@ -354,8 +364,8 @@ def _print_plan(spec: LaunchSpec, cuda_devices: int) -> None:
 
         out.print(f"elastic: --nodes {spec.node_range}, node ranks assigned at the rendezvous "
                   f"(the table shows {spec.nodes} nodes), up to {spec.max_restarts} restart(s)")
-        for line in describe_sizes(spec.node_range, spec.gpus, layout, run.global_batch_size,
-                                   run.accumulate):
+        for line in describe_sizes(spec.node_range, spec.gpus, run.layout,
+                                   run.global_batch_size, run.accumulate):
             out.print(line)
     elif run.global_batch_size is not None:
         out.print(f"global batch size {run.global_batch_size}: "

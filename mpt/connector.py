@@ -92,7 +92,8 @@ def connect(env: Mapping[str, str], config: RunConfig | None = None, *,
     backend = backend_class(world=world, device=device, precision=precision,
                             accumulate=accumulate, timeout=timedelta(seconds=config.timeout
                                                                      or 1800.0),
-                            options=config.backend_options, comm=config.grad_comm)
+                            options=config.backend_options, comm=config.grad_comm,
+                            layout=layout)
     if pipeline is not None:
         backend = PipelineBackend(backend, pipeline, topology)
     return Connection(config=config, world=world, device=device, topology=topology,

@@ -130,13 +130,14 @@ def rendezvous_configs(join_timeout: int) -> dict[str, Any]:
 
 
 def plan_sizes(global_batch_size: int, nodes: NodeRange, gpus: int,
-               layout: ParallelPlan | None = None,
+               layout: Callable[[int], ParallelPlan] | None = None,
                accumulate: int | None = None) -> dict[int, BatchPlan]:
-    """The batch plan at every node count of ``nodes`` (``layout``: the job's, at any of
-    them; default: data parallelism alone), or one UsageError naming the counts at which
-    ``global_batch_size`` does not divide and those at which it does."""
-    layout = layout or ParallelPlan()
-    replicas = {count: layout.at_world(count * gpus).dp_size for count in nodes.sizes}
+    """The batch plan at every node count of ``nodes`` (``layout``: the job's layout at a
+    world size, ``RunConfig.layout``; default: data parallelism alone), or one UsageError
+    naming the counts at which ``global_batch_size`` does not divide and those at which it
+    does."""
+    layout = layout or (lambda world: ParallelPlan(dp_replicate=world))
+    replicas = {count: layout(count * gpus).dp_size for count in nodes.sizes}
     plans: dict[int, BatchPlan] = {}
     bad: list[int] = []
     for count in nodes.sizes:
@@ -155,7 +156,7 @@ def plan_sizes(global_batch_size: int, nodes: NodeRange, gpus: int,
     return plans
 
 
-def describe_sizes(nodes: NodeRange, gpus: int, layout: ParallelPlan,
+def describe_sizes(nodes: NodeRange, gpus: int, layout: Callable[[int], ParallelPlan],
                    global_batch_size: int | None, accumulate: int | None) -> list[str]:
     """One line per node count of an elastic job: its world and how its batch splits (the
     ``--dry-run`` of ``--nodes MIN:MAX``)."""
@@ -163,7 +164,7 @@ def describe_sizes(nodes: NodeRange, gpus: int, layout: ParallelPlan,
              else plan_sizes(global_batch_size, nodes, gpus, layout, accumulate))
     lines = []
     for count in nodes.sizes:
-        replicas = layout.at_world(count * gpus).dp_size
+        replicas = layout(count * gpus).dp_size
         how = (plans[count].describe() if count in plans else
                f"the script's per-rank batch, global batch {replicas} x that x accumulation")
         lines.append(f"{count} node(s), {count * gpus} process(es): {how}")

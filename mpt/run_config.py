@@ -196,12 +196,13 @@ class RunConfig:
 
     def layout(self, world_size: int) -> ParallelPlan:
         """The job's parallel layout at ``world_size`` processes: the pipeline's stages, and the
-        backend's data axis over the ranks they leave (a UsageError names the flag when they do
-        not divide the world)."""
+        backend's data axes over the ranks they leave (a UsageError names the flag when they do
+        not divide the world). Every worker computes it at its world, the launcher at each world
+        the job may reach."""
         from mpt.backends import get_backend
 
-        data_axis = get_backend(self.backend).data_axis(self.backend_options)
-        return ParallelPlan.for_world(world_size, pp=self.pipeline_stages, data_axis=data_axis)
+        return get_backend(self.backend).layout_of(world_size, self.backend_options,
+                                                   pp=self.pipeline_stages)
 
     @property
     def grad_comm(self) -> GradComm:

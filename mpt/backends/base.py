@@ -15,7 +15,7 @@ from mpt.comm import GradComm
 from mpt.environments import World
 from mpt.errors import UsageError
 from mpt.estimate import MemoryEstimate, parameter_counts
-from mpt.parallel import Axis
+from mpt.parallel import Axis, ParallelPlan
 from mpt.parse import parse_bool, parse_text
 from mpt.precision import Precision, PrecisionSpec
 from mpt.state.named import from_named, to_named
@@ -103,8 +103,11 @@ class Backend(ABC):
 
     def __init__(self, *, world: World, device: torch.device, precision: Precision,
                  accumulate: int = 1, timeout: timedelta = timedelta(minutes=30),
-                 options: Mapping[str, Any] | None = None, comm: GradComm | None = None) -> None:
+                 options: Mapping[str, Any] | None = None, comm: GradComm | None = None,
+                 layout: ParallelPlan | None = None) -> None:
         self.option_values: dict[str, Any] = self.check_options(options or {})
+        self.layout = layout or self.layout_of(world.world_size, options or {})
+        """The job's parallel layout (``RunConfig.layout``'s)."""
         self.comm = comm or GradComm()
         """How gradients go over the wire (``--grad-compression``, ``--bucket-mb``)."""
         self.check_comm(self.comm, self.option_values)
@@ -213,6 +216,13 @@ class Backend(ABC):
         parameters, gradients or optimizer state over the ranks (fsdp, ZeRO 1-3), else
         ``dp_replicate`` (whole replicas)."""
         return "dp_replicate"
+
+    @classmethod
+    def layout_of(cls, world_size: int, options: Mapping[str, Any], *, pp: int = 1
+                  ) -> ParallelPlan:
+        """The job's layout at ``world_size`` processes: ``pp`` stages, the backend's data
+        axis over the ranks they leave (a backend with a second data axis splits them)."""
+        return ParallelPlan.for_world(world_size, pp=pp, data_axis=cls.data_axis(options))
 
     @classmethod
     def default_batch_size(cls, options: Mapping[str, Any], accumulate: int,

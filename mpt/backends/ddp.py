@@ -198,12 +198,14 @@ class DDPBackend(Backend):
 
     def setup_stage(self, stage: nn.Module, chunks: Sequence[nn.Module],
                     optimizer: torch.optim.Optimizer, mesh: DeviceMesh) -> None:
-        """Rank 0's weights on every replica of the stage, as DDP's wrapper would give them.
+        """Rank 0's weights on every replica of the stage (``mesh``: one dimension, or HSDP's
+        two), as DDP's wrapper would give them.
         Not the wrapper itself: its reducer fails under GPipe here (its bucket rebuild counts
         every micro-batch's backward)."""
-        if mesh.size() > 1:
-            for tensor in stage.state_dict().values():
-                dist.broadcast(tensor, group_src=0, group=mesh.get_group())
+        if mesh.size() > 1:  # along each dimension in turn: (0, 0)'s reaches every rank
+            for group in mesh.get_all_groups():
+                for tensor in stage.state_dict().values():
+                    dist.broadcast(tensor, group_src=0, group=group)
 
     def reduce_stage(self, stage: nn.Module, mesh: DeviceMesh) -> None:
         """One flat allreduce per bucket of ``--bucket-mb`` (25 MiB by default) in the

@@ -53,7 +53,7 @@ from mpt.comm import GradComm
 from mpt.environments import World
 from mpt.errors import MissingDependencyError, UsageError
 from mpt.estimate import MemoryEstimate, parameter_counts
-from mpt.parallel import Axis
+from mpt.parallel import Axis, ParallelPlan
 from mpt.precision import LossScaleConfig, Precision, PrecisionSpec
 from mpt.state.flat import FlatPiece
 from mpt.state.named import from_named
@@ -140,9 +140,10 @@ class DeepSpeedBackend(DDPBackend):
 
     def __init__(self, *, world: World, device: torch.device, precision: Precision,
                  accumulate: int = 1, timeout: timedelta = timedelta(minutes=30),
-                 options: Mapping[str, Any] | None = None, comm: GradComm | None = None) -> None:
+                 options: Mapping[str, Any] | None = None, comm: GradComm | None = None,
+                 layout: ParallelPlan | None = None) -> None:
         super().__init__(world=world, device=device, precision=precision, accumulate=accumulate,
-                         timeout=timeout, options=options, comm=comm)
+                         timeout=timeout, options=options, comm=comm, layout=layout)
         values = self.option_values
         scale = getattr(precision, "scaling", None) or LossScaleConfig()
         self.config: dict[str, Any] = build_config(

@@ -11,6 +11,7 @@ for the one, and reduces each unit's gradients in one collective instead of buck
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -24,8 +25,8 @@ from mpt.backends.meta import check_materialisable, materialise, rank0_random_st
 from mpt.comm import GradComm
 from mpt.errors import UsageError
 from mpt.estimate import MemoryEstimate, parameter_counts
-from mpt.parallel import Axis
-from mpt.parse import parse_bool, parse_text
+from mpt.parallel import Axis, ParallelPlan
+from mpt.parse import parse_bool, parse_int, parse_text
 from mpt.precision import PrecisionSpec
 
 if TYPE_CHECKING:
@@ -35,6 +36,14 @@ MIN_UNIT_PARAMETERS = 1_000_000
 """Without ``--fsdp-wrap``, a submodule holding at least this many parameters that no smaller
 unit took becomes its own unit (FSDP1's size-based policy): one unit's parameters are gathered
 at a time, so peak memory is the shards plus the largest unit, not the whole model."""
+
+
+def parse_count(argument: str, value: Any) -> int:
+    """A whole number of at least 1."""
+    count = parse_int(argument, value)
+    if count < 1:
+        raise UsageError(argument, count, "it must be at least 1", f"pass {argument} 1 or more")
+    return count
 
 
 def parse_class_names(argument: str, value: Any) -> frozenset[str]:
@@ -122,6 +131,10 @@ class FSDPBackend(DDPBackend):
             # a value, not a switch; None: the default, which depends on the pipeline
             parse=lambda argument, value: parse_bool(argument, value), default=None,
             flag="--fsdp-reshard-after-forward"),
+        "replicate": BackendOption(
+            help="HSDP: shard within groups of world/R ranks and replicate across R such "
+                 "groups (one per node, R = --nodes, keeps the all-gathers inside nodes)",
+            parse=parse_count, default=1, flag="--fsdp-replicate"),
         "cpu_offload": BackendOption(
             help="keep the shards, their gradients and the optimizer step in CPU memory",
             parse=parse_bool, default=False, flag="--fsdp-cpu-offload"),
@@ -134,6 +147,24 @@ class FSDPBackend(DDPBackend):
     @classmethod
     def data_axis(cls, options: Mapping[str, Any]) -> Axis:
         return "dp_shard"
+
+    @classmethod
+    def layout_of(cls, world_size: int, options: Mapping[str, Any], *, pp: int = 1
+                  ) -> ParallelPlan:
+        """``--fsdp-replicate R`` splits the data-parallel ranks into R replicas of shards."""
+        plan = super().layout_of(world_size, options, pp=pp)
+        replicas = cls.check_options(options)["replicate"]
+        if plan.dp_shard % replicas:
+            fits = [d for d in range(1, plan.dp_shard + 1) if plan.dp_shard % d == 0]
+            raise UsageError("--fsdp-replicate", replicas, f"it does not divide the "
+                             f"{plan.dp_shard} data-parallel rank(s) into equal shard groups",
+                             f"pass one of {', '.join(map(str, fits))}")
+        if replicas > 1 and replicas == plan.dp_shard:
+            raise UsageError("--fsdp-replicate", replicas, "it leaves one rank per shard group: "
+                             "nothing would be sharded", "use --backend ddp for whole "
+                             "replicas, or a smaller --fsdp-replicate")
+        return dataclasses.replace(plan, dp_replicate=replicas,
+                                   dp_shard=plan.dp_shard // replicas)
 
     @classmethod
     def availability(cls) -> Availability:
@@ -198,8 +229,6 @@ class FSDPBackend(DDPBackend):
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
               ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-        from torch.distributed.device_mesh import init_device_mesh
-
         meta = on_meta(model)
         if optimizer is None:  # nothing to train: rank 0's weights everywhere, not sharded
             if meta:
@@ -212,8 +241,8 @@ class FSDPBackend(DDPBackend):
             raise UsageError("optimizer", type(optimizer).__name__, "it already holds state, "
                              "which fully_shard would leave on the unsharded parameters",
                              "set it up before its first step, and restore state with rt.load")
-        if self._mesh is None:
-            self._mesh = init_device_mesh(self.device.type, (self.world.world_size,))
+        if self._mesh is None:  # 2-D under HSDP: fully_shard replicates over its first dim
+            self._mesh = self.layout.data_mesh(self.device.type)
         self._shard(model, [model], optimizer, reshard=True)
         return model, optimizer
 

@@ -114,14 +114,14 @@ class LaunchSpec:
         object.__setattr__(self, "run", dataclasses.replace(run, precision=resolved))
         if self.elastic:
             check_elastic(self.node_range, self.backend)
-        layout = self.layout  # the model axes must divide every world the job may run at
-        for count in self.node_range.sizes:
-            layout.at_world(count * self.gpus)
+        for count in self.node_range.sizes:  # the layout every world of the job has
+            self.run.layout(count * self.gpus)
         if self.run.global_batch_size is not None:  # the script's batch size is checked later
             if self.elastic:
-                plan_sizes(self.run.global_batch_size, self.node_range, self.gpus, layout)
+                plan_sizes(self.run.global_batch_size, self.node_range, self.gpus,
+                           self.run.layout)
             else:
-                plan_batch(self.run.global_batch_size, layout.dp_size)
+                plan_batch(self.run.global_batch_size, self.layout.dp_size)
         if not self.script.is_file():
             raise UsageError("SCRIPT", str(self.script), "no such file",
                              "pass the path of the training script, e.g. examples/digits.py")

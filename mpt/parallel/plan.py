@@ -74,20 +74,6 @@ class ParallelPlan:
             return cls(pp=pp, dp_shard=data, tp=tp)
         return cls(pp=pp, dp_replicate=data, tp=tp)
 
-    def at_world(self, world_size: int) -> ParallelPlan:
-        """The same model axes at another world size (an elastic job's resize): the data axes
-        take the difference, the shard axis keeping its size where both are in use (HSDP)."""
-        if self.dp_replicate > 1 and self.dp_shard > 1:
-            per_replica = self.pp * self.dp_shard * self.tp
-            if world_size % per_replica:
-                raise UsageError("--nodes", world_size, f"a world of {world_size} processes "
-                                 f"holds no whole number of replicas of {per_replica} process(es)",
-                                 f"run a multiple of {per_replica} processes")
-            return ParallelPlan(pp=self.pp, dp_replicate=world_size // per_replica,
-                                dp_shard=self.dp_shard, tp=self.tp)
-        axis: Axis = "dp_shard" if self.dp_shard > 1 else "dp_replicate"
-        return ParallelPlan.for_world(world_size, pp=self.pp, tp=self.tp, data_axis=axis)
-
     # -- sizes ------------------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
@@ -97,6 +83,15 @@ class ParallelPlan:
     def sizes(self) -> tuple[int, ...]:
         """The size of each axis of ``AXES``, in order."""
         return tuple(getattr(self, axis) for axis in AXES)
+
+    @property
+    def data_dims(self) -> tuple[Axis, ...]:
+        """The mesh dimensions a data-parallel backend spans: both data axes under HSDP (a 2-D
+        mesh that fully_shard replicates over its first and shards over its second), else the
+        one in use."""
+        if self.dp_replicate > 1 and self.dp_shard > 1:
+            return ("dp_replicate", "dp_shard")
+        return ("dp_replicate",) if self.dp_replicate > 1 else ("dp_shard",)
 
     @property
     def model_size(self) -> int:
@@ -160,6 +155,17 @@ class ParallelPlan:
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(device_type, self.sizes, mesh_dim_names=AXES)
+
+    def data_mesh(self, device_type: str) -> DeviceMesh:
+        """The mesh of the data axes alone (``data_dims``), for a layout without model axes:
+        only its own process groups are made. Collective."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if self.model_size > 1:
+            return self.mesh(device_type)[self.data_dims]
+        dims = self.data_dims
+        return init_device_mesh(device_type, tuple(getattr(self, d) for d in dims),
+                                mesh_dim_names=dims)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

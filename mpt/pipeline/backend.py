@@ -62,8 +62,7 @@ class PipelineBackend(Backend):
         self.inner.init_process_group()
         layout = self.layout.plan
         mesh = layout.mesh(self.device.type)
-        data_axis = "dp_shard" if layout.dp_shard > 1 else "dp_replicate"
-        self.pp_group, self.dp_mesh = mesh.get_group("pp"), mesh[data_axis]
+        self.pp_group, self.dp_mesh = mesh.get_group("pp"), mesh[layout.data_dims]
 
     def place(self, model: nn.Module, *, trained: bool = True) -> nn.Module:
         """Keep this rank's chunks of ``model`` (the others are dropped) and place them; a

@@ -8,7 +8,8 @@ saves mid-epoch for the next; every link must land on the uninterrupted run's cu
 
 fp32, against ddp(2) trained 15 steps without a stop:
     ddp(2) @8 -> ZeRO-1(1) @9 -> ZeRO-3(2) @10 -> fsdp(1) @11 -> fsdp(2) @12 -> horovod(1) @13
-    -> ZeRO-2(2) @14 -> apex(2); and ZeRO-3(2) @10 -> ddp(1), fsdp(2) @12 -> ZeRO-3(2).
+    -> ZeRO-2(2) @14 -> apex(2); and ZeRO-3(2) @10 -> ddp(1), fsdp(2) @12 -> ZeRO-3(2),
+    fsdp(1) @11 -> HSDP 2 x 2 (4) @12 -> ddp(2).
 fsdp's saves hold each rank's pieces (the sharded variant, by default for a backend that
 shards), so fsdp(2) reads the pieces fsdp(1) wrote, resharded, and horovod and ZeRO-3 read
 fsdp(2)'s.
@@ -48,6 +49,8 @@ FP32 = {
     "horovod": ("horovod", 1, (), "fsdp2", 13),
     "zero2": ("deepspeed", 2, ("--zero-stage", "2"), "horovod", 14),
     "apex": ("apex", 2, (), "zero2", 0),
+    "hsdp": ("fsdp", 4, ("--fsdp-replicate", "2"), "fsdp1", 12),
+    "ddp-hsdp": ("ddp", 2, (), "hsdp", 0),
 }
 O2 = ("--precision", "O2")
 FP16 = {
@@ -57,8 +60,8 @@ FP16 = {
     "horovod-o2": ("horovod", 2, O2, "ddp-o2", 0),
 }
 LINKS = {**FP32, **FP16}
-FAST = ("zero1", "zero3", "fsdp1", "fsdp-o2")
-"""The links `make test` checks (6 jobs with their sources: ZeRO-3's pieces read by fsdp, Apex
+FAST = ("zero1", "zero3", "fsdp1", "fsdp-o2", "hsdp")
+"""The links `make test` checks (7 jobs with their sources: ZeRO-3's pieces read by fsdp, Apex
 O2's masters read by fsdp); `make conformance` runs every link (marked slow).
 tests/checkpoint/test_pieces.py reads ZeRO-3's pieces whole, as ddp does, in `make test` too."""
 

@@ -116,6 +116,17 @@ def test_fsdp_shards_each_stage_over_its_replicas(tmp_path):
         assert max(rank["held"] for rank in stage) < stage[0]["stage"], got["sizes"]
 
 
+@pytest.mark.slow
+def test_hsdp_under_a_pipeline_shards_each_stage_within_its_replicas(tmp_path):
+    """P = 2 x HSDP 2 x 2 (8 processes): each stage is held by 2 replicas of 2 shards, and
+    the job trains as one process does."""
+    got = launch(tmp_path / "out.json", 8, "--backend", "fsdp", "--pipeline-stages", "2",
+                 "--fsdp-replicate", "2", "--microbatches", "2", script_args=("--clip", "0.5"))
+    assert_close(got, reference(clip=0.5), rel=1e-5)
+    for replica in (got["sizes"][0:2], got["sizes"][2:4], got["sizes"][4:6], got["sizes"][6:]):
+        assert sum(rank["held"] for rank in replica) == replica[0]["stage"], got["sizes"]
+
+
 @pytest.mark.parametrize("backend", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_a_frozen_model_beside_the_pipeline_is_whole_on_every_rank(tmp_path, backend):
     """A teacher set up without an optimizer is placed whole on every rank (not cut), and

@@ -44,13 +44,23 @@ def test_a_world_the_model_axes_do_not_divide_is_refused_naming_the_flag():
         ParallelPlan(pp=0)
 
 
-def test_an_elastic_resize_changes_only_the_data_axes():
-    assert ParallelPlan(pp=2, dp_replicate=2).at_world(12) == ParallelPlan(pp=2, dp_replicate=6)
-    assert ParallelPlan(dp_shard=4).at_world(2) == ParallelPlan(dp_shard=2)
-    hsdp = ParallelPlan(dp_replicate=2, dp_shard=4)
-    assert hsdp.at_world(12) == ParallelPlan(dp_replicate=3, dp_shard=4)
-    with pytest.raises(UsageError, match="no whole number of replicas"):
-        hsdp.at_world(6)
+def test_the_data_dims_are_both_axes_under_hsdp():
+    assert ParallelPlan(dp_replicate=2, dp_shard=2).data_dims == ("dp_replicate", "dp_shard")
+    assert ParallelPlan(pp=2, dp_shard=2).data_dims == ("dp_shard",)
+    assert ParallelPlan(pp=2).data_dims == ("dp_shard",)  # one rank: either axis serves
+
+
+def test_fsdp_replicate_splits_the_data_ranks_into_hsdp_groups():
+    from mpt.run_config import RunConfig
+
+    run = RunConfig(backend="fsdp", backend_options={"replicate": 2})
+    assert run.layout(8) == ParallelPlan(dp_replicate=2, dp_shard=4)
+    piped = RunConfig(backend="fsdp", backend_options={"replicate": 2}, pipeline_stages=2)
+    assert piped.layout(8) == ParallelPlan(pp=2, dp_replicate=2, dp_shard=2)
+    with pytest.raises(UsageError, match=r"--fsdp-replicate=8 .*one rank per shard group"):
+        run.replace(backend_options={"replicate": 8}).layout(8)
+    with pytest.raises(UsageError, match=r"--fsdp-replicate=3 .*pass one of 1, 2, 4"):
+        RunConfig(backend="fsdp", backend_options={"replicate": 3}).layout(4)
 
 
 def test_describe_names_the_axes_in_use():

@@ -48,6 +48,8 @@ for x, y in global_batches(steps, per_step):
 
 full = rt.backend.model_state_dict(model)  # sharding backends keep a piece in the module
 params = [full[name].detach().cpu() for name, _ in rt.backend.unwrap(model).named_parameters()]
+local_numel = sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in model.parameters())
 torch.save({"params": params, "allreduces": allreduces[0], "stepped": stepped,
+            "local_numel": local_numel,
             "rank": rt.rank, "world_size": rt.world_size}, out / f"rank{rt.rank}.pt")
 rt.close()
