@@ -111,9 +111,10 @@ def command(cell: Cell, out: Path) -> list[str]:
             get_backend(cell.backend).options):  # the others must refuse powersgd itself
         comm += ["--backend-options", json.dumps(POWERSGD_OPTIONS)]
     pipeline = ["--pipeline-stages", str(cell.stages)] if cell.stages > 1 else []
+    hsdp = ["--fsdp-replicate", str(cell.replicate)] if cell.replicate > 1 else []
     return [sys.executable, "-m", "mpt", "launch", "--gpus", str(cell.processes),
             "--master-port", "auto", "--backend", cell.backend, "--precision", cell.precision,
-            *stage, *comm, *pipeline, str(JOB), str(out), str(cell.accumulate)]
+            *stage, *comm, *pipeline, *hsdp, str(JOB), str(out), str(cell.accumulate)]
 
 
 def launch(cell: Cell, out: Path) -> tuple[subprocess.CompletedProcess[str] | None, float]:

@@ -57,6 +57,8 @@ class Cell:
     stages: int = 1
     """``--pipeline-stages``: with P > 1 the job runs P x ``world_size`` processes, and
     ``world_size`` is its data-parallel size (each replica's stages read the same data)."""
+    replicate: int = 1
+    """``--fsdp-replicate`` (HSDP): ``world_size`` ranks in R replicas of world/R shards."""
 
     @property
     def row(self) -> str:
@@ -64,6 +66,8 @@ class Cell:
         row = self.backend if stage is None else f"{self.backend} (ZeRO-{stage})"
         if self.stages > 1:
             row += f" --pipeline-stages {self.stages}"
+        if self.replicate > 1:
+            row += f" --fsdp-replicate {self.replicate}"
         return row if self.compression == "none" else f"{row} --grad-compression {self.compression}"
 
     @property

@@ -151,6 +151,23 @@ def test_a_pipeline_trains_a_mixed_precision_like_its_fp32_reference():
     assert outcome.verdict == "P", outcome.detail
 
 
+@pytest.fixture(scope="module")
+def reference_4x2():
+    reference = make_reference(4, 2)
+    assert reference.outcome.verdict == "P", reference.outcome.detail  # vs plain torch fp32
+    return reference
+
+
+@pytest.mark.parametrize("precision", [
+    "bf16-mixed", *(pytest.param(p, marks=pytest.mark.slow)
+                    for p in ("fp32", "fp16-mixed", "O1", "O2", "O3", "O2-bf16"))])
+def test_hsdp_trains_like_ddp_fp32_at_four_processes(reference_4x2, precision):
+    """The HSDP axis (2 replicas x 2 shards, accumulation 2) in the grid's judgement: against
+    ddp fp32 on the same 4 processes (batch norm sees each rank's micro-batch)."""
+    outcome, _ = run_cell(Cell("fsdp", precision, 4, 2, replicate=2), reference_4x2)
+    assert outcome.verdict == "P", outcome.detail
+
+
 REFUSED = [("horovod", "O2-bf16")]  # Horovod has no bf16 tensors to allreduce
 if not torch.cuda.is_available():
     REFUSED.append(("deepspeed", "fp16-mixed"))  # DeepSpeed refuses fp16 on a CPU
