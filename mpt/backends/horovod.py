@@ -17,6 +17,12 @@ reduces the gradient again, so the rules above still hold. With several optimize
 a backward reaches models whose optimizer is not the next to step, and everything is reduced at
 the step. ``horovod`` is imported here only, when the backend is used.
 
+``--horovod-op adasum`` is refused before any process starts where the installed Horovod was
+built without MPI (``hvd.mpi_built()``, a build flag read without ``hvd.init()``): Horovod runs
+Adasum only through its MPI operations, so such a build, or a job whose Horovod talks over gloo,
+fails at the first allreduce ("No Adasum operation enabled"). A job started over gloo with an
+MPI build is refused by its launcher, and by ``hvd.mpi_enabled()`` right after ``hvd.init()``.
+
 Gradient communication: ``--grad-compression fp16`` is Horovod's ``Compression.fp16``; bf16 and
 PowerSGD are refused (Horovod 0.28 has no bf16 tensors and no PowerSGD). ``--bucket-mb`` is
 Horovod's tensor-fusion buffer, which Horovod reads once, from ``HOROVOD_FUSION_THRESHOLD``, when
@@ -67,6 +73,23 @@ def _import_horovod() -> ModuleType:
         raise MissingDependencyError("backend 'horovod'", "horovod with gloo or MPI", INSTALL,
                                      reason="this horovod was built without either")
     return hvd
+
+
+ADASUM_HINT = ("pass --horovod-op average, or use a Horovod built with MPI (HOROVOD_WITH_MPI=1) "
+               "and start the job with `mpt launch --hosts H1,H2 --horovod-controller mpi`")
+"""How to reduce with Adasum, which Horovod runs only over MPI (its gloo has none)."""
+
+
+def _check_adasum_built() -> None:
+    """Refuse ``--horovod-op adasum`` where the installed Horovod has no MPI, hence no Adasum;
+    without Horovod, the backend's import says how to get one."""
+    try:
+        import horovod.torch as hvd
+    except ImportError:
+        return
+    if not hvd.mpi_built():
+        raise UsageError("--horovod-op", "adasum", "this Horovod was built without MPI, and "
+                         "Horovod runs Adasum only over MPI (its gloo has none)", ADASUM_HINT)
 
 
 def _refuse_bf16(what: str, tensor: torch.Tensor) -> None:
@@ -162,6 +185,13 @@ class HorovodBackend(Backend):
         """Whether init_process_group started the torch.distributed group beside Horovod's."""
 
     @classmethod
+    def check_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
+        values = super().check_options(options)
+        if values["op"] == "adasum":
+            _check_adasum_built()
+        return values
+
+    @classmethod
     def precision_refusal(cls, spec: PrecisionSpec, device_type: str,
                           options: Mapping[str, Any]) -> tuple[str, str] | None:
         if spec.reduce == torch.bfloat16:
@@ -215,6 +245,9 @@ class HorovodBackend(Backend):
                              f"{self.world.rank} of {self.world.world_size}: Horovod cannot "
                              "join this launcher's job", "start it with `mpt launch` (any "
                              "backend), `mpt horovodrun` or horovodrun")
+        if self.op == "adasum" and hvd.size() > 1 and not hvd.mpi_enabled():
+            raise UsageError("--horovod-op", "adasum", "this job's Horovod talks over gloo, and "
+                             "Horovod runs Adasum only over MPI", ADASUM_HINT)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self._init_torch_group()

@@ -18,10 +18,12 @@ a failure half-way through building, a timed-out run):
 3. A bridge; per node a namespace ``<prefix>-n<i>``, a veth pair whose host end ``<prefix>-<i>``
    joins the bridge and whose node end is ``eth0`` inside the namespace, the address ``.i+1``,
    ``lo`` up, the qdiscs of ``LinkShape`` on ``eth0``, and ``/etc/netns/<namespace>/hosts``,
-   which ``ip netns exec`` mounts over ``/etc/hosts``: the machine's host name resolves to the
-   node's address there (as a cluster node's does), and ``node<j>`` to node j's. Horovod 0.28.1
-   needs the first: its process-set contexts ignore ``HOROVOD_GLOO_IFACE`` and bind the address
-   of the host name, which this machine's ``/etc/hosts`` maps to 127.0.0.1.
+   which ``ip netns exec`` mounts over ``/etc/hosts``: the machine's host name and ``node<i>``
+   resolve to the node's address there (as a cluster node's do), and ``node<j>`` to node j's.
+   Horovod 0.28.1 needs the first: its process-set contexts ignore ``HOROVOD_GLOO_IFACE`` and
+   bind the address of the host name, which this machine's ``/etc/hosts`` maps to 127.0.0.1.
+   ``loopback_names`` maps the node's own names to 127.0.0.1 instead, as Debian's default
+   ``/etc/hosts`` does on a real node.
 4. ``Node.popen`` starts a process inside a namespace (``ip netns exec``), in a session of its
    own.
 5. ``close()`` (also on SIGTERM, which an open cluster turns into SystemExit where nothing else
@@ -220,6 +222,10 @@ class EmulatedCluster:
 
     nodes: int
     shape: LinkShape = field(default_factory=LinkShape)
+    loopback_names: bool = False
+    """Whether each node's own names (this machine's host name and ``node<i>``) resolve to
+    127.0.0.1 on that node, as Debian's default ``/etc/hosts`` maps a host's name (the other
+    nodes' names still resolve to their addresses); False: to the node's address."""
     prefix: str = ""
     """Set by ``open()``: the unique prefix of every resource name."""
     subnet: ipaddress.IPv4Network | None = None
@@ -285,8 +291,10 @@ class EmulatedCluster:
         folder = NETNS_ETC / node.namespace
         folder.mkdir(parents=True, exist_ok=True)
         self._created.append(("etc", str(folder)))
-        lines = ["127.0.0.1 localhost", f"{node.address} {socket.gethostname()}",
-                 *(f"{address} node{j}" for j, address in enumerate(addresses))]
+        own = "127.0.0.1" if self.loopback_names else node.address
+        lines = ["127.0.0.1 localhost", f"{own} {socket.gethostname()} node{node.nr}",
+                 *(f"{address} node{j}" for j, address in enumerate(addresses)
+                   if j != node.nr)]
         (folder / "hosts").write_text("\n".join(lines) + "\n")
 
     def _exit_on_sigterm(self) -> None:

@@ -53,9 +53,11 @@ class ClusterRun:
 
 def launch_command(cluster: EmulatedCluster, nr: int, script: str | Path,
                    script_args: Sequence[str] = (), *, gpus: int = 1, master_port: int = 29500,
-                   launch_args: Sequence[str] = ()) -> list[str]:
-    """Node ``nr``'s `mpt launch` line for a job across every node of ``cluster``."""
-    master = cluster.members[0].address
+                   master_addr: str | None = None, launch_args: Sequence[str] = ()) -> list[str]:
+    """Node ``nr``'s `mpt launch` line for a job across every node of ``cluster``, meeting at
+    ``master_addr`` (a name such as ``node0`` resolves through each node's hosts file; None:
+    node 0's address)."""
+    master = cluster.members[0].address if master_addr is None else master_addr
     return [sys.executable, "-m", "mpt", "launch", "--nodes", str(cluster.nodes),
             "--gpus", str(gpus), "--nr", str(nr), "--master-addr", master,
             "--master-port", str(master_port), *launch_args, str(script), *script_args]

@@ -12,8 +12,16 @@ launcher per node (SLURM, Kubernetes) does, and the workers also get torchrun's 
 (``RANK``, ``MASTER_ADDR``, ...), whose ranks are Horovod's. Without it, a Horovod script started
 by `mpt launch --gpus 2` ran as two one-process Horovod jobs and said nothing.
 
-Horovod's gloo binds the interface ``HOROVOD_GLOO_IFACE`` names; without it, the address its host
-name resolves to, which on a host with several interfaces may not be the one the nodes share.
+Which address Horovod's gloo binds: ``HOROVOD_GLOO_IFACE`` reaches only its first, global
+context; the contexts of its process sets, which carry every collective (process set 0 is the
+whole job), bind the address this machine's host name resolves to, whatever the variable says.
+``HOROVOD_HOSTNAME`` only names a node's scope in the rendezvous. So where the host name resolves
+to loopback (Debian's ``127.0.1.1 HOST``), each rank offers the others 127.0.0.1 and a job across
+machines fails in gloo's connect, after its timeouts: no variable can give Horovod the node's
+address, and `mpt launch --backend horovod` refuses such a job before any process starts
+(``check_host_name``), while ddp and deepspeed, whose gloo honours ``GLOO_SOCKET_IFNAME``, train.
+Adasum is refused there too (``check_op``): Horovod runs it only over MPI, and these workers
+join over gloo.
 
 The server is only started where Horovod imports. On one node it listens on a free port; on
 several, node 0 listens on ``--master-port + 1``, the port every node can work out alone.
@@ -21,10 +29,13 @@ several, node 0 listens on ``--master-port + 1``, the port every node can work o
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from mpt.backends.horovod import ADASUM_HINT
 from mpt.environments import World
 from mpt.environments.settings import HOROVOD_RENDEZVOUS
 from mpt.errors import UsageError
@@ -71,14 +82,94 @@ def tuning_env(spec: LaunchSpec) -> dict[str, str]:
 
 
 def check_port(spec: LaunchSpec) -> None:
-    """Node 0 of a multi-node job needs ``--master-port + 1`` free where Horovod is installed."""
+    """What this node must offer the job's Horovod, checked by `mpt launch` before it claims
+    its node rank, so that every node refuses within seconds: node 0 of a multi-node job needs
+    ``--master-port + 1`` free where Horovod is installed, and ``--backend horovod`` a host name
+    the other machines reach (``check_host_name``) and an op its gloo has (``check_op``)."""
     from mpt.launchers.spec import port_is_free
 
+    if _server_classes() is None:
+        return
     port = rendezvous_port(spec)
-    if port and spec.nr == 0 and _server_classes() is not None and not port_is_free(port):
+    if port and spec.nr == 0 and not port_is_free(port):
         raise UsageError("--master-port", spec.master_port, f"port {port} (--master-port + 1, "
                          "where node 0 hosts Horovod's rendezvous for scripts that call "
                          "hvd.init()) is in use on this node", "pick another --master-port")
+    check_host_name(spec)
+    check_op(spec)
+
+
+def gloo_address() -> str | None:
+    """The address Horovod's gloo binds for its collectives on this machine: the first its host
+    name resolves to, as gloo's device takes it without an interface (see the module's
+    docstring); None where the name does not resolve."""
+    try:
+        found = socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM)
+    except OSError:
+        return None
+    return str(found[0][4][0]) if found else None
+
+
+def is_loopback(address: str) -> bool:
+    """Whether ``address`` is an IP address of loopback (127.0.0.0/8, ::1); a name is not."""
+    try:
+        return ipaddress.ip_address(address.partition("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def route_source(host: str, port: int) -> str | None:
+    """This machine's address on the route to ``host``: what ``host`` sees connections come
+    from. A UDP socket's connect picks it and sends nothing. None where there is no route."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, port))
+            return str(probe.getsockname()[0])
+    except OSError:
+        return None
+
+
+def own_address(spec: LaunchSpec) -> str:
+    """The address the other nodes reach this one on, for a hint: the source of the route to
+    node 0, else this machine's only IPv4 address beside loopback (node 0, whose
+    ``--master-addr`` may be its own name), else ``ADDRESS``."""
+    import psutil
+
+    routed = route_source(spec.master_addr, spec.master_port)
+    if routed is not None and not is_loopback(routed):
+        return routed
+    found = {a.address for addresses in psutil.net_if_addrs().values() for a in addresses
+             if a.family == socket.AF_INET and not is_loopback(a.address)}
+    return found.pop() if len(found) == 1 else "ADDRESS"
+
+
+def check_host_name(spec: LaunchSpec) -> None:
+    """Refuse ``--backend horovod`` on several machines where this host name resolves to
+    loopback: Horovod would bind 127.0.0.1 for every collective and the job would abort in
+    gloo's connect after minutes (see the module's docstring). A ``--master-addr`` of loopback
+    (127.0.0.1, ::1, localhost) says every node runs on this machine, where loopback serves."""
+    if spec.backend != "horovod" or spec.nodes == 1 or spec.master_addr == "localhost" \
+            or is_loopback(spec.master_addr):
+        return
+    address = gloo_address()
+    if address is None or not is_loopback(address):
+        return
+    host = socket.gethostname()
+    raise UsageError("--backend", "horovod", f"this node's host name {host} resolves to "
+                     f"{address}, which Horovod's gloo binds for its collectives whatever "
+                     "HOROVOD_GLOO_IFACE says, so the other nodes cannot reach this one",
+                     f"map {host} to this node's address in /etc/hosts (the line "
+                     f"'{own_address(spec)} {host}'), or train with --backend ddp or deepspeed "
+                     "(on CPUs with GLOO_SOCKET_IFNAME naming the node's interface); with every "
+                     "node on this machine pass --master-addr 127.0.0.1")
+
+
+def check_op(spec: LaunchSpec) -> None:
+    """``--horovod-op adasum`` is refused: Horovod runs Adasum only over MPI, and the workers of
+    `mpt launch` without ``--hosts`` join over gloo (they would fail at the first allreduce)."""
+    if spec.backend == "horovod" and str(spec.run.backend_options.get("op")) == "adasum":
+        raise UsageError("--horovod-op", "adasum", "Horovod runs Adasum only over MPI, and the "
+                         "workers of `mpt launch` without --hosts join over gloo", ADASUM_HINT)
 
 
 @dataclass

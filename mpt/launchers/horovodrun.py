@@ -127,6 +127,10 @@ def horovodrun_command(spec: LaunchSpec, hosts: list[tuple[str, int]],
         raise UsageError("--max-restarts", spec.max_restarts, "horovodrun restarts nothing "
                          "(elastic Horovod needs a host-discovery script)",
                          "pass --max-restarts 0 with --backend horovod")
+    if controller == "gloo" and str(spec.run.backend_options.get("op")) == "adasum":
+        raise UsageError("--horovod-controller", controller, "--horovod-op adasum runs only "
+                         "over MPI, and Horovod's gloo has no Adasum", "pass --horovod-controller "
+                         "mpi (a Horovod built with MPI), or --horovod-op average")
     command = ["horovodrun", "-np", str(spec.world.world_size),
                "-H", ",".join(f"{host}:{slots}" for host, slots in hosts), f"--{controller}"]
     for option, flag in HOROVODRUN_FLAGS.items():

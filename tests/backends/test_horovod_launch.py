@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -82,11 +83,11 @@ def test_bad_options_are_usage_errors():
 
 def test_cli_dry_run_prints_the_command_and_bad_hosts_exit_2(tmp_path):
     result = run_mpt("launch", "--backend", "horovod", "--nodes", "2", "--gpus", "2",
-                     "--hosts", "h1,h2", "--horovod-op", "adasum", "--dry-run", SCRIPT, "x")
+                     "--hosts", "h1,h2", "--horovod-op", "sum", "--dry-run", SCRIPT, "x")
     assert result.returncode == 0, result.stderr
     assert (f"horovodrun -np 4 -H h1:2,h2:2 --gloo python -u -m mpt.launchers.worker {SCRIPT} x"
             in result.stdout)
-    assert '"backend": "horovod"' in result.stdout and "adasum" in result.stdout
+    assert '"backend": "horovod"' in result.stdout and '"op": "sum"' in result.stdout
     bad = run_mpt("launch", "--backend", "horovod", "--nodes", "2", "--gpus", "2",
                   "--hosts", "h1:1,h2:1", "--dry-run", SCRIPT)
     assert bad.returncode == 2
@@ -168,3 +169,128 @@ def test_horovodruns_lines_are_sorted_into_rank_logs_and_the_tee_ranks_reach_the
     assert console.out == "[rank1]: one warns\n[rank1]: one says\n" and console.err == ""
     (earlier,) = tmp_path.glob("previous-*")
     assert sorted(p.name for p in earlier.iterdir()) == ["horovodrun.log", "rank0.log"]
+
+
+HOROVOD_BUILT = pytest.mark.skipif(importlib.util.find_spec("horovod") is None,
+                                   reason="needs horovod (make horovod-wheel)")
+
+
+@HOROVOD_BUILT
+@pytest.mark.parametrize("where", [(), ("--nodes", "2", "--gpus", "1", "--hosts", "h1,h2",
+                                        "--dry-run")])
+def test_adasum_on_a_horovod_without_mpi_is_refused_before_start(run_cli, tmp_path, where):
+    """Horovod runs Adasum only over MPI: without it the job failed at its first allreduce
+    ("No Adasum operation enabled"); now `mpt launch` says so in one line and starts nothing."""
+    import horovod.torch as hvd
+
+    if hvd.mpi_built():
+        pytest.skip("this Horovod has MPI, hence Adasum")
+    script = tmp_path / "train.py"
+    script.write_text(f"open({str(tmp_path / 'started')!r}, 'w')\n")
+    args = where or ("--gpus", "2", "--master-port", "auto")
+    result = run_cli("launch", "--backend", "horovod", *args, "--horovod-op", "adasum",
+                     str(script))
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("mpt: error: --horovod-op=adasum is invalid: this Horovod "
+                                     "was built without MPI")
+    assert "Fix: pass --horovod-op average" in result.stderr
+    assert not (tmp_path / "started").exists()
+    from mpt import Runtime
+
+    with pytest.raises(UsageError, match="built without MPI"):  # a script's own Runtime
+        Runtime(backend="horovod", backend_options={"op": "adasum"}, env={})
+
+
+def test_adasum_over_gloo_is_refused_even_where_horovod_has_mpi(monkeypatch):
+    """With MPI built, Adasum still needs MPI at run time: horovodrun --gloo and the gloo join of
+    `mpt launch` without --hosts have none."""
+    from mpt.backends import horovod
+    from mpt.launchers.horovod_join import check_op
+
+    monkeypatch.setattr(horovod, "_check_adasum_built", lambda: None)  # an MPI build
+    adasum = spec(nodes=2, backend_options={"op": "adasum"})
+    with pytest.raises(UsageError, match=r"--horovod-controller=gloo is invalid: --horovod-op "
+                       r"adasum runs only over MPI.*Fix: pass --horovod-controller mpi"):
+        horovodrun_command(adasum, [("h1", 1), ("h2", 1)])
+    assert "--mpi" in horovodrun_command(adasum, [("h1", 1), ("h2", 1)], controller="mpi")
+    with pytest.raises(UsageError, match=r"--horovod-op=adasum is invalid: .* join over gloo"):
+        check_op(adasum)
+    check_op(spec(nodes=2))
+
+
+ADASUM_OVER_GLOO = """
+import sys
+import mpt
+import mpt.backends.horovod as backend
+
+backend._check_adasum_built = lambda: None  # passes, as on a Horovod built with MPI
+rt = mpt.Runtime(backend_options={"op": "adasum"})
+open(sys.argv[1] + f"/rank{rt.rank}", "w")
+"""
+
+
+@HOROVOD_BUILT
+@pytest.mark.slow  # 2 processes; the fast cases above refuse before any starts
+def test_a_job_that_reaches_horovod_over_gloo_refuses_adasum_before_its_first_allreduce(
+        tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(ADASUM_OVER_GLOO)
+    result = run_mpt("launch", "--backend", "horovod", "--gpus", "2", "--master-port", "auto",
+                     str(script), str(tmp_path), timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert ("mpt: error: --horovod-op=adasum is invalid: this job's Horovod talks over gloo, and "
+            "Horovod runs Adasum only over MPI. Fix: pass --horovod-op average") in result.stderr
+    assert not list(tmp_path.glob("rank*"))
+
+
+@pytest.fixture
+def gloo_binds(monkeypatch):
+    """Make this machine's host name resolve to the address given (what gloo would bind)."""
+    from mpt.launchers import horovod_join
+
+    monkeypatch.setattr(horovod_join, "own_address", lambda spec: "10.1.0.2")
+
+    def resolve(address: str | None) -> None:
+        monkeypatch.setattr(horovod_join, "gloo_address", lambda: address)
+    return resolve
+
+
+@pytest.mark.parametrize(("address", "refused"), [("127.0.1.1", True), ("127.0.0.1", True),
+                                                  ("::1", True), ("10.1.0.2", False),
+                                                  (None, False)])
+def test_a_host_name_of_loopback_is_refused_for_horovod_across_machines(gloo_binds, address,
+                                                                        refused):
+    import socket
+
+    from mpt.launchers.horovod_join import check_host_name
+
+    gloo_binds(address)
+    across = spec(nodes=2, nr=1, master_addr="node0")
+    if not refused:
+        check_host_name(across)
+        return
+    with pytest.raises(UsageError) as info:
+        check_host_name(across)
+    host = socket.gethostname()
+    assert str(info.value) == (
+        f"--backend=horovod is invalid: this node's host name {host} resolves to {address}, "
+        "which Horovod's gloo binds for its collectives whatever HOROVOD_GLOO_IFACE says, so "
+        f"the other nodes cannot reach this one. Fix: map {host} to this node's address in "
+        f"/etc/hosts (the line '10.1.0.2 {host}'), or train with --backend ddp or deepspeed (on "
+        "CPUs with GLOO_SOCKET_IFNAME naming the node's interface); with every node on this "
+        "machine pass --master-addr 127.0.0.1")
+
+
+@pytest.mark.parametrize(("backend", "nodes", "master_addr"), [
+    ("horovod", 1, "node0"),      # one node: loopback is the network
+    ("horovod", 2, "127.0.0.1"),  # every node on this machine
+    ("horovod", 2, "localhost"),
+    ("ddp", 2, "node0"),          # torch's gloo binds the interface GLOO_SOCKET_IFNAME names
+])
+def test_loopback_serves_one_machine_and_other_backends(gloo_binds, backend, nodes,
+                                                        master_addr):
+    from mpt.launchers.horovod_join import check_host_name
+
+    gloo_binds("127.0.0.1")
+    check_host_name(LaunchSpec(script=Path(SCRIPT), run=RunConfig(backend=backend), nodes=nodes,
+                               master_addr=master_addr))

@@ -27,11 +27,13 @@ needs_cluster = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
 def run_job(cluster: EmulatedCluster, out: Path, steps: int, *, gpus: int, port: int,
             launch_args: tuple[str, ...] = (), stop: int | None = None,
-            timeout: float = 240) -> ClusterRun:
-    """train_worker.py on every node of ``cluster``, each node its own `mpt launch --nr i`."""
+            timeout: float = 240, master_addr: str | None = None) -> ClusterRun:
+    """train_worker.py on every node of ``cluster``, each node its own `mpt launch --nr i`,
+    meeting at ``master_addr`` (None: node 0's address)."""
     args = [str(out), str(steps), *([str(stop)] if stop is not None else [])]
     commands = [launch_command(cluster, nr, WORKER, args, gpus=gpus, master_port=port,
-                               launch_args=launch_args) for nr in range(cluster.nodes)]
+                               master_addr=master_addr, launch_args=launch_args)
+                for nr in range(cluster.nodes)]
     return run_nodes(cluster, commands, timeout=timeout, env={"OMP_NUM_THREADS": "1"})
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import socket
 import time
 
 import pytest
@@ -127,6 +128,42 @@ def test_two_nodes_train_as_a_one_node_job_of_the_same_world_size(tmp_path, back
     got, want = read_ranks(two, 2 * gpus), read_ranks(one, 2 * gpus)
     assert {r["nodes"] for r in got} == {2} and {r["nodes"] for r in want} == {1}
     assert_same_training(got, want)
+
+
+@needs_cluster
+@pytest.mark.skipif(not HOROVOD, reason="needs horovod (make horovod-wheel)")
+def test_horovod_where_host_names_resolve_to_loopback_is_refused_on_every_node_at_once(tmp_path):
+    """Each node's host name maps to 127.0.0.1 (Debian's default), and `--master-addr node0` is
+    node 0's own name there: Horovod would bind loopback for every collective whatever
+    HOROVOD_GLOO_IFACE says, and the job aborted in gloo's connect after minutes. Each node
+    now refuses before its processes start, naming the hosts line that fixes it."""
+    with EmulatedCluster(nodes=2, loopback_names=True) as cluster:
+        run = run_job(cluster, tmp_path, STEPS, gpus=1, port=PORT, master_addr="node0",
+                      launch_args=("--backend", "horovod"), timeout=60)
+        addresses = [node.address for node in cluster.members]
+    assert not run.timed_out and run.seconds < 30, run.report()
+    host = socket.gethostname()
+    for node, address in zip(run.nodes, addresses, strict=True):
+        said = [line for line in node.output.splitlines() if line.startswith("mpt: ")]
+        assert node.exit_code == 2 and len(said) == 1, run.report()
+        assert said[0].startswith(f"mpt: error: --backend=horovod is invalid: this node's host "
+                                  f"name {host} resolves to 127.0.0.1"), said
+        assert f"(the line '{address} {host}')" in said[0]
+    assert not list(tmp_path.glob("rank*.json"))  # no worker started
+
+
+@needs_cluster
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=[pytest.mark.slow] if b != "ddp"
+                                                  else []) for b in BACKENDS if b != "horovod"])
+def test_nodes_whose_host_names_resolve_to_loopback_train_under_the_other_backends(tmp_path,
+                                                                                    backend):
+    """torch's gloo binds the interface GLOO_SOCKET_IFNAME names (set here as a node's job
+    script would; without it, it binds the host name's loopback too)."""
+    with EmulatedCluster(nodes=2, loopback_names=True) as cluster:
+        run = run_job(cluster, tmp_path, STEPS, gpus=1, port=PORT, master_addr="node0",
+                      launch_args=("--backend", backend))
+    assert run.ok, run.report()
+    assert_same_training(read_ranks(tmp_path, 2), reference(2, STEPS))
 
 
 @pytest.mark.parametrize("nr", ["2", "-1", "one"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -71,6 +72,22 @@ def test_nodes_meet_at_their_addresses_at_the_shaped_rate_and_nothing_is_left(tm
         # the tbf's rate: an unshaped veth here moves it in 0.01 s; the sender may finish up to
         # a socket buffer early, and later on a loaded machine
         assert 0.4 < megabytes * 8 * 2**20 / 200e6 / seconds < 1.5, seconds
+    gone(cluster, [])
+
+
+@needs_cluster
+@pytest.mark.parametrize("loopback_names", [False, True])
+def test_each_node_resolves_its_own_names_to_its_address_or_to_loopback(loopback_names):
+    """A node's hosts file: its own names (this machine's host name, ``node<i>``) name its
+    address, or 127.0.0.1 as on a Debian node with ``loopback_names``; the others', theirs."""
+    with EmulatedCluster(nodes=2, loopback_names=loopback_names) as cluster:
+        for node in cluster.members:
+            names = [socket.gethostname(), *(f"node{j}" for j in range(cluster.nodes))]
+            found = subprocess.run(["ip", "netns", "exec", node.namespace, "getent", "hosts",
+                                    *names], capture_output=True, text=True, check=True)
+            own = "127.0.0.1" if loopback_names else node.address
+            assert [line.split()[0] for line in found.stdout.splitlines()] == [
+                own, *(own if other is node else other.address for other in cluster.members)]
     gone(cluster, [])
 
 
