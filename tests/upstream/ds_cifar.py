@@ -1,12 +1,13 @@
 """In the shape of DeepSpeedExamples' training/cifar/cifar10_deepspeed.py (written anew): its
 arguments with deepspeed.add_config_arguments, its config in code (Adam, WarmupLR, gradient
 clipping, the dtype and ZeRO stage from flags), deepspeed.init_distributed and
-get_accelerator().set_device inside main(), deepspeed.initialize over several lines building the
-training loader, the inputs cast where bfloat16_enabled()/fp16_enabled(), and an evaluation loader
-of batch 4 in a test() that reads the engine's local rank; random 3x16x16 images instead of
-CIFAR-10, on the CPU.
+get_accelerator().set_device inside main(), the MoE parameter groups of --moe-param-group
+(deepspeed.moe.utils), deepspeed.initialize over several lines building the training loader, the
+inputs cast where bfloat16_enabled()/fp16_enabled(), and an evaluation loader of batch 4 in a
+test() that reads the engine's local rank; random 3x16x16 images instead of CIFAR-10, on the CPU.
 
-usage: ds_cifar.py RECORD.json [--local_rank N] [--dtype fp32]: rank 0 writes its per-step losses.
+usage: ds_cifar.py RECORD.json [--local_rank N] [--dtype fp32] [--epochs N]: rank 0 writes its
+per-step losses, the dtype its inputs were cast to and its test accuracy.
 """
 
 import argparse
@@ -20,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
+from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
 
 def add_argument():
@@ -29,8 +31,14 @@ def add_argument():
     parser.add_argument("--local_rank", type=int, default=-1)
     parser.add_argument("--dtype", default="fp32", type=str, choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--stage", default=1, type=int, choices=[0, 1, 2, 3])
+    parser.add_argument("--moe-param-group", default=False, action="store_true")
     parser = deepspeed.add_config_arguments(parser)
     return parser.parse_args()
+
+
+def create_moe_param_groups(model):
+    parameters = {"params": [p for p in model.parameters()], "name": "parameters"}
+    return split_params_into_different_moe_groups_for_optimizer(parameters)
 
 
 def get_ds_config(args):
@@ -98,6 +106,8 @@ def main(args):
     torch.manual_seed(0)
     net = Net()
     parameters = filter(lambda p: p.requires_grad, net.parameters())
+    if args.moe_param_group:
+        parameters = create_moe_param_groups(net)
     ds_config = get_ds_config(args)
     model_engine, optimizer, trainloader, __ = deepspeed.initialize(  # noqa: RUF059
         args=args,
@@ -129,7 +139,7 @@ def main(args):
     accuracy = test(model_engine, testset, local_device, target_dtype)
     if local_rank == 0:
         with open(args.record, "w") as f:
-            json.dump({"losses": losses, "accuracy": accuracy}, f)
+            json.dump({"losses": losses, "accuracy": accuracy, "dtype": str(target_dtype)}, f)
 
 
 if __name__ == "__main__":
