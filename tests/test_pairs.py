@@ -12,7 +12,6 @@ from mpt.checkpoint import CheckpointError
 from mpt.errors import UsageError
 from mpt.precision import LossScaleConfig
 
-
 SMALL_DYNAMIC = LossScaleConfig(init_scale=2.0**8)
 """Dynamic scaling from a scale at which these fp16 forwards' gradients stay finite (torch's
 2**16 overflows them on the first step, as it does in real training)."""
