@@ -7,6 +7,8 @@
         --width 4096 --meta                        # built on the meta device
     .venv/bin/mpt launch --gpus 2 --backend deepspeed --zero-stage 3 \
         benchmarks/sharded_memory.py
+    .venv/bin/mpt launch --gpus 4 --backend fsdp --fsdp-replicate 2 \
+        benchmarks/sharded_memory.py               # HSDP: 2 replicas of 2 shards
     .venv/bin/mpt launch --gpus 2 --backend deepspeed --deepspeed-config \
         benchmarks/zero3_low_memory.json benchmarks/sharded_memory.py   # ZeRO-3, small buckets
 
@@ -18,7 +20,8 @@ peak RSS above the RSS it started from. Figures per rank, against
 
 - the full state: parameters, gradients and Adam's two moments of the whole model, 16 bytes per
   parameter (the goal for the peak RSS over the whole run: <= 0.65 x this on 2 ranks);
-- the rank's share: the same divided by the world size (the goal for what a save or a load adds:
+- the rank's share: the same divided by the ranks that split it (``dp_shard``: the world under
+  fsdp, world/R under ``--fsdp-replicate R``) (the goal for what a save or a load adds:
   <= 0.25 x this).
 
 A benchmark, not a test: it prints figures and never fails on them.
@@ -89,7 +92,8 @@ def main() -> None:
         model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)])
     params = sum(p.numel() for p in model.parameters())
     full_state = 16 * params  # weights, gradients, two Adam moments, fp32
-    share = full_state / rt.world_size
+    shards = rt.topology.plan.dp_shard  # the ranks that split it (HSDP: within a replica)
+    share = full_state / shards
     model, _optimizer = rt.setup(model, torch.optim.Adam(model.parameters(), lr=1e-4))
 
     def train(steps: int) -> None:
@@ -121,7 +125,8 @@ def main() -> None:
     sampler.close()
     peak_run = sampler.highest
 
-    rows = [f"rank {rt.rank}: {rt.backend.name}, {rt.world_size} ranks, {params / 1e6:.0f} M "
+    rows = [f"rank {rt.rank}: {rt.backend.name}, {rt.world_size} ranks "
+            f"({rt.topology.plan.describe()}), {params / 1e6:.0f} M "
             f"parameters; full fp32 Adam state {full_state / GiB:.2f} GiB, share "
             f"{share / GiB:.2f} GiB; RSS at start {start / GiB:.2f} GiB, after training "
             f"{trained_rss / GiB:.2f} GiB"]
