@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +18,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from mpt.backends.base import BackendOption
 from mpt.cli_checkpoint import app as checkpoint_app
@@ -41,6 +41,9 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)
 out = Console(highlight=False, soft_wrap=True)
 
 USAGE_ERROR = 2
+
+PYTHON_NAME = re.compile(r"python[\d.]*")
+"""A Python interpreter's file name, in a command line `mpt horovodrun` passes on."""
 
 # Options `mpt launch` and `mpt horovodrun` share.
 LogDirOption = Annotated[Path | None, typer.Option(
@@ -210,6 +213,7 @@ def launch(
     from mpt import launchers
     from mpt.elastic import check_node_rank, default_max_restarts, parse_nodes
     from mpt.launchers.horovod_join import check_port, check_restarts
+    from mpt.launchers.logs import console_lines
     from mpt.launchers.node_rank import NodeRankClaim, RendezvousError
 
     if str(script).startswith("-"):
@@ -247,20 +251,26 @@ def launch(
         check_port(spec)
     check_restarts(spec)
     if not cuda_devices:
-        err.print(f"mpt: no CUDA device here: running {spec.gpus} CPU process(es) per node on gloo")
+        _say(f"mpt: no CUDA device here: running {spec.gpus} CPU process(es) per node on gloo")
     try:
         # Two nodes given the same --nr: the second stops here (elastic jobs have no --nr).
-        with contextlib.nullcontext() if spec.elastic else NodeRankClaim(spec):
-            outcome = launchers.run(spec, report=err.print,
+        with contextlib.nullcontext() if spec.elastic else NodeRankClaim(spec), console_lines():
+            outcome = launchers.run(spec, report=_say,
                                     runtime_flags=_runtime_flags({**(run or {}), **overrides},
                                                                  backend_flags or {},
                                                                  spec.backend))
     except RendezvousError as exc:  # node 0 never came
         outcome = launchers.Outcome(1, (f"mpt: {exc}",))
     for line in outcome.lines:
-        err.print(line)
+        _say(line)
     if outcome.exit_code:
         raise typer.Exit(outcome.exit_code)
+
+
+def _say(line: str) -> None:
+    """One line of `mpt launch`'s own on stderr, as it is: rich's markup would eat the brackets
+    of a line that quotes a rank's words (``[rank0]``, ``list[int]``)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def _runtime_flags(given: dict[str, Any], backend_flags: dict[str, Any],
@@ -328,6 +338,8 @@ AXIS_COLUMNS = {"pp": "stage", "dp_replicate": "replica", "dp_shard": "shard",
 
 
 def _print_plan(spec: LaunchSpec, cuda_devices: int) -> None:
+    from rich.table import Table
+
     from mpt.environments import device_name
 
     size = (f"{spec.node_range.min * spec.gpus}..{spec.world.world_size}" if spec.elastic
@@ -403,7 +415,7 @@ def horovodrun(
     resolve_precision("horovod", precision, loss_scale=LossScaleConfig.parse(loss_scale),
                       device_type="cuda" if torch.cuda.is_available() else "cpu")
     env = run.to_env()
-    result = hvdrun.run_passthrough(args, env, log_dir=log_dir, tee=tee,
+    result = hvdrun.run_passthrough(_with_this_python(args), env, log_dir=log_dir, tee=tee,
                                     local_rank_arg=local_rank_arg)
     for line in result.lines(local_rank_arg):
         err.print(line, markup=False)
@@ -411,11 +423,26 @@ def horovodrun(
         raise typer.Exit(result.code)
 
 
+def _with_this_python(args: list[str]) -> list[str]:
+    """horovodrun's ``args`` with a bare ``python``, ``python3`` or ``python3.N`` (this
+    interpreter's version) replaced by this interpreter. Each worker starts in mpt's shim, and
+    the name looked up on PATH may be another Python than the one mpt is installed in (a
+    virtualenv not activated): every rank then fails with ``No module named 'mpt'``. A path, or
+    the name of another version, is the user's choice and stays."""
+    version = sys.version_info
+    ours = {"python", f"python{version.major}", f"python{version.major}.{version.minor}"}
+    at = next((i for i, arg in enumerate(args) if PYTHON_NAME.fullmatch(Path(arg).name)), None)
+    if at is None or args[at] not in ours:
+        return list(args)
+    return [*args[:at], sys.executable, *args[at + 1:]]
+
+
 @app.command()
 def backends() -> None:
     """List every backend, whether it can run here, the precisions it trains on this machine's
     device, and what to install if it cannot run."""
     import torch
+    from rich.table import Table
 
     from mpt.backends import broken, registered
     from mpt.precision import PRECISIONS, describe
@@ -455,6 +482,7 @@ def estimate_memory(
     """Per-rank bytes of parameters, gradients, optimizer state and activations under every
     backend and the options that change them, for a model built on the meta device."""
     import torch
+    from rich.table import Table
 
     from mpt.backends import registered
     from mpt.estimate import activation_bytes, example_input, load_model, meta_model
@@ -502,6 +530,8 @@ def estimate_memory(
 def _print_stages(net: Any, layout: ParallelPlan, spec: Any, states: int) -> None:
     """Each pipeline stage's blocks and its bytes of parameters, gradients and optimizer state
     (a parameter two stages share counts on both)."""
+    from rich.table import Table
+
     from mpt.pipeline.split import stage_blocks
 
     gib = 2.0**30

@@ -65,7 +65,7 @@ def test_two_ranks_get_the_derived_batch_and_scaled_lr_and_rank0_says_so(tmp_pat
         assert (got["eval_batch"], got["eval_name"]) == (10, "loader1")
     lines = result.stdout.splitlines()
     plan = "mpt: global batch 16 = 2 process(es) x 4 per micro-batch x 2 accumulation step(s)"
-    assert lines.count(plan) == 1, result.stdout  # rank 0 only
+    assert lines.count(f"[rank0]: {plan}") == 1, result.stdout  # rank 0 only
     assert sum("lr scaling sqrt" in line and "by 1.41421" in line for line in lines) == 1
 
 

@@ -12,18 +12,30 @@ console from every rank without saying which rank wrote a line. ``RankLogs`` wri
 
 and tails only the ``tee`` ranks' files to the console, each line prefixed by the agent with
 ``LOG_LINE_PREFIX`` (the global rank).
+
+Without ``--log-dir``, ``ConsoleLogs`` shows every rank on the console as torchrun's ``--tee 3``
+does: whole lines, each prefixed with its rank where the job has several (see its docstring).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import string
+import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextvars import ContextVar
 from pathlib import Path
+from typing import BinaryIO
 
-from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, LogsDest, LogsSpecs
+from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 
-from mpt.environments.settings import LOG_FILE
+from mpt.environments.settings import LOG_FILE, launch_dir
 from mpt.errors import UsageError
+from mpt.launchers.worker import PREFIXED
 
 LOG_LINE_PREFIX = "[rank${rank}]: "
 """``LaunchConfig.log_line_prefix_template``: the agent substitutes the GLOBAL rank (``$rank``;
@@ -55,9 +67,184 @@ def parse_tee(value: str, world_size: int) -> frozenset[int]:
 
 
 def rank_logs(log_dir: Path | None, tee: frozenset[int] = DEFAULT_TEE) -> LogsSpecs:
-    """Where the workers' output goes: ``RankLogs`` with a log dir; without one, torch's
-    default, which leaves every rank's stdout and stderr on the console as they are."""
-    return DefaultLogsSpecs() if log_dir is None else RankLogs(log_dir, tee)
+    """Where the workers' output goes: ``RankLogs`` with a log dir; without one, the console,
+    whole lines per rank (``ConsoleLogs``)."""
+    return ConsoleLogs() if log_dir is None else RankLogs(log_dir, tee)
+
+
+class ConsoleLogs(LogsSpecs):
+    """Every rank on the console, in whole lines, each prefixed with its global rank
+    (``LOG_LINE_PREFIX``) where the job has several ranks; a job of one rank keeps the console
+    as it is, unprefixed.
+
+    Ranks that share the console directly interleave inside a line: ``print`` writes the text
+    and its newline apart, and another rank's text lands between them (``Loss: 2.31Train
+    Epoch: 5``), with nothing to say which rank wrote what. So, as torchrun's ``--tee 3`` does,
+    each rank's stdout and stderr go to files, copied onto the launcher's stdout and stderr a
+    whole line at a time with the rank before each: by the ``ConsoleTail`` of the enclosing
+    ``console_lines()`` (`mpt launch`), else by torch's agent, whose tail polls every 0.1 s, also
+    when it is told to stop (and the worker writes each line whole for it: MPT_LINES_PREFIXED).
+    The files live in the launch's scratch folder (``folder``, by default ``$MPT_FAILURE_DIR``,
+    which `mpt launch` removes when it ends); where there is none, the console is left as it is.
+    """
+
+    def __init__(self, folder: Path | None = None) -> None:
+        super().__init__(log_dir=None if folder is None else str(folder))
+        self.folder = folder
+
+    @property
+    def root_log_dir(self) -> str:
+        return str(self._folder() or "")
+
+    def _folder(self) -> Path | None:
+        """Where this attempt's files go: ``folder``, or the running launch's scratch folder
+        (read when the agent asks: `mpt launch` exports it just before it starts the agent)."""
+        if self.folder is not None:
+            return self.folder
+        scratch = launch_dir(os.environ)
+        return None if scratch is None else Path(scratch) / "console"
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        """Each local rank's stdout and stderr files, tailed, where the job has several ranks;
+        the console itself (``""``) where it has one. The agent reads each rank's error file
+        when it fails (written by torch's ``@record``), so every rank has one."""
+        dest = LogsDest(stdouts=dict.fromkeys(envs, ""), stderrs=dict.fromkeys(envs, ""))
+        folder = self._folder()
+        if folder is None:  # torch's way of saying "no error file"
+            dest.error_files = dict.fromkeys(envs, os.devnull)
+            for env in envs.values():
+                env["TORCHELASTIC_ERROR_FILE"] = ""
+            return dest
+        some_env = next(iter(envs.values()), {})
+        attempt = folder / f"restart{some_env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        attempt.mkdir(parents=True, exist_ok=True)
+        several = int(some_env.get("WORLD_SIZE", len(envs))) > 1
+        tail = _TAIL.get()
+        for local, env in envs.items():
+            rank = env["RANK"]
+            dest.error_files[local] = env["TORCHELASTIC_ERROR_FILE"] = str(
+                attempt / f"rank{rank}.json")
+            if not several:
+                continue
+            dest.stdouts[local] = str(attempt / f"rank{rank}.out")
+            dest.stderrs[local] = str(attempt / f"rank{rank}.err")
+            env[PREFIXED] = "1"
+            if tail is not None:
+                prefix = string.Template(LOG_LINE_PREFIX).substitute(rank=rank)
+                tail.add(dest.stdouts[local], prefix, "stdout")
+                tail.add(dest.stderrs[local], prefix, "stderr")
+            else:
+                dest.tee_stdouts[local] = dest.stdouts[local]
+                dest.tee_stderrs[local] = dest.stderrs[local]
+        if several and tail is None and hasattr(sys.stdout, "reconfigure"):
+            # The agent's tail writes the lines on the launcher's stdout without a flush: flushed
+            # at each line as the ranks' own were (through a pipe it would hold them till exit).
+            sys.stdout.reconfigure(line_buffering=True)
+        return dest
+
+    def __repr__(self) -> str:
+        return f"ConsoleLogs(folder={str(self.folder) if self.folder else None!r})"
+
+
+class ConsoleTail:
+    """Copies files that ranks write onto the launcher's stdout or stderr, a whole line at a
+    time with a prefix, from one thread that looks every ``POLL_S`` seconds. ``stop`` copies
+    what is left, the last line even without its newline, and returns once all of it is out:
+    what the launcher says after the job (which rank failed) comes after the ranks' last lines.
+    """
+
+    POLL_S = 0.05
+    LONGEST = 1 << 16
+    """Bytes without a newline written out as they are: a line that long is no line to read,
+    and a progress bar that only ever returns its carriage must not grow without end."""
+
+    def __init__(self) -> None:
+        self._files: list[_TailedFile] = []
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def add(self, path: str, prefix: str, stream: str) -> None:
+        """Copy ``path`` (it may not exist yet) onto ``sys.<stream>``, ``prefix`` before each
+        line; from now on, and until ``stop``."""
+        with self._lock:
+            self._files.append(_TailedFile(path, prefix, stream))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="mpt-console-tail",
+                                                daemon=True)
+                self._thread.start()
+
+    def stop(self) -> None:
+        """Copy the rest of every file, then return (the writers have ended)."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            final = self._stopping.is_set()
+            with self._lock:
+                files = list(self._files)
+            for tailed in files:
+                tailed.copy(final)
+            if final:
+                return
+            self._stopping.wait(self.POLL_S)
+
+
+class _TailedFile:
+    """One file ``ConsoleTail`` copies: where it has read to, and the line it has begun."""
+
+    def __init__(self, path: str, prefix: str, stream: str) -> None:
+        self.path = path
+        self.prefix = prefix
+        self.stream = stream
+        self._file: BinaryIO | None = None
+        self._pending = b""
+
+    def copy(self, final: bool) -> None:
+        """Write the whole lines that arrived since the last call (with ``final``, the rest
+        too, and the file is done), in one write: a rank's lines stay together, and no one
+        else's come in between."""
+        if self._file is None:
+            try:
+                self._file = open(self.path, "rb")  # noqa: SIM115 - open across calls
+            except FileNotFoundError:
+                return
+        if self._file.closed:
+            return
+        data = self._pending + self._file.read()
+        cut = data.rfind(b"\n") + 1
+        if final or len(data) - cut >= ConsoleTail.LONGEST:
+            cut = len(data)
+        complete, self._pending = data[:cut], data[cut:]
+        if final:
+            self._file.close()
+        if complete:
+            text = complete.decode(errors="replace")
+            lines = text.removesuffix("\n").split("\n")
+            console = getattr(sys, self.stream)  # the one in use now (tests replace it)
+            console.write("".join(f"{self.prefix}{line}\n" for line in lines))
+            console.flush()
+
+
+_TAIL: ContextVar[ConsoleTail | None] = ContextVar("mpt_console_tail", default=None)
+"""The tail of the launch running in this context (``console_lines``)."""
+
+
+@contextlib.contextmanager
+def console_lines() -> Iterator[ConsoleTail]:
+    """The span of a launch whose ranks' lines ``ConsoleLogs`` copies onto the console itself:
+    when the span ends (after the workers have), every line is out, so what the caller prints
+    next follows them. Without it, torch's agent copies them, and takes up to 0.1 s per stream
+    to notice that it may stop."""
+    tail = ConsoleTail()
+    token = _TAIL.set(tail)
+    try:
+        yield tail
+    finally:
+        _TAIL.reset(token)
+        tail.stop()
 
 
 class RankLogs(LogsSpecs):

@@ -2,9 +2,10 @@
 
 When one rank fails, its peers fail a few milliseconds later ("connection closed by peer"), and
 torch's elastic agent finds them all dead in the same poll, stamped with the same second. To name
-the rank that failed first, each rank notes the nanosecond it ended, its exit code, its rank and
-whether it made an ``mpt.Runtime`` in ``$MPT_FAILURE_DIR/<pid>`` (a ``Note``); the launchers read
-them back. A refusal (``UsageError``) raised on every rank reaches the console once.
+the rank that failed first, each rank notes the nanosecond it ended, its exit code, its rank,
+whether it made an ``mpt.Runtime`` and whether it ran Horovod or DeepSpeed itself in
+``$MPT_FAILURE_DIR/<pid>`` (a ``Note``); the launchers read them back. A refusal
+(``UsageError``) raised on every rank reaches the console once.
 """
 
 from __future__ import annotations
@@ -20,7 +21,18 @@ from mpt.environments import detect_world
 from mpt.environments.settings import LOG_FILE, horovod_rendezvous, launch_dir
 from mpt.errors import MptError, UsageError
 from mpt.launchers.local_rank import LOCAL_RANK_ARG, with_local_rank
-from mpt.launchers.notes import Note, claim_message, runtime_made, write_error
+from mpt.launchers.notes import (
+    LIBRARIES,
+    Note,
+    claim_message,
+    library_initialised,
+    runtime_made,
+    write_error,
+)
+
+PREFIXED = "MPT_LINES_PREFIXED"
+"""Set ("1") by `mpt launch` where the launcher tails this rank's stdout and stderr onto the
+console with its rank before each line (``mpt.launchers.logs.ConsoleLogs``)."""
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -46,13 +58,25 @@ def _rank() -> int:
         return -1
 
 
-def _excepthook(logged: bool) -> Callable[[type[BaseException], BaseException,
-                                           TracebackType | None], object]:
+def _excepthook(prefixed: bool) -> Callable[[type[BaseException], BaseException,
+                                             TracebackType | None], object]:
     """``sys.excepthook``; Python's own instead of torch's when the output goes to this rank's log
-    file: torch's puts "[rankN]: " before every line, and the launcher prefixes tee'd lines too."""
-    if logged and getattr(sys.excepthook, "__module__", "") == "torch.distributed.distributed_c10d":
+    file or its lines are prefixed by the launcher: torch's puts "[rankN]: " before every line,
+    and the launcher prefixes tee'd lines too."""
+    if prefixed and getattr(sys.excepthook, "__module__", "") == \
+            "torch.distributed.distributed_c10d":
         return sys.__excepthook__
     return sys.excepthook
+
+
+def write_whole_lines() -> None:
+    """One ``write`` per line on stdout and stderr: under ``-u`` Python writes each piece of a
+    ``print`` at once (the text, then its newline), and torch's tail of a rank's file (``--log-dir
+    --tee``), reading between the two, shows half a line with the rank's prefix and the rest
+    under another. (mpt's own tail waits for the newline, and gets fewer writes to read.)"""
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True, write_through=False)
 
 
 def main() -> None:
@@ -62,6 +86,9 @@ def main() -> None:
         # same file description, so a traceback lands after the lines printed before it.
         sys.stderr.flush()
         os.dup2(1, 2)
+    tailed = logged or bool(os.environ.get(PREFIXED))  # the launcher reads the lines back
+    if tailed:
+        write_whole_lines()
     rendezvous = horovod_rendezvous(os.environ)
     if rendezvous:  # before the script imports horovod: its hvd.init() joins this job
         from mpt.launchers.horovod_join import join_env
@@ -95,12 +122,13 @@ def main() -> None:
     except Exception as exc:
         # Report it as `python script.py` would: without this shim's and runpy's frames.
         exc.with_traceback(_from_script(exc.__traceback__, script))
-        _excepthook(logged)(type(exc), exc, exc.__traceback__)
+        _excepthook(tailed)(type(exc), exc, exc.__traceback__)
         sys.exit(1)
     finally:
         if failure_dir:  # clean exits too: a preempted launcher counts the ranks that saved
-            Note(time.time_ns(), code, _rank(), int(runtime_made())).write(failure_dir,
-                                                                         os.getpid())
+            ran = {library: int(library_initialised(library)) for library in LIBRARIES}
+            Note(time.time_ns(), code, _rank(), int(runtime_made()), **ran).write(failure_dir,
+                                                                               os.getpid())
 
 if __name__ == "__main__":
     main()

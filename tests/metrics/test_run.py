@@ -82,7 +82,10 @@ def test_tensorboard_event_files_hold_the_same_scalars(all_ranks_run):
 
 def test_output_that_is_no_terminal_gets_plain_progress_lines_from_rank_0(all_ranks_run):
     _, result = all_ranks_run
-    lines = [line for line in result.stderr.splitlines() if line.startswith("step ")]
+    # every line whole, behind its rank's prefix (`mpt launch` without --log-dir), rank 0's only
+    ranked = [line.partition("]: ") for line in result.stderr.splitlines()]
+    lines = [text for rank, _, text in ranked if text.startswith("step ")]
+    assert {rank for rank, _, text in ranked if text.startswith("step ")} == {"[rank0"}
     assert lines[0].startswith(f"step {EVERY}/{STEPS}  loss "), result.stderr
     assert lines[-1].startswith(f"step {STEPS}/{STEPS}  loss "), result.stderr
     assert all("samples/s  scale 128  elapsed " in line for line in lines)
