@@ -53,7 +53,7 @@ def library_initialised(library: str) -> bool:
             # Its backend object outlives the process group a script destroys at its end.
             return comm is not None and (bool(comm.is_initialized())
                                          or getattr(comm, "cdb", None) is not None)
-    except Exception:  # a half-imported or broken library: it did not run
+    except (AttributeError, RuntimeError, ValueError):  # half-imported or broken: did not run
         return False
     raise ValueError(f"library={library!r} is not one of {LIBRARIES}")
 
