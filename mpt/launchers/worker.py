@@ -114,7 +114,10 @@ def main() -> None:
         message = f"mpt: error: {exc}"
         # Into this rank's own log always; on the shared console by the first rank that says it.
         if logged or failure_dir is None or claim_message(failure_dir, message):
-            print(message, file=sys.stderr, flush=True)
+            # One write: under -u a print writes the text and its newline apart, and a reader
+            # such as horovodrun's may take them as two lines.
+            sys.stderr.write(message + "\n")
+            sys.stderr.flush()
         if logged and failure_dir:  # the launcher shows it where this rank is not tee'd
             write_error(failure_dir, os.getpid(), message)
         code = 2
