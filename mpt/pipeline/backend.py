@@ -45,8 +45,10 @@ class PipelineBackend(Backend):
         self.option_values = inner.option_values
         self.world, self.device, self.precision = inner.world, inner.device, inner.precision
         self.accumulate, self.timeout, self.comm = inner.accumulate, inner.timeout, inner.comm
-        self.layout = topology
+        self.topology = topology
         """This rank's stage and replica."""
+        self.layout = topology.plan
+        """The job's parallel layout, as every backend holds it."""
         self.pp_group: dist.ProcessGroup | None = None
         """The ranks of this rank's replica, one per stage (set by ``init_process_group``)."""
         self.dp_mesh: DeviceMesh | None = None
@@ -60,7 +62,7 @@ class PipelineBackend(Backend):
     # -- life cycle ---------------------------------------------------------------------------
     def init_process_group(self) -> None:
         self.inner.init_process_group()
-        layout = self.layout.plan
+        layout = self.layout
         mesh = layout.mesh(self.device.type)
         self.pp_group, self.dp_mesh = mesh.get_group("pp"), mesh[layout.data_dims]
 
@@ -85,7 +87,7 @@ class PipelineBackend(Backend):
             check_materialisable(model)
         chunks = stage_blocks(model, self.plan.chunks, self.plan.split)
         self._tie(chunks)
-        stage = Stage([chunks[chunk] for chunk in self.plan.chunks_of(self.layout.stage)])
+        stage = Stage([chunks[chunk] for chunk in self.plan.chunks_of(self.topology.stage)])
         if meta:
             self._materialise(model, stage)
         return self.inner.place(stage)
@@ -117,21 +119,21 @@ class PipelineBackend(Backend):
             for name, block in blocks:
                 for local, param in block.named_parameters(prefix=name, remove_duplicate=False):
                     holders.setdefault(id(param), []).append((self.plan.holder(index), local))
-        replicas = self.layout.dp_size
+        replicas = self.topology.dp_size
         for held in holders.values():
             stages = sorted({stage for stage, _ in held})
             if len(stages) < 2:
                 continue
             owner_name = min(held)[1]
-            mine = [name for stage, name in held if stage == self.layout.stage]
+            mine = [name for stage, name in held if stage == self.topology.stage]
             for replica in range(replicas):
                 group = dist.new_group([stage * replicas + replica for stage in stages])
-                if replica == self.layout.dp_rank and mine:
+                if replica == self.topology.dp_rank and mine:
                     self._ties.append((mine[0], group))
             for name in mine:
                 if name != owner_name:
                     self._aliases[name] = owner_name
-                    if self.layout.stage != stages[0]:
+                    if self.topology.stage != stages[0]:
                         self._not_owned.add(name)
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None

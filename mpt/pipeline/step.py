@@ -54,7 +54,7 @@ class PipelineStep(TrainStep):
         )
 
         backend, plan = self.backend, self.backend.plan
-        indices = plan.chunks_of(backend.layout.stage)
+        indices = plan.chunks_of(backend.topology.stage)
         stages = [PipelineStage(chunk, stage_index=index, num_stages=plan.chunks,
                                 device=backend.device, group=backend.pp_group)
                   for index, chunk in zip(indices, pair.model.chunks,  # type: ignore[union-attr]
@@ -82,9 +82,9 @@ class PipelineStep(TrainStep):
     def _run(self, pair: Pair, inputs: Any, target: Any, loss_fn: LossFn | None,
              train: bool) -> Any:
         """One schedule call; returns the last stage's merged output there, else None."""
-        layout, plan = self.backend.layout, self.backend.plan
-        first = plan.holder(0) == layout.stage  # takes the inputs
-        last = plan.holder(plan.chunks - 1) == layout.stage  # computes the loss
+        place, plan = self.backend.topology, self.backend.plan
+        first = plan.holder(0) == place.stage  # takes the inputs
+        last = plan.holder(plan.chunks - 1) == place.stage  # computes the loss
         for name, value in (("inputs", inputs if first else None),
                             ("target", target if last else None)):
             if isinstance(value, torch.Tensor) and value.shape[0] % plan.microbatches:
