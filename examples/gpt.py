@@ -124,7 +124,11 @@ class GPTConfig:
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention, then a 4x GELU MLP."""
+    """Pre-norm transformer block: causal self-attention, then a 4x GELU MLP.
+
+    ``qkv`` holds each head's query, key and value rows together (Megatron's layout), so that
+    a split of its rows over tensor-parallel ranks gives each rank whole heads; the forward
+    reads the heads it holds from the shape (all of them without tensor parallelism)."""
 
     def __init__(self, c: GPTConfig) -> None:
         super().__init__()
@@ -138,11 +142,12 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        head = d // self.heads
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, -1, 3, head).unbind(3)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
         return x + self.mlp(self.ln2(x))
 
 
@@ -199,6 +204,16 @@ class GPT(nn.Module):
 
     def pipeline_blocks(self) -> list[nn.Module]:
         return [self.embed, *self.blocks, self.out]
+
+    def tensor_parallel_plan(self) -> dict[str, str | mpt.Split]:
+        """`mpt launch --tensor-parallel T`: Megatron's split of each block. Attention's
+        projection splits by heads, its output projection by its inputs (one allreduce); the
+        MLP likewise. Embeddings and norms stay whole on every rank."""
+        qkv = mpt.Split("colwise", unit=3 * self.config.embed // self.config.heads,
+                        what="heads")
+        return {f"blocks.{i}.{name}": style for i in range(len(self.blocks))
+                for name, style in (("qkv", qkv), ("proj", "rowwise"), ("mlp.0", "colwise"),
+                                    ("mlp.2", "rowwise"))}
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         for block in self.pipeline_blocks():

@@ -16,14 +16,15 @@ from mpt.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from mpt.parallel import ParallelPlan
+    from mpt.parallel.tensor import Split
     from mpt.run_config import RunConfig
     from mpt.runtime import Runtime
 
 __version__ = "0.1.0"
 
 __all__ = ["MissingDependencyError", "MptError", "ParallelPlan", "RunConfig", "Runtime",
-           "UsageError", "World", "__version__"]
+           "Split", "UsageError", "World", "__version__"]
 
 
 __getattr__ = lazy_attributes(__name__, {"Runtime": "runtime", "RunConfig": "run_config",
-                                         "ParallelPlan": "parallel"})
+                                         "ParallelPlan": "parallel", "Split": "parallel.tensor"})

@@ -116,6 +116,10 @@ class RunConfig:
     pipeline_stages: int = _setting(
         1, "Cut the model into P pipeline stages over ranks (ddp, fsdp); the world is P x the "
         "data-parallel size (docs/pipeline.md).", parse=parse_int, metavar="P")
+    tensor_parallel: int = _setting(
+        1, "Split each layer the model's tensor_parallel_plan() names over T ranks of a node "
+        "(ddp, fsdp); the world is T x the pipeline stages x the data-parallel size "
+        "(docs/parallel.md).", parse=parse_int, metavar="T")
     pipeline_schedule: str = _setting(
         "1f1b", "Pipeline schedule: gpipe, 1f1b, or with two chunks per rank "
         "interleaved-1f1b or interleaved-zb (zero bubble).",
@@ -159,23 +163,23 @@ class RunConfig:
             refusal = backend.pipeline_refusal(pipeline.schedule, pipeline.split_backward, values)
             if refusal is not None:
                 raise UsageError(*refusal)
-        if self.pipeline is not None and self.precision is not None:
+        split = self._model_split()
+        if split is not None and self.precision is not None:
             import torch
 
             from mpt.precision import describe
 
             if describe(self.precision, options=self.precision_options).params != torch.float32:
                 raise UsageError("--precision", self.precision, f"--backend {self.backend} "
-                                 "under a pipeline is checked against one process only with "
+                                 f"under {split} is checked against one process only with "
                                  "fp32 weights (the mixed precisions autocast them); casting "
                                  "the weights themselves is not",
-                                 "use --precision bf16-mixed, fp16-mixed or O1, or drop "
-                                 "--pipeline-stages")
-        if self.pipeline is not None and self.grad_compression == "powersgd":
-            raise UsageError("--grad-compression", "powersgd", "a pipeline's stage replicas "
-                             "average one flat bucket after the schedule, not DDP's buckets "
+                                 f"use --precision bf16-mixed, fp16-mixed or O1, or drop {split}")
+        if split is not None and self.grad_compression == "powersgd":
+            raise UsageError("--grad-compression", "powersgd", f"under {split} the replicas "
+                             "average one flat bucket after the backward, not DDP's buckets "
                              "PowerSGD hooks into", "use --grad-compression bf16 or fp16, or "
-                             "drop --pipeline-stages")
+                             f"drop {split}")
         check_resume("--resume", self.resume)
         if self.snapshot_every < 0:
             raise UsageError("--snapshot-every", self.snapshot_every, "it cannot be negative",
@@ -185,6 +189,13 @@ class RunConfig:
                              "has no torch.distributed group to copy snapshots over",
                              f"drop --snapshot-every, or use --backend {offering('snapshots')}")
         parse_log_every(self.log_every)
+
+    def _model_split(self) -> str | None:
+        """The flag that splits one model over several ranks (pipeline stages, tensor
+        parallelism), None where every rank holds a whole one."""
+        if self.pipeline is not None:
+            return "--pipeline-stages"
+        return "--tensor-parallel" if self.tensor_parallel > 1 else None
 
     @property
     def pipeline(self) -> PipelinePlan | None:
@@ -202,7 +213,8 @@ class RunConfig:
         from mpt.backends import get_backend
 
         return get_backend(self.backend).layout_of(world_size, self.backend_options,
-                                                   pp=self.pipeline_stages)
+                                                   pp=self.pipeline_stages,
+                                                   tp=self.tensor_parallel)
 
     @property
     def grad_comm(self) -> GradComm:

@@ -163,8 +163,7 @@ class Runtime:
         """
         name = self.pairs.check_new(name, model, optimizer)
         original_model, original_optimizer = model, optimizer
-        model = self.precision.convert_module(
-            self.backend.place(model, trained=optimizer is not None))
+        model = self.precision.convert_module(self.backend.place(model, optimizer))
         wrapped, wrapped_optimizer = self.backend.setup(model, optimizer)
         self.precision.autocast_forward(wrapped)  # no rt.autocast() needed in the script
         pair = self.pairs.add(Pair(name=name, model=wrapped, optimizer=wrapped_optimizer),

@@ -154,6 +154,7 @@ class ApexBackend(DDPBackend):
 
     name = "apex"
     pipelines: ClassVar[bool] = False
+    tensor_parallel: ClassVar[bool] = False
     options: ClassVar[dict[str, BackendOption]] = {
         "delay_allreduce": BackendOption(
             help="reduce all gradients after backward, in one bucket", parse=parse_bool,

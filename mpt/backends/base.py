@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -89,6 +90,9 @@ class Backend(ABC):
     snapshots: ClassVar[bool] = True
     """Whether ``--snapshot-every`` can copy state between nodes (a torch.distributed gloo
     group beside the training's collectives)."""
+    tensor_parallel: ClassVar[bool] = False
+    """Whether the model's layers may be split over ``--tensor-parallel`` ranks (the
+    ``tp`` axis) with this backend data-parallel over the groups they form."""
     elastic: ClassVar[bool] = True
     """Whether a job may change its world size between restarts (`mpt launch --nodes
     MIN:MAX`)."""
@@ -118,6 +122,20 @@ class Backend(ABC):
         """Micro-batches per optimizer step; ``backward`` divides the loss by it."""
         self.timeout = timeout
         """How long a collective may wait before it becomes an error instead of a hang."""
+
+    @functools.cached_property
+    def mesh(self) -> DeviceMesh:
+        """The job's ``DeviceMesh``, one named dimension per axis of ``layout``; made on first
+        use, after ``init_process_group`` (collective: every rank asks for it)."""
+        return self.layout.mesh(self.device.type)
+
+    @functools.cached_property
+    def data_mesh(self) -> DeviceMesh:
+        """The mesh of the data axes a rank averages (or shards) its gradients over: a view of
+        ``mesh`` beside model axes, else a mesh of its own (no other groups made)."""
+        if self.layout.model_size > 1:
+            return self.mesh[self.layout.data_dims]
+        return self.layout.data_mesh(self.device.type)
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -218,11 +236,20 @@ class Backend(ABC):
         return "dp_replicate"
 
     @classmethod
-    def layout_of(cls, world_size: int, options: Mapping[str, Any], *, pp: int = 1
-                  ) -> ParallelPlan:
-        """The job's layout at ``world_size`` processes: ``pp`` stages, the backend's data
-        axis over the ranks they leave (a backend with a second data axis splits them)."""
-        return ParallelPlan.for_world(world_size, pp=pp, data_axis=cls.data_axis(options))
+    def layout_of(cls, world_size: int, options: Mapping[str, Any], *, pp: int = 1,
+                  tp: int = 1) -> ParallelPlan:
+        """The job's layout at ``world_size`` processes: ``pp`` stages of ``tp`` ranks, the
+        backend's data axis over the ranks they leave (a backend with a second data axis
+        splits them)."""
+        if tp > 1 and not cls.tensor_parallel:
+            from mpt.backends import offering  # the registry imports this module
+
+            raise UsageError("--tensor-parallel", tp, f"--backend {cls.name} splits no layer "
+                             "over ranks (it has no tensor parallelism)",
+                             f"use --backend {offering('tensor_parallel')}, or drop "
+                             "--tensor-parallel")
+        return ParallelPlan.for_world(world_size, pp=pp, tp=tp,
+                                      data_axis=cls.data_axis(options))
 
     @classmethod
     def default_batch_size(cls, options: Mapping[str, Any], accumulate: int,
@@ -263,9 +290,12 @@ class Backend(ABC):
         trains nothing: it is made equal on every rank and left unwrapped.
         """
 
-    def place(self, model: nn.Module, *, trained: bool = True) -> nn.Module:
-        """Move ``model`` to this rank's device, before ``setup``. ``trained``: whether an
-        optimizer comes with it to ``setup`` (a pipeline cuts only that model into stages).
+    def place(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+              ) -> nn.Module:
+        """Move ``model`` to this rank's device, before ``setup``. ``optimizer``: the one that
+        comes with it to ``setup`` (a pipeline cuts only a trained model into stages, tensor
+        parallelism splits only its layers); its parameter groups follow the parameters that
+        placing replaces.
 
         A model on the meta device has no weights to move: only a backend that materialises it
         piece by piece (fsdp, a pipeline) takes one.
@@ -277,7 +307,12 @@ class Backend(ABC):
                              "or --pipeline-stages, which initialises each rank's stage only")
         if len(devices_of(model)) > 1:
             return model  # its parts placed on several GPUs by the script: left where they are
-        return model.to(self.device)
+        model = model.to(self.device)
+        if optimizer is not None and self.layout.tp > 1:
+            from mpt.parallel.tensor import parallelize, tensor_plan
+
+            parallelize(model, optimizer, self.mesh["tp"], tensor_plan(model, self.layout.tp))
+        return model
 
     def shutdown(self) -> None:
         """Leave the process group."""
@@ -315,13 +350,37 @@ class Backend(ABC):
     def clip_grad_norm_(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                         max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the true (unscaled) gradients; return their total norm before clipping."""
+        self.agree_on_overflow(optimizer)
         self.precision.unscale_(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        from torch.distributed.tensor import DTensor
+
+        # torch's clip takes DTensors of one mesh (fsdp's shards, tensor-parallel layers): the
+        # norm is reduced over the ranks before any gradient is scaled; whole for the caller.
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
         """Step unless the gradients overflowed; return whether the parameters changed."""
+        self.agree_on_overflow(optimizer)
         return self.precision.optimizer_step(optimizer)
+
+    def agree_on_overflow(self, optimizer: torch.optim.Optimizer) -> None:
+        """Under loss scaling where ranks hold different parts of the gradients (the model
+        split over ``tp`` or ``pp``), one verdict for all, before the scaler looks: a rank whose
+        part is finite while another's overflowed marks its own non-finite too, so that every
+        rank skips the step and backs its scale off alike. Collective."""
+        if self.layout.model_size == 1 or self.precision.spec.loss_scaling == "none":
+            return
+        import torch.distributed as dist
+
+        grads = [local_part(p.grad) for group in optimizer.param_groups
+                 for p in group["params"] if p.grad is not None]
+        mine = any(not torch.isfinite(g).all() for g in grads)
+        bad = torch.tensor([float(mine)], device=self.device)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad.item() and not mine and grads:
+            grads[0].fill_(float("inf"))
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         """Clear the gradients after a step (to None: the next backward allocates them)."""
@@ -432,6 +491,13 @@ class Backend(ABC):
         """Start summing the small CPU ``tensor`` over all ranks in place, off the training
         stream; return the function that waits for the sum. The runtime's per-step decisions
         (preemption) go through it, so no rank ever waits for the device to learn them."""
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: its shard where it is a DTensor, else itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def holds(kind: type, state: dict[str, Any]) -> bool:

@@ -17,7 +17,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from mpt.backends.base import Availability, Backend, BackendOption, devices_of
+from mpt.backends import dtensor_state
+from mpt.backends.base import Availability, Backend, BackendOption, devices_of, local_part
 from mpt.backends.powersgd import DEFAULT_RANK, DEFAULT_START_STEP, PowerSGD, powersgd_hook
 from mpt.comm import GradComm
 from mpt.errors import UsageError
@@ -98,6 +99,7 @@ class DDPBackend(Backend):
 
     name = "ddp"
     pipelines: ClassVar[bool] = True
+    tensor_parallel: ClassVar[bool] = True
     options: ClassVar[dict[str, BackendOption]] = dict(POWERSGD_OPTIONS)
     _control: dist.ProcessGroup | None = None
     """The CPU group of ``sum_async`` (set on first use)."""
@@ -107,6 +109,9 @@ class DDPBackend(Backend):
         self._powersgd: dict[int, PowerSGD] = {}
         """Each DDP model's PowerSGD state, by id of the wrapper (``--grad-compression
         powersgd``)."""
+        self._reduced: set[int] = set()
+        """Under tensor parallelism: ids of the models whose gradients this step has averaged
+        over the data axes already (by the clip, before the optimizer step)."""
 
     @classmethod
     def availability(cls) -> Availability:
@@ -171,6 +176,11 @@ class DDPBackend(Backend):
         if optimizer is None:  # nothing to reduce: no wrapper, no buffer broadcast per forward
             self.broadcast_module_(model)
             return model, None
+        if self.layout.tp > 1:
+            # DDP's wrapper takes no DTensor parameters: the replicas of each tp rank start
+            # equal and average their gradients once per step, before the clip or the step.
+            self.setup_stage(model, [model], optimizer, self.data_mesh)
+            return model, optimizer
         bucket_mb = self.comm.bucket_mb
         if bucket_mb is None and self.comm.compression == "powersgd":
             bucket_mb = DEFAULT_BUCKET_MB  # its buckets alike from the first step on
@@ -205,7 +215,7 @@ class DDPBackend(Backend):
         if mesh.size() > 1:  # along each dimension in turn: (0, 0)'s reaches every rank
             for group in mesh.get_all_groups():
                 for tensor in stage.state_dict().values():
-                    dist.broadcast(tensor, group_src=0, group=group)
+                    dist.broadcast(local_part(tensor), group_src=0, group=group)
 
     def reduce_stage(self, stage: nn.Module, mesh: DeviceMesh) -> None:
         """One flat allreduce per bucket of ``--bucket-mb`` (25 MiB by default) in the
@@ -215,7 +225,7 @@ class DDPBackend(Backend):
             return
         wire = CAST_DTYPES.get(self.comm.compression)
         limit = int((self.comm.bucket_mb or DEFAULT_BUCKET_MB) * 2**20)
-        grads = [p.grad for p in stage.parameters() if p.grad is not None]
+        grads = [local_part(p.grad) for p in stage.parameters() if p.grad is not None]
         bucket: list[torch.Tensor] = []
         size = 0
         for index, grad in enumerate(grads):
@@ -231,6 +241,23 @@ class DDPBackend(Backend):
                     g.copy_(part.view_as(g))
                 bucket, size = [], 0
 
+    def _average(self, model: nn.Module) -> None:
+        """Under tensor parallelism, average ``model``'s gradients over the data axes, once
+        per step (the replicas of each tp rank; collective over them)."""
+        if self.layout.tp > 1 and self.layout.dp_size > 1 and id(model) not in self._reduced:
+            self.reduce_stage(model, self.data_mesh)
+            self._reduced.add(id(model))
+
+    def clip_grad_norm_(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        self._average(model)
+        return super().clip_grad_norm_(model, optimizer, max_norm, norm_type)
+
+    def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+        self._average(model)
+        self._reduced.discard(id(model))
+        return super().optimizer_step(model, optimizer)
+
     def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
         # What DDP.no_sync() does, without a context the user's loop would have to open around
         # the forward: DDP reads the flag in forward to decide whether backward will reduce.
@@ -239,6 +266,30 @@ class DDPBackend(Backend):
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model
+
+    # Under tensor parallelism the split layers' weights are DTensors: whole (gathered over
+    # the tp ranks) through torch.distributed.checkpoint's state_dict API, as fsdp's.
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        if self.layout.tp > 1:
+            return dtensor_state.model_state(model, full=True)
+        return super().model_state_dict(model)
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        if self.layout.tp > 1:
+            return dtensor_state.load_model_state(model, state)
+        return super().load_model_state_dict(model, state)
+
+    def optimizer_state_dict(self, model: nn.Module,
+                             optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if self.layout.tp > 1:
+            return dtensor_state.optimizer_state(model, optimizer, full=True, create=False)
+        return super().optimizer_state_dict(model, optimizer)
+
+    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                                  state: dict[str, Any]) -> None:
+        if self.layout.tp > 1:
+            return dtensor_state.load_optimizer_state(model, optimizer, state)
+        return super().load_optimizer_state_dict(model, optimizer, state)
 
     def comm_state_dict(self, model: nn.Module) -> list[dict[str, Any]]:
         powersgd = self._powersgd.get(id(model))

@@ -124,6 +124,7 @@ class DeepSpeedBackend(DDPBackend):
 
     name = "deepspeed"
     pipelines: ClassVar[bool] = False
+    tensor_parallel: ClassVar[bool] = False
     options: ClassVar[dict[str, BackendOption]] = {
         "zero_stage": BackendOption(help="ZeRO stage 0, 1, 2 or 3 (default: the config's, "
                                     "else 1)", parse=lambda _, v: parse_stage(v),

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from mpt.backends.base import Availability, BackendOption, holds, on_meta
+from mpt.backends import dtensor_state
+from mpt.backends.base import Availability, BackendOption, on_meta
 from mpt.backends.ddp import CAST_DTYPES, DDPBackend
 from mpt.backends.meta import check_materialisable, materialise, rank0_random_state
 from mpt.comm import GradComm
@@ -149,10 +150,10 @@ class FSDPBackend(DDPBackend):
         return "dp_shard"
 
     @classmethod
-    def layout_of(cls, world_size: int, options: Mapping[str, Any], *, pp: int = 1
-                  ) -> ParallelPlan:
+    def layout_of(cls, world_size: int, options: Mapping[str, Any], *, pp: int = 1,
+                  tp: int = 1) -> ParallelPlan:
         """``--fsdp-replicate R`` splits the data-parallel ranks into R replicas of shards."""
-        plan = super().layout_of(world_size, options, pp=pp)
+        plan = super().layout_of(world_size, options, pp=pp, tp=tp)
         replicas = cls.check_options(options)["replicate"]
         if plan.dp_shard % replicas:
             fits = [d for d in range(1, plan.dp_shard + 1) if plan.dp_shard % d == 0]
@@ -242,7 +243,7 @@ class FSDPBackend(DDPBackend):
                              "which fully_shard would leave on the unsharded parameters",
                              "set it up before its first step, and restore state with rt.load")
         if self._mesh is None:  # 2-D under HSDP: fully_shard replicates over its first dim
-            self._mesh = self.layout.data_mesh(self.device.type)
+            self._mesh = self.data_mesh
         self._shard(model, [model], optimizer, reshard=True)
         return model, optimizer
 
@@ -313,8 +314,13 @@ class FSDPBackend(DDPBackend):
     def reduce_stage(self, stage: nn.Module, mesh: DeviceMesh) -> None:
         pass  # reduce-scattered by each schedule (PipelineStage.perform_reduce_grad)
 
-    def place(self, model: nn.Module, *, trained: bool = True) -> nn.Module:
-        return model if on_meta(model) else super().place(model)  # materialised in setup
+    def place(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+              ) -> nn.Module:
+        if on_meta(model) and optimizer is not None and self.layout.tp > 1:
+            raise UsageError("model", type(model).__name__, "it is on the meta device, and "
+                             "--tensor-parallel splits its layers from whole weights",
+                             "build it on the CPU, or drop --tensor-parallel")
+        return model if on_meta(model) else super().place(model, optimizer)  # in setup
 
     def _materialise(self, unit: nn.Module) -> None:
         """The weights of ``unit`` that no unit inside it took, whole, initialised in module
@@ -336,86 +342,26 @@ class FSDPBackend(DDPBackend):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model  # fully_shard changes the module in place; names stay the user's
 
-    def clip_grad_norm_(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                        max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor
-
-        # torch's clip works on DTensor gradients: the norm of each rank's shards is reduced
-        # over the ranks before any gradient is scaled.
-        norm = super().clip_grad_norm_(model, optimizer, max_norm, norm_type)
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
-
-    # -- state for checkpoints ----------------------------------------------------------------
-    # torch.distributed.checkpoint's state_dict API, imported when used (it adds ~0.4 s to
-    # every `mpt` command otherwise).
+    # -- state for checkpoints: the DTensor shards themselves (mpt.backends.dtensor_state) ----
     shards_state = True
 
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        return get_model_state_dict(model, options=_options(full=True))
+        return dtensor_state.model_state(model, full=True)
 
     def local_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        return get_model_state_dict(model)  # the DTensor shards themselves, no copy
+        return dtensor_state.model_state(model, full=False)
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
-        from torch.distributed.tensor import DTensor
-
-        set_model_state_dict(model, state, options=_options(full=not holds(DTensor, state)))
+        dtensor_state.load_model_state(model, state)
 
     def optimizer_state_dict(self, model: nn.Module,
                              optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        # Keyed by parameter name already: the layout of mpt.state.named.
-        return _optimizer_state(model, optimizer, full=True, create=False)
+        return dtensor_state.optimizer_state(model, optimizer, full=True, create=False)
 
     def local_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                                    *, create: bool = False) -> dict[str, Any]:
-        return _optimizer_state(model, optimizer, full=False, create=create)
+        return dtensor_state.optimizer_state(model, optimizer, full=False, create=create)
 
     def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                                   state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-        from torch.distributed.tensor import DTensor
-
-        if not _holds_tensors(state["state"]):
-            # No tensor per parameter (saved before the first step, or plain SGD): torch's
-            # loader needs one to find the device by. The hyper-parameters load, and the state
-            # is as fresh as it was saved.
-            for group, saved in zip(optimizer.param_groups, state["param_groups"], strict=True):
-                group.update({k: v for k, v in saved.items() if k != "params"})
-            optimizer.state.clear()
-            return
-        set_optimizer_state_dict(model, optimizer, state, options=_options(
-            full=not holds(DTensor, state["state"])))
-
-
-def _holds_tensors(state: dict[str, Any]) -> bool:
-    """Whether an optimizer's per-parameter state holds a tensor of one element or more."""
-    return any(isinstance(value, torch.Tensor) and value.dim() > 0
-               for per_param in state.values() for value in per_param.values())
-
-
-def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, *, full: bool,
-                     create: bool) -> dict[str, Any]:
-    """The optimizer's state, whole or this rank's shards. torch makes a fresh optimizer's
-    state on the way (one step at lr 0, Adam's step count 1): kept where ``create`` asks for it
-    (a load reads into it), dropped otherwise, so that a resumed run starts fresh as well."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    fresh = not optimizer.state
-    state = get_optimizer_state_dict(model, optimizer, options=_options(full=full))
-    if fresh and not create:
-        optimizer.state.clear()
-        state["state"] = {}
-    return state
-
-
-def _options(*, full: bool) -> Any:
-    """Whole tensors on every rank (what a checkpoint that is not sharded holds), or shards."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(full_state_dict=full)
-
+        dtensor_state.load_optimizer_state(model, optimizer, state)

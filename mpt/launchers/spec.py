@@ -116,6 +116,13 @@ class LaunchSpec:
             check_elastic(self.node_range, self.backend)
         for count in self.node_range.sizes:  # the layout every world of the job has
             self.run.layout(count * self.gpus)
+        tp = self.run.tensor_parallel
+        if tp > 1 and self.gpus % tp:  # a tp group's per-layer collectives stay in one node
+            fits = [t for t in range(1, self.gpus + 1) if self.gpus % t == 0]
+            raise UsageError("--tensor-parallel", tp, f"a tensor-parallel group must lie within "
+                             f"one node, and {tp} does not divide the {self.gpus} process(es) "
+                             "of a node", f"pass --tensor-parallel one of "
+                             f"{', '.join(map(str, fits))}, or change --gpus")
         if self.run.global_batch_size is not None:  # the script's batch size is checked later
             if self.elastic:
                 plan_sizes(self.run.global_batch_size, self.node_range, self.gpus,

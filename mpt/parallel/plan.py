@@ -188,7 +188,7 @@ class Topology:
     @property
     def model_size(self) -> int:
         """Ranks one model replica spans: its pipeline stages times its tensor-parallel ranks."""
-        return self.pp * self.tp
+        return self.plan.model_size
 
     @property
     def dp_size(self) -> int:

@@ -21,10 +21,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mpt.backends.base import Backend, on_meta
+from mpt.backends.base import Backend, local_part, on_meta
 from mpt.backends.meta import check_materialisable, materialise, rank0_random_state
 from mpt.errors import UsageError
 from mpt.parallel import Topology
+from mpt.parallel.tensor import tensor_plan
 from mpt.pipeline.config import PipelinePlan
 from mpt.pipeline.split import Stage, stage_blocks
 from mpt.pipeline.step import PipelineStep
@@ -56,22 +57,20 @@ class PipelineBackend(Backend):
         self._ties: list[tuple[str, Any]] = []  # shared across stages: (name here, group)
         self._aliases: dict[str, str] = {}  # a shared parameter's name here -> its owner's
         self._not_owned: set[str] = set()  # names here of shared parameters another stage owns
-        self._materialised: dict[int, nn.Parameter] = {}  # id of a meta parameter -> its own
         self._placed = False  # the model cut into stages was placed
 
     # -- life cycle ---------------------------------------------------------------------------
     def init_process_group(self) -> None:
         self.inner.init_process_group()
-        layout = self.layout
-        mesh = layout.mesh(self.device.type)
-        self.pp_group, self.dp_mesh = mesh.get_group("pp"), mesh[layout.data_dims]
+        self.pp_group, self.dp_mesh = self.inner.mesh.get_group("pp"), self.inner.data_mesh
 
-    def place(self, model: nn.Module, *, trained: bool = True) -> nn.Module:
+    def place(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+              ) -> nn.Module:
         """Keep this rank's chunks of ``model`` (the others are dropped) and place them; a
         model set up without an optimizer (a frozen teacher) is placed whole, by the inner
         backend, on every rank."""
-        if not trained:
-            return self.inner.place(model, trained=False)
+        if optimizer is None:
+            return self.inner.place(model)
         if self._placed:
             raise UsageError("model", type(model).__name__, "a pipeline cuts one model with "
                              "its optimizer over the ranks, and one is set up already",
@@ -85,18 +84,22 @@ class PipelineBackend(Backend):
         meta = on_meta(model)
         if meta:
             check_materialisable(model)
+        # Checked on the whole model, whose names the refusals give; each stage keeps its part.
+        split = tensor_plan(model, self.layout.tp) if self.layout.tp > 1 else None
         chunks = stage_blocks(model, self.plan.chunks, self.plan.split)
         self._tie(chunks)
-        stage = Stage([chunks[chunk] for chunk in self.plan.chunks_of(self.topology.stage)])
+        stage = Stage([chunks[chunk] for chunk in self.plan.chunks_of(self.topology.stage)],
+                      tensor_plan=split)
         if meta:
-            self._materialise(model, stage)
-        return self.inner.place(stage)
+            self._materialise(model, stage, optimizer)
+        return self.inner.place(stage, optimizer)
 
-    def _materialise(self, model: nn.Module, stage: Stage) -> None:
+    def _materialise(self, model: nn.Module, stage: Stage,
+                     optimizer: torch.optim.Optimizer) -> None:
         """Give a model built on the meta device the weights a CPU build would have drawn
         (``mpt.backends.meta``), keeping only this rank's stage: another stage's module goes
         back to the meta device as soon as it has drawn its numbers (every rank draws them
-        all, in order, to reach its own)."""
+        all, in order, to reach its own). ``optimizer`` then holds the stage's new ones."""
         kept = {id(module) for module in stage.modules()}
         meta_params = dict(stage.named_parameters())
         with rank0_random_state(self.inner):
@@ -106,7 +109,9 @@ class PipelineBackend(Backend):
                     if id(module) not in kept:
                         module.to_empty(device="meta", recurse=False)
         params = dict(stage.named_parameters())
-        self._materialised = {id(meta_params[name]): params[name] for name in meta_params}
+        materialised = {id(meta_params[name]): params[name] for name in meta_params}
+        for group in optimizer.param_groups:
+            group["params"] = [materialised.get(id(p), p) for p in group["params"]]
 
     def _tie(self, chunks: list[list[tuple[str, nn.Module]]]) -> None:
         """Find the parameters that blocks on several stages share (a GPT's token embedding and
@@ -119,16 +124,15 @@ class PipelineBackend(Backend):
             for name, block in blocks:
                 for local, param in block.named_parameters(prefix=name, remove_duplicate=False):
                     holders.setdefault(id(param), []).append((self.plan.holder(index), local))
-        replicas = self.topology.dp_size
         for held in holders.values():
             stages = sorted({stage for stage, _ in held})
             if len(stages) < 2:
                 continue
             owner_name = min(held)[1]
             mine = [name for stage, name in held if stage == self.topology.stage]
-            for replica in range(replicas):
-                group = dist.new_group([stage * replicas + replica for stage in stages])
-                if replica == self.topology.dp_rank and mine:
+            for ranks in self.layout.groups("pp"):  # one per replica and tensor-parallel rank
+                group = dist.new_group([ranks[stage] for stage in stages])
+                if self.world.rank in ranks and mine:
                     self._ties.append((mine[0], group))
             for name in mine:
                 if name != owner_name:
@@ -143,9 +147,7 @@ class PipelineBackend(Backend):
         assert isinstance(model, Stage)
         own = {id(p) for p in model.parameters()}
         for group in optimizer.param_groups:  # this rank steps its own stage's parameters
-            params = [self._materialised.get(id(p), p) for p in group["params"]]
-            group["params"] = [p for p in params if id(p) in own]
-        self._materialised = {}
+            group["params"] = [p for p in group["params"] if id(p) in own]
         assert self.dp_mesh is not None
         self.inner.setup_stage(model, model.chunks, optimizer, self.dp_mesh)
         return model, optimizer
@@ -157,7 +159,7 @@ class PipelineBackend(Backend):
         for name, group in self._ties:
             grad = params[name].grad
             if grad is not None:  # under fsdp: this replica's shard, the same on each stage
-                dist.all_reduce(_local(grad), group=group)
+                dist.all_reduce(local_part(grad), group=group)
         assert self.dp_mesh is not None
         self.inner.reduce_stage(model, self.dp_mesh)
 
@@ -184,6 +186,7 @@ class PipelineBackend(Backend):
                         max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """The norm over every stage's gradients (replicas of a stage hold the same ones, or
         shards of them: a DTensor norm, whole once reduced over them)."""
+        self.agree_on_overflow(optimizer)  # before the scaler looks at this rank's part
         self.precision.unscale_(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]
                   if p.grad is not None]
@@ -199,20 +202,6 @@ class PipelineBackend(Backend):
             total = power.pow(1.0 / norm_type)
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
-
-    def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
-        """One overflow verdict for all stages: a stage whose gradients are finite while
-        another's overflowed skips the step too (its scaler sees the overflow), so every scale
-        backs off the same way."""
-        if self.precision.spec.loss_scaling != "none":
-            grads = [_local(p.grad) for group in optimizer.param_groups  # this rank's own
-                     for p in group["params"] if p.grad is not None]
-            mine = any(not torch.isfinite(g).all() for g in grads)
-            bad = torch.tensor([float(mine)], device=self.device)
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-            if bad.item() and not mine and grads:
-                grads[0].fill_(float("inf"))
-        return self.inner.optimizer_step(model, optimizer)
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         self.inner.zero_grad(optimizer)
@@ -284,13 +273,6 @@ class PipelineBackend(Backend):
 
     def sum_async(self, tensor: torch.Tensor) -> Callable[[], None]:
         return self.inner.sum_async(tensor)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``tensor``: its shard where it is a DTensor (fsdp), else itself."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:

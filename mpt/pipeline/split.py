@@ -13,13 +13,15 @@ of stages.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import pairwise
+from typing import Any
 
 import torch
 from torch import nn
 
 from mpt.errors import UsageError
+from mpt.parallel.tensor import restricted
 
 SPLIT_FLAG = "--pipeline-split"
 
@@ -132,9 +134,12 @@ class Stage(nn.Module):
     The blocks are registered at their paths in the model (``blocks.3`` becomes the child
     ``blocks`` holding a child ``3``), so ``state_dict`` keys and parameter names are the whole
     model's. ``chunks`` runs them (not registered: the same blocks under other names).
+    ``tensor_plan``: the model's ``tensor_parallel_plan()``, which the stage's own declares for
+    the modules it holds.
     """
 
-    def __init__(self, chunks: Sequence[Sequence[tuple[str, nn.Module]]]) -> None:
+    def __init__(self, chunks: Sequence[Sequence[tuple[str, nn.Module]]], *,
+                 tensor_plan: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         for name, block in (item for chunk in chunks for item in chunk):
             parent: nn.Module = self
@@ -146,6 +151,11 @@ class Stage(nn.Module):
             parent.add_module(leaf, block)
         self.chunks = [Chunk([block for _, block in chunk]) for chunk in chunks]
         """What each of this rank's pipeline stages runs."""
+        self._tensor_plan = restricted(tensor_plan or {}, self)
+
+    def tensor_parallel_plan(self) -> dict[str, Any]:
+        """The model's tensor-parallel plan, for the modules this stage holds."""
+        return self._tensor_plan
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         raise UsageError("model(...)", "a pipeline stage", "under --pipeline-stages the "
