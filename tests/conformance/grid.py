@@ -3,7 +3,8 @@
 usage: python tests/conformance/grid.py [--backends ddp,apex] [--precisions fp32,O2]
                                         [--shapes 1x1,2x2] [--zero-stages 0,3]
                                         [--compressions fp16,bf16,powersgd]
-                                        [--pipeline-stages 1,2] [--output FILE]
+                                        [--pipeline-stages 1,2] [--tensor-parallel 2]
+                                        [--output FILE]
 
 Each cell is one `mpt launch --gpus WS --backend B --precision P` of
 tests/workers/conformance_job.py (the model, data and optimizer are in conformance_model.py)
@@ -30,6 +31,10 @@ backends that pipeline (ddp, fsdp) with the model cut into P stages: their world
 data-parallel size (P x ws processes), and each shape's reference is ddp fp32 at the same P,
 checked against plain torch fp32 on the micro-batches the schedule ran (M per replica batch:
 batch norm sees those).
+
+The tensor-parallel rows (``--tensor-parallel``, default 2) run the backends that split layers
+(ddp, fsdp) with the model's head split over T ranks (``ConvNet.tensor_parallel_plan``), at
+every pipeline P: T x P x ws processes, judged against the reference of the same ws and P.
 
 The compression rows run each backend in fp32 with `--grad-compression C`: fp16 and bf16 are
 judged as mixed cells of ``COMPRESSED_AS[C]`` (within that mixed-precision tolerance of the
@@ -112,9 +117,10 @@ def command(cell: Cell, out: Path) -> list[str]:
         comm += ["--backend-options", json.dumps(POWERSGD_OPTIONS)]
     pipeline = ["--pipeline-stages", str(cell.stages)] if cell.stages > 1 else []
     hsdp = ["--fsdp-replicate", str(cell.replicate)] if cell.replicate > 1 else []
+    tp = ["--tensor-parallel", str(cell.tp)] if cell.tp > 1 else []
     return [sys.executable, "-m", "mpt", "launch", "--gpus", str(cell.processes),
             "--master-port", "auto", "--backend", cell.backend, "--precision", cell.precision,
-            *stage, *comm, *pipeline, *hsdp, str(JOB), str(out), str(cell.accumulate)]
+            *stage, *comm, *pipeline, *hsdp, *tp, str(JOB), str(out), str(cell.accumulate)]
 
 
 def launch(cell: Cell, out: Path) -> tuple[subprocess.CompletedProcess[str] | None, float]:
@@ -146,7 +152,8 @@ def read_run(out: Path, cell: Cell) -> Run:
             raise ValueError(f"rank {r} ran {len(data['losses'])} micro-batches, not "
                              f"{STEPS * acc}")
     losses, schedule, stepped = [], [], []
-    readers = [data for data in ranks if data["stage"] == 0]  # a replica's stages: one batch
+    # a replica's stages and tp ranks read one batch
+    readers = [data for data in ranks if data["stage"] == 0 and data["tp"] == 0]
     for s in range(STEPS):
         micro = range(s * acc, (s + 1) * acc)
         values = [data["losses"][k] for data in readers for k in micro]
@@ -256,6 +263,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--pipeline-stages", default="1,2",
                         help="the rows of each --pipeline-stages P: 1, every row above; more, "
                         "the backends that pipeline (ddp, fsdp), the world being P x ws")
+    parser.add_argument("--tensor-parallel", default="2",
+                        help="the tp rows: ddp and fsdp at each --tensor-parallel T (with every "
+                        "--pipeline-stages P), the world being T x P x ws ('' for none)")
     parser.add_argument("--compressions", default=",".join(COMPRESSIONS),
                         help="also run every backend in fp32 with each --grad-compression "
                         "('' for none)")
@@ -280,9 +290,13 @@ def cells_of(args: argparse.Namespace) -> list[Cell]:
               for c in compressions for ws, acc in shapes if ws > 1]
     if 1 not in pipelines:
         cells = []
-    return cells + [Cell(b, p, ws, acc, stages=stages) for stages in pipelines if stages > 1
-                    for b in backends if get_backend(b).pipelines for p in precisions
-                    for ws, acc in shapes]
+    cells += [Cell(b, p, ws, acc, stages=stages) for stages in pipelines if stages > 1
+              for b in backends if get_backend(b).pipelines for p in precisions
+              for ws, acc in shapes]
+    splits = [int(t) for t in args.tensor_parallel.split(",") if t]
+    return cells + [Cell(b, p, ws, acc, stages=stages, tp=tp) for tp in splits for stages
+                    in pipelines for b in backends if get_backend(b).tensor_parallel
+                    for p in precisions for ws, acc in shapes]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

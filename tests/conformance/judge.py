@@ -59,6 +59,8 @@ class Cell:
     ``world_size`` is its data-parallel size (each replica's stages read the same data)."""
     replicate: int = 1
     """``--fsdp-replicate`` (HSDP): ``world_size`` ranks in R replicas of world/R shards."""
+    tp: int = 1
+    """``--tensor-parallel``: like stages, T x the processes, each tp group reading one batch."""
 
     @property
     def row(self) -> str:
@@ -68,6 +70,8 @@ class Cell:
             row += f" --pipeline-stages {self.stages}"
         if self.replicate > 1:
             row += f" --fsdp-replicate {self.replicate}"
+        if self.tp > 1:
+            row += f" --tensor-parallel {self.tp}"
         return row if self.compression == "none" else f"{row} --grad-compression {self.compression}"
 
     @property
@@ -76,7 +80,7 @@ class Cell:
 
     @property
     def processes(self) -> int:
-        return self.world_size * self.stages
+        return self.world_size * self.stages * self.tp
 
     def __str__(self) -> str:
         return f"{self.row} {self.precision} {self.shape}"

@@ -168,6 +168,20 @@ def test_hsdp_trains_like_ddp_fp32_at_four_processes(reference_4x2, precision):
     assert outcome.verdict == "P", outcome.detail
 
 
+@pytest.mark.parametrize(("backend", "precision", "stages"), [
+    ("ddp", "bf16-mixed", 1),
+    *(pytest.param(*cell, marks=pytest.mark.slow) for cell in (
+        ("ddp", "fp16-mixed", 1), ("fsdp", "bf16-mixed", 1), ("fsdp", "fp16-mixed", 1),
+        ("ddp", "fp32", 2), ("fsdp", "bf16-mixed", 2)))])
+def test_tensor_parallel_trains_like_ddp_fp32(backend, precision, stages):
+    """The tp axis (the head's classes over 2 ranks, accumulation 2) in the grid's judgement:
+    against ddp fp32 at the same data-parallel size and pipeline stages."""
+    reference = make_reference(1, 2, stages=stages)
+    assert reference.outcome.verdict == "P", reference.outcome.detail
+    outcome, _ = run_cell(Cell(backend, precision, 1, 2, stages=stages, tp=2), reference)
+    assert outcome.verdict == "P", outcome.detail
+
+
 REFUSED = [("horovod", "O2-bf16")]  # Horovod has no bf16 tensors to allreduce
 if not torch.cuda.is_available():
     REFUSED.append(("deepspeed", "fp16-mixed"))  # DeepSpeed refuses fp16 on a CPU

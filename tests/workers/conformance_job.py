@@ -46,7 +46,7 @@ if rt.rank == 0:
               str(out / "weights.safetensors"))
 (out / f"rank{rt.rank}.json").write_text(json.dumps({
     "rank": rt.rank, "world_size": rt.world_size, "accumulate": rt.accumulate,
-    "stage": rt.topology.stage,
+    "stage": rt.topology.stage, "tp": rt.topology.plan.coords(rt.rank)["tp"],
     "backend": rt.backend.name, "precision": rt.precision.name,
     "compression": rt.config.grad_compression,
     "losses": losses, "indices": indices, "stepped": stepped}))

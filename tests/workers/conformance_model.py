@@ -49,10 +49,21 @@ class Images(Dataset):
         return self.images[i], self.labels[i], i
 
 
+class ConvNet(nn.Sequential):
+    """The grid's model, with the plan `--tensor-parallel` splits it by: the head's classes
+    over the tp ranks, gathered for the loss."""
+
+    def tensor_parallel_plan(self) -> dict[str, object]:
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel
+
+        return {"8": ColwiseParallel(output_layouts=Replicate())}
+
+
 def make_model() -> nn.Module:
     """Two conv + batch-norm blocks and a linear head; the same weights in every process."""
     torch.manual_seed(0)
-    return nn.Sequential(
+    return ConvNet(
         nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
         nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
         nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(64, CLASSES))
