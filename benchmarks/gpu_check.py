@@ -185,7 +185,8 @@ def plan(report_dir: Path, gpus: int) -> list[tuple[str, list[str], float, str]]
                 if installed(NEEDS.get(b, "torch"))]
     checks = [("grid", [sys.executable, "tests/conformance/grid.py", "--backends",
                         ",".join(backends), "--precisions", ",".join(GRID_PRECISIONS),
-                        "--shapes", "1x1", "--compressions=", "--output",
+                        "--shapes", "1x1", "--compressions=", "--pipeline-stages", "1",
+                        "--tensor-parallel=", "--output",
                         str(report_dir / "support-matrix-cuda.md")], 240.0, "")]
     checks += [(f"grid-{b}", [], 0.0, f"{NEEDS[b]} is not installed")
                for b in ("horovod", "deepspeed") if b not in backends]

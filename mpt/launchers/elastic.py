@@ -62,6 +62,12 @@ def torch_launch_config(spec: LaunchSpec) -> LaunchConfig:
     ``--master-port`` at ``--master-addr`` hosts (see mpt.elastic)."""
     logs = rank_logs(spec.log_dir, spec.tee)
     static = not spec.elastic
+    # Newer torch's knobs, given where this torch has them (2.11 has neither): the grace
+    # period before SIGKILL, and signals left to mpt's own handlers.
+    newer = {"shutdown_timeout": spec.grace_period,
+             # SIGTERM and SIGUSR1 are mpt's own (PreemptionRelay): they preempt, not kill.
+             "signals_to_handle": "SIGINT,SIGHUP,SIGQUIT"}
+    known = {f.name for f in dataclasses.fields(LaunchConfig)}
     return LaunchConfig(
         min_nodes=spec.node_range.min,
         max_nodes=spec.nodes,
@@ -73,13 +79,11 @@ def torch_launch_config(spec: LaunchSpec) -> LaunchConfig:
         else rendezvous_configs(spec.rdzv_timeout),
         local_addr=None if static else spec.local_addr,
         max_restarts=spec.max_restarts,
-        shutdown_timeout=spec.grace_period,
-        # SIGTERM and SIGUSR1 are mpt's own (PreemptionRelay): they preempt rather than kill.
-        signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
         monitor_interval=0.1,
         start_method="spawn",
         logs_specs=logs,
         log_line_prefix_template=LOG_LINE_PREFIX,
+        **{name: value for name, value in newer.items() if name in known},
     )
 
 
