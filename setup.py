@@ -1,9 +1,14 @@
-"""Packaging for mpt: the `mpt` package, its console script and one extra per backend.
+"""Build steps of the `mpt-train` distribution that pyproject.toml cannot declare.
 
-It also builds the optional native extension `mpt._C` from `backends/csrc` by driving CMake
-(Horovod-style: a build_ext subclass runs `cmake` configure + build into the extension's path).
-The extension is optional: with MPT_SKIP_COMPILE=1, without cmake or a C++ compiler, or when
-its build fails, the install goes on without it and mpt uses its pure-Python fallbacks.
+pyproject.toml holds the metadata (name, version from `mpt.__version__`, dependencies, extras,
+the `mpt` console script). This file adds two build steps:
+
+- the optional native extension `mpt._C` from `backends/csrc`, built by driving CMake
+  (Horovod-style: a build_ext subclass runs `cmake` configure + build into the extension's path).
+  The extension is optional: with MPT_SKIP_COMPILE=1, without cmake or a C++ compiler, or when
+  its build fails, the install goes on without it and mpt uses its pure-Python fallbacks.
+- the files `mpt install horovod` builds Horovod with (`backends/horovod/`), copied into the
+  package as `mpt/_data/horovod/`, so that an installed wheel has them outside the repository.
 """
 
 from __future__ import annotations
@@ -14,10 +19,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from setuptools import Extension, find_packages, setup
+from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
+HOROVOD_BUILD_FILES = ("cxx20.patch", "cuda-home")
+"""The files of `backends/horovod/` that `mpt install horovod` needs (see mpt/install.py)."""
 
 
 class CMakeExtension(Extension):
@@ -92,25 +100,21 @@ class CMakeBuild(build_ext):
         print(f"mpt: skipped the optional extension {ext.name} ({reason}); using Python fallbacks")
 
 
+class BuildPy(build_py):
+    """Also copies the Horovod build's files into the package. An editable install skips them:
+    there `mpt install horovod` reads them from `backends/horovod/` in the source tree."""
+
+    def run(self) -> None:
+        super().run()
+        if self.editable_mode:
+            return
+        target = Path(self.build_lib) / "mpt" / "_data" / "horovod"
+        self.mkpath(str(target))
+        for name in HOROVOD_BUILD_FILES:
+            self.copy_file(str(ROOT / "backends" / "horovod" / name), str(target / name))
+
+
 setup(
-    name="mpt",
-    version="0.1.0",
-    description="Mixed-precision, multi-process PyTorch training on the backend chosen by a flag",
-    long_description=Path("README.md").read_text(encoding="utf-8"),
-    long_description_content_type="text/markdown",
-    license="Apache-2.0",
-    python_requires=">=3.10",
-    packages=find_packages(include=["mpt", "mpt.*"]),
-    install_requires=["torch>=2.4", "typer>=0.12", "rich>=13", "safetensors>=0.4",
-                      "fsspec>=2023.1", "pyyaml>=6", "tomli>=2; python_version < '3.11'",
-                      "tensorboard>=2.14", "matplotlib>=3.7", "psutil>=5.9"],
-    extras_require={
-        "deepspeed": ["deepspeed>=0.19,<0.20"],
-        "horovod": ["horovod>=0.28"],
-        "examples": ["scikit-learn>=1.3"],
-        "test": ["pytest>=8", "scikit-learn>=1.3"],
-    },
-    entry_points={"console_scripts": ["mpt = mpt.cli:main"]},
     ext_modules=[CMakeExtension("mpt._C")],
-    cmdclass={"build_ext": CMakeBuild},
+    cmdclass={"build_ext": CMakeBuild, "build_py": BuildPy},
 )

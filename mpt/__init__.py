@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from mpt.runtime import Runtime
 
 __version__ = "0.1.0"
+"""The one version source: the wheel's metadata (pyproject.toml) and `mpt --version` read it."""
 
 __all__ = ["MissingDependencyError", "MptError", "ParallelPlan", "RunConfig", "Runtime",
            "Split", "UsageError", "World", "__version__"]

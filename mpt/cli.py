@@ -24,6 +24,7 @@ from mpt.cli_checkpoint import app as checkpoint_app
 from mpt.config import ConfigurableCommand, load_into_context
 from mpt.errors import MptError, UsageError
 from mpt.estimate import OPTIMIZER_STATES
+from mpt.install import app as install_app
 from mpt.parallel import AXES, ParallelPlan
 from mpt.parse import parse_int, parse_number
 from mpt.run_config import RunConfig, flag_of
@@ -59,18 +60,35 @@ LocalRankArgOption = Annotated[bool, typer.Option(
     "did (Apex-era scripts read it from argv).")]
 
 
+VERSIONS_SHOWN = {"torch": "torch", "DeepSpeed": "deepspeed", "Horovod": "horovod"}
+"""The packages `mpt --version` names beside mpt's: name shown -> distribution."""
+
+
+def _installed_version(distribution: str) -> str:
+    """A distribution's version from its metadata (nothing imported), or "not installed"."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def _version(show: bool) -> None:
     if show:
         from mpt import __version__
 
-        out.print(f"mpt {__version__}")
+        others = ", ".join(f"{name} {_installed_version(dist)}"
+                           for name, dist in VERSIONS_SHOWN.items())
+        out.print(f"mpt {__version__} ({others})")
         raise typer.Exit()
 
 
 @app.callback()
 def _root(
     version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
-                                          help="Print mpt's version.")] = False,
+                                          help="Print the versions of mpt, torch, DeepSpeed "
+                                          "and Horovod.")] = False,
 ) -> None:
     """Mixed-precision, multi-process PyTorch training on the backend chosen by a flag."""
 
@@ -593,6 +611,7 @@ config_app = typer.Typer(help="Config files for `mpt launch --config FILE`.",
                          no_args_is_help=True)
 app.add_typer(config_app, name="config")
 app.add_typer(checkpoint_app, name="checkpoint")
+app.add_typer(install_app, name="install")
 
 
 @config_app.command("init")

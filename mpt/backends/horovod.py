@@ -51,9 +51,9 @@ from mpt.errors import MissingDependencyError, UsageError
 from mpt.parse import one_of, parse_size
 from mpt.precision import PrecisionSpec
 
-INSTALL = ("run `make horovod-wheel` (Horovod 0.28.1 patched for C++20, built with "
-           "HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1) and pip install the wheel it leaves in "
-           ".cache/wheels; see docs/horovod.md")
+INSTALL = ("run `mpt install horovod` (builds Horovod 0.28.1 patched for C++20 against this "
+           "torch, with HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1, and installs it; see "
+           "docs/horovod.md)")
 """How to get a Horovod that works with this torch: its sdist needs a C++20 patch to build."""
 
 OPS = ("average", "sum", "adasum")

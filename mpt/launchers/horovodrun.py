@@ -153,8 +153,7 @@ def horovodrun_executable() -> str:
     found = shutil.which("horovodrun", path=path)
     if found is None:
         raise MissingDependencyError("`mpt launch --backend horovod`", "horovod (horovodrun)",
-                                     "run `make horovod-wheel` and pip install the wheel "
-                                     "it leaves in .cache/wheels (see docs/horovod.md)")
+                                     "run `mpt install horovod` (see docs/horovod.md)")
     return found
 
 

@@ -103,7 +103,7 @@ def test_backends_lists_horovod():
     try:
         import horovod.torch  # noqa: F401
     except ImportError:
-        assert " no " in line and "make horovod-wheel" in result.stdout
+        assert " no " in line and "mpt install horovod" in result.stdout
     else:
         assert " yes " in line and "gloo" in line
 
@@ -116,10 +116,10 @@ def test_without_horovod_the_backend_is_listed_with_how_to_build_it(monkeypatch)
         monkeypatch.setitem(sys.modules, name, None)  # what an environment without it imports
     info = HorovodBackend.availability()
     assert not info.available and "horovod" in info.reason
-    assert "make horovod-wheel" in info.install and "HOROVOD_WITH_PYTORCH=1" in info.install
+    assert "mpt install horovod" in info.install and "HOROVOD_WITH_PYTORCH=1" in info.install
     from mpt import Runtime
 
-    with pytest.raises(MissingDependencyError, match="make horovod-wheel"):
+    with pytest.raises(MissingDependencyError, match="mpt install horovod"):
         Runtime(backend="horovod", env={})
 
 
@@ -172,7 +172,7 @@ def test_horovodruns_lines_are_sorted_into_rank_logs_and_the_tee_ranks_reach_the
 
 
 HOROVOD_BUILT = pytest.mark.skipif(importlib.util.find_spec("horovod") is None,
-                                   reason="needs horovod (make horovod-wheel)")
+                                   reason="needs horovod (mpt install horovod)")
 
 
 @HOROVOD_BUILT

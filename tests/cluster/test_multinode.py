@@ -35,7 +35,7 @@ HOROVOD = importlib.util.find_spec("horovod") is not None
 
 
 def backend_param(backend: str, gpus: int, *marks: pytest.MarkDecorator) -> object:
-    needs = [pytest.mark.skipif(not HOROVOD, reason="needs horovod (make horovod-wheel)")] \
+    needs = [pytest.mark.skipif(not HOROVOD, reason="needs horovod (mpt install horovod)")] \
         if backend == "horovod" else []
     return pytest.param(backend, gpus, marks=[*needs, *marks], id=f"{backend}-2x{gpus}")
 
@@ -131,7 +131,7 @@ def test_two_nodes_train_as_a_one_node_job_of_the_same_world_size(tmp_path, back
 
 
 @needs_cluster
-@pytest.mark.skipif(not HOROVOD, reason="needs horovod (make horovod-wheel)")
+@pytest.mark.skipif(not HOROVOD, reason="needs horovod (mpt install horovod)")
 def test_horovod_where_host_names_resolve_to_loopback_is_refused_on_every_node_at_once(tmp_path):
     """Each node's host name maps to 127.0.0.1 (Debian's default), and `--master-addr node0` is
     node 0's own name there: Horovod would bind loopback for every collective whatever
@@ -177,7 +177,7 @@ def test_a_node_rank_outside_the_job_is_refused_before_start(run_cli, nr):
         assert "pass --nr between 0 and 1" in result.stderr
 
 
-@pytest.mark.skipif(not HOROVOD, reason="needs horovod (make horovod-wheel)")
+@pytest.mark.skipif(not HOROVOD, reason="needs horovod (mpt install horovod)")
 def test_horovod_workers_also_get_torchruns_variables_with_horovods_ranks(tmp_path):
     result = run_mpt("launch", "--backend", "horovod", "--gpus", "2", "--master-port", "auto",
                      "tests/cluster/env_join_worker.py", str(tmp_path), timeout=120)
