@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from mpt.checkpoint import io, tensorfile
+from mpt.checkpoint.contents import read as read_contents
 from mpt.checkpoint.encode import decode, encode, rng_state, set_rng_state
 from mpt.checkpoint.format import (
     FORMAT_VERSION,
@@ -32,7 +33,6 @@ from mpt.checkpoint.format import (
     FileEntry,
     Manifest,
     entry_for,
-    verify,
 )
 from mpt.errors import UsageError
 from mpt.state.flat import FlatPiece
@@ -300,53 +300,12 @@ def load_checkpoint(path: str | os.PathLike[str], parts: TrainingState) -> dict[
     Returns ``{"step": ..., "epoch": ... (when saved), **extra}``.
     """
     backend, world = parts.backend, parts.backend.world
-    location = io.resolve(path)
-    manifest = location.manifest()
-
-    def read(name: str) -> bytes:
-        return verify(location.url, name, location.read(name), manifest.files.get(name))
-
-    def parse(name: str, parser: Callable[[bytes], Any]) -> Any:
-        try:
-            return parser(read(name))
-        except CheckpointError:
-            raise
-        except Exception as exc:  # the checksum matched: the manifest was edited to match
-            raise CheckpointError(f"{location.url}/{name}", f"it cannot be parsed ({exc})",
-                                  "load a checkpoint written by mpt.Runtime.save") from None
-
-    # The two tensor files are read (and hashed) at once: sha256 of a large model's state takes
-    # as long as torch.load of it, and two files on two threads take half as long.
-    with ThreadPoolExecutor(2) as pool:
-        state_file = pool.submit(tensorfile.read, location, STATE_TENSORS,
-                                 manifest.files.get(STATE_TENSORS))
-        model_file = None if manifest.sharded else pool.submit(
-            tensorfile.read, location, MODEL_FILE, manifest.files.get(MODEL_FILE))
-        tensors = state_file.result()
-        model_state = model_file.result() if model_file else {}
-    state = parse(STATE_JSON, json.loads)
-    if manifest.sharded:
-        from mpt.checkpoint import sharded as dcp_storage
-
-        for name in manifest.files:
-            if name.startswith(f"{SHARDED_DIR}/"):
-                read(name)  # refuse a tampered shard before DCP opens it
-        shards = location.child(SHARDED_DIR)
-        if sorted(shards.listdir()) != sorted(n.split("/", 1)[1] for n in manifest.files
-                                              if n.startswith(f"{SHARDED_DIR}/")):
-            raise CheckpointError(shards.url, "it holds files the manifest does not list",
-                                  "remove them, or load another checkpoint")
-        loaded = dcp_storage.load(shards.path, _pieces(parts) if backend.shards_state else {})
-        model_state = {k.removeprefix("model/"): v for k, v in loaded.items()
-                       if k.startswith("model/")}
-        tensors.update({k: v for k, v in loaded.items() if not k.startswith("model/")})
-    if manifest.format < 2:  # one model, one optimizer, one scheduler, keys unprefixed
-        model_state = {f"model/{key}": t for key, t in model_state.items()}
-        state["models"] = ["model"]
-        state["optimizers"] = {} if state["optimizer"] is None else {"model": state["optimizer"]}
-        state["schedulers"] = {} if state["scheduler"] is None else {
-            "scheduler": state["scheduler"]}
+    contents = read_contents(path, lambda: _pieces(parts) if backend.shards_state else {})
+    location, manifest, state = contents.location, contents.manifest, contents.state
+    model_state, tensors = contents.model, contents.tensors
     _check_names(location.url, "models", state["models"], [p.name for p in parts.pairs])
+    if "imported" in state:  # converted from another framework: its names and optimizer class
+        _check_imported(location.url, parts, model_state, state["imported"])
     for pair in parts.pairs:
         prefix = f"{pair.name}/"
         backend.load_model_state_dict(pair.model, {key.removeprefix(prefix): t for key, t in
@@ -403,6 +362,37 @@ def _check_names(where: str, what: str, saved: list[str], wanted: list[str]) -> 
                               f"{missing or 'none'}, extra {extra or 'none'})",
                               "set up the same names as the run that saved it "
                               "(rt.setup(..., name=...)), or load another checkpoint")
+
+
+def _check_imported(where: str, parts: TrainingState, model_state: dict[str, Any],
+                    imported: dict[str, Any]) -> None:
+    """Refuse, before anything is restored, a checkpoint converted from another framework
+    whose weights are not named as the run's model names them (the first few that differ),
+    or whose optimizer state is of another class (``imported["optimizers"]``, by model name)
+    than the run's: torch would take another optimizer's moments and hyper-parameters without
+    a word, and train on another curve."""
+    for pair in parts.pairs:
+        saved = {key.split("/", 1)[1] for key in model_state if key.startswith(f"{pair.name}/")}
+        live = parts.backend.unwrap(pair.model).state_dict()
+        missing = [key for key in live if key not in saved]
+        if missing:
+            theirs = sorted(saved - set(live))
+            raise CheckpointError(where, f"model {pair.name!r} has {', '.join(missing[:3])}, "
+                                  f"which it lacks (its names that differ: "
+                                  f"{', '.join(theirs[:3]) or 'none'})", "convert the "
+                                  "checkpoint of this model, or name its parameters alike")
+        kind = imported.get("optimizers", {}).get(pair.name)
+        if kind is None or pair.optimizer is None:
+            continue
+        # a wrapper that subclasses the optimizer (Horovod's) is the torch class it wraps
+        mro = type(pair.optimizer).__mro__
+        have = next((c.__name__ for c in mro if c.__module__.startswith("torch.optim.")),
+                    mro[0].__name__)
+        if have != kind:
+            raise CheckpointError(where, f"its optimizer state is {kind}'s (imported from "
+                                  f"another framework) and model {pair.name!r} has a {have}",
+                                  f"create a {kind} as the run that saved it did, or convert it "
+                                  "again with --weights-only to start the optimizer afresh")
 
 
 def _mpt_version() -> str:

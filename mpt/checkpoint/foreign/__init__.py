@@ -1,0 +1,63 @@
+"""Other frameworks' checkpoints, read with their whole training state into mpt's format.
+
+``read(path)`` tells the format by its layout and returns an ``Imported`` (weights, optimizer
+state by parameter name, LR scheduler, loss scale, step, epoch); ``write`` commits that as an
+mpt checkpoint, which ``rt.load`` and ``--resume`` restore under any backend and world size.
+``mpt checkpoint convert`` is the two together. Every read is safe: no pickled code runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mpt.checkpoint.foreign.imported import Imported, write
+from mpt.errors import UsageError
+
+__all__ = ["KNOWN", "Imported", "detect", "read", "write"]
+
+KNOWN = ("a DeepSpeed checkpoint directory (engine.save_checkpoint: 'latest' and "
+         "*_model_states.pt)", "a torch.distributed.checkpoint directory (dcp.save: .metadata "
+         "and *.distcp)", "a torch.save file (.pt)")
+"""The formats ``read`` knows, for messages (mpt's own checkpoints are read by ``rt.load``)."""
+_TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
+
+
+def detect(src: Path) -> str:
+    """``deepspeed``, ``dcp`` or ``torch``: the format of ``src``; a UsageError listing the
+    known ones where it is none of them."""
+    from mpt.checkpoint.foreign import dcp, deepspeed, torchload
+
+    if src.is_dir():
+        if deepspeed.is_deepspeed(src):
+            return "deepspeed"
+        if dcp.is_dcp(src):
+            return "dcp"
+    elif src.is_file() and (torchload.is_torch_file(src) or src.suffix in _TORCH_SUFFIXES):
+        return "torch"  # a zip-format file, or one of torch's older format under its usual name
+    what = "no such file or directory" if not src.exists() else "it is in no format mpt imports"
+    raise UsageError("SRC", src, what, f"pass {'; '.join(KNOWN)}")
+
+
+def read(src: Path, *, tag: str | None = None, optimizer: bool = True) -> Imported:
+    """The training state of the checkpoint at ``src``, whichever format ``detect`` finds.
+    ``tag``: the DeepSpeed tag folder to read (default: the one ``latest`` names).
+    ``optimizer``: False leaves the optimizer's state unread (``--weights-only``)."""
+    kind = detect(src)
+    if tag is not None and kind != "deepspeed":
+        raise UsageError("--tag", tag, f"{src} is not a DeepSpeed checkpoint, which alone has "
+                         "tags", "leave --tag out")
+    if kind == "deepspeed":
+        from mpt.checkpoint.foreign import deepspeed
+
+        imported = deepspeed.read(src, tag, optimizer=optimizer)
+    elif kind == "dcp":
+        from mpt.checkpoint.foreign import dcp
+
+        imported = dcp.read(src, optimizer=optimizer)
+    else:
+        from mpt.checkpoint.foreign import torchfile
+
+        imported = torchfile.read(src, optimizer=optimizer)
+    if not optimizer:
+        imported.lacks.insert(0, "the optimizer's state (--weights-only)")
+    return imported
