@@ -59,15 +59,17 @@ def test_tp2_matches_one_process_holds_half_and_resumes_at_one_process(tmp_path,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("options", [
-    ("--backend", "ddp"),                                            # tp 2 x ddp 2
-    ("--backend", "fsdp"),                                           # fsdp 2 x tp 2 (2-D)
-    ("--backend", "ddp", "--pipeline-stages", "2"),                  # pp 2 x tp 2
-], ids=["ddp", "fsdp", "pp2"])
-def test_tp2_beside_other_axes_matches_one_process(tmp_path, free_port, options):
-    found = train(tmp_path, free_port, 4, "--tensor-parallel", "2", *options)
+@pytest.mark.parametrize(("gpus", "options"), [
+    (4, ("--backend", "ddp")),                                          # tp 2 x ddp 2
+    (4, ("--backend", "fsdp")),                                         # fsdp 2 x tp 2 (2-D)
+    (4, ("--backend", "ddp", "--pipeline-stages", "2")),                # pp 2 x tp 2
+    (8, ("--backend", "fsdp", "--pipeline-stages", "2")),               # pp 2 x fsdp 2 x tp 2
+    (8, ("--backend", "fsdp", "--fsdp-replicate", "2")),                # HSDP 2 x 2 x tp 2
+], ids=["ddp", "fsdp", "pp2", "pp2-fsdp", "hsdp"])
+def test_tp2_beside_other_axes_matches_one_process(tmp_path, free_port, gpus, options):
+    found = train(tmp_path, free_port, gpus, "--tensor-parallel", "2", *options, timeout=420)
     assert_on_curve(found["losses"], reference(STEPS))
-    if "fsdp" in options:  # split over tp, then sharded over dp: about a quarter each
+    if options == ("--backend", "fsdp"):  # split over tp, then sharded over dp: about a quarter
         for rank in found["held"]:
             assert rank["params"] <= 0.30 * found["whole"], rank
 
