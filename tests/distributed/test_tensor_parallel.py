@@ -88,6 +88,13 @@ def test_a_checkpoint_of_fsdp_x_tp_resumes_under_tp_and_ddp(tmp_path, free_port)
 
 
 @pytest.mark.slow
+def test_sequence_parallel_norms_train_as_one_process(tmp_path, free_port):
+    found = train(tmp_path, free_port, 2, "--tensor-parallel", "2",
+                  args=("--sequence-parallel",))
+    assert_on_curve(found["losses"], reference(STEPS, sequence=True))
+
+
+@pytest.mark.slow
 def test_bf16_mixed_tp2_follows_the_fp32_curve(tmp_path, free_port):
     found = train(tmp_path, free_port, 2, "--tensor-parallel", "2", "--precision", "bf16-mixed")
     assert_on_curve(found["losses"], reference(STEPS), rtol=2e-2)

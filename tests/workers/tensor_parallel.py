@@ -4,11 +4,12 @@ batch's), and every rank's count of the parameter, gradient and optimizer-state 
 holds.
 
 usage: tensor_parallel.py OUT [--steps N] [--save-at K --ckpt DIR] [--resume DIR]
-       [--no-plan] [--plan-name NAME] [--overflow-at K]
+       [--no-plan] [--plan-name NAME] [--overflow-at K] [--sequence-parallel]
 Layout, backend and precision come from `mpt launch`; tests/distributed/test_tensor_parallel.py
 compares the losses with the same loop in plain torch on one process (``reference``).
 --no-plan removes the model's tensor_parallel_plan(); --plan-name adds a planned module of that
 name. --overflow-at K makes rank 0's gradients of step K non-finite (fp16 runs).
+--sequence-parallel trains ``SequenceNet`` instead, whose plan splits its norms over the sequence.
 """
 
 from __future__ import annotations
@@ -31,9 +32,37 @@ CONFIG = GPTConfig(vocab=61, block=16, layers=2, heads=4, embed=64)
 GLOBAL_BATCH, CLIP, LR = 8, 0.5, 3e-3
 
 
-def make_model() -> GPT:
+class SequenceNet(nn.Module):
+    """Embedding, norm, MLP, norm, head: the plan torchtitan gives a transformer's edges, with
+    the norms sequence-parallel (each tp rank normalises its part of the sequence) and the
+    activations between them sharded over the sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        width = CONFIG.embed
+        self.embed = nn.Embedding(CONFIG.vocab + 3, width)  # rows: a multiple of 2 and 4
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.head = nn.Linear(width, CONFIG.vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        x = x + self.down(nn.functional.gelu(self.up(self.norm1(x))))
+        return self.head(self.norm2(x))
+
+    def tensor_parallel_plan(self) -> dict[str, object]:
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        return {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+                "norm1": "sequence", "up": ColwiseParallel(input_layouts=Shard(1)),
+                "down": RowwiseParallel(output_layouts=Shard(1)), "norm2": "sequence",
+                "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+
+
+def make_model(sequence: bool = False) -> nn.Module:
     torch.manual_seed(0)
-    return GPT(CONFIG)
+    return GPT(CONFIG) if not sequence else SequenceNet()
 
 
 def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
@@ -46,9 +75,9 @@ def make_data(steps: int) -> TensorDataset:
     return TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
 
-def reference(steps: int) -> list[float]:
+def reference(steps: int, sequence: bool = False) -> list[float]:
     """The same loop in plain torch on one process: the loss of every step."""
-    model = make_model()
+    model = make_model(sequence)
     optimizer = make_optimizer(model)
     losses = []
     for x, y in DataLoader(make_data(steps), batch_size=GLOBAL_BATCH):
@@ -82,9 +111,10 @@ def main() -> None:
     parser.add_argument("--no-plan", action="store_true")
     parser.add_argument("--plan-name", default=None)
     parser.add_argument("--overflow-at", type=int, default=None)
+    parser.add_argument("--sequence-parallel", action="store_true")
     args = parser.parse_args()
     rt = mpt.Runtime()
-    model = make_model()
+    model = make_model(args.sequence_parallel)
     if args.no_plan:
         model.tensor_parallel_plan = None  # type: ignore[method-assign,assignment]
     if args.plan_name:
@@ -116,7 +146,7 @@ def main() -> None:
         every = [{} for _ in range(rt.world_size)]
         torch.distributed.all_gather_object(every, held)
     if rt.rank == 0:
-        whole = sum(p.numel() for p in make_model().parameters())
+        whole = sum(p.numel() for p in make_model(args.sequence_parallel).parameters())
         args.out.write_text(json.dumps({"losses": losses, "held": every, "whole": whole}))
     rt.close()
 
