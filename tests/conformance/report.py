@@ -137,14 +137,9 @@ TOLERANCE_NOTE = (
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from mpt.plan.calibrate import cpu_name
+
+    cpu = cpu_name()
     versions = []
     for package in ("torch", "deepspeed", "horovod"):
         try:

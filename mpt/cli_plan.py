@@ -1,0 +1,156 @@
+"""`mpt plan`: the layouts of a model on a cluster, priced by a cost model, best first.
+
+Registered in mpt/cli.py as ``app.command("plan")(plan_command)``; ``python -m mpt.cli_plan``
+runs it alone.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from mpt.errors import MptError, UsageError
+from mpt.estimate import OPTIMIZER_STATES
+
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+out = Console(highlight=False, soft_wrap=True)
+GIB = 2.0**30
+INPUT_DTYPES = {"float32": "float32", "int64": "int64"}
+
+
+def plan_command(
+    model: Annotated[str | None, typer.Argument(
+        help="FILE.py:FUNCTION or package.module:FUNCTION: builds the model (run on the meta "
+        "device).")] = None,
+    nodes: Annotated[int, typer.Option(help="Nodes of the cluster.")] = 1,
+    gpus: Annotated[int, typer.Option(help="Devices (ranks) per node.")] = 1,
+    link: Annotated[str, typer.Option(
+        help="Each node's link to the others: 100gbit, 200gbit, 400gbit, ..., or a rate "
+        "such as 25gbit.")] = "100gbit",
+    device: Annotated[str, typer.Option(
+        help="Datasheet device profile: h100-sxm, h200, a100-sxm-80gb, a100-sxm-40gb.")
+    ] = "h100-sxm",
+    calibration: Annotated[Path | None, typer.Option(
+        metavar="FILE", help="Use this machine's figures measured by --calibrate instead of "
+        "--device.")] = None,
+    batch: Annotated[int | None, typer.Option(
+        help="Samples per optimizer step over all ranks (default 8 per rank).")] = None,
+    input_shape: Annotated[str | None, typer.Option(
+        help="One sample's shape, e.g. 3,224,224, or 128 (tokens) with --input-dtype int64; "
+        "default: the first layer's input features.")] = None,
+    input_dtype: Annotated[str, typer.Option(help="float32, or int64 for token ids.")
+                           ] = "float32",
+    precision: Annotated[str, typer.Option(help="As `mpt launch --precision`.")] = "fp32",
+    optimizer: Annotated[str, typer.Option(
+        help=f"Its state per parameter: {', '.join(OPTIMIZER_STATES)}.")] = "adam",
+    json_output: Annotated[bool, typer.Option("--json", help="Print JSON for tools.")] = False,
+    calibrate: Annotated[bool, typer.Option(
+        "--calibrate", help="Measure this machine (matmuls by dtype, memory, collectives "
+        "between 2 processes) and save the figures.")] = False,
+    output: Annotated[Path, typer.Option(
+        metavar="FILE", help="With --calibrate: where the figures go.")
+    ] = Path("mpt-calibration.json"),
+) -> None:
+    """Rank every layout mpt can run for MODEL on --nodes x --gpus: memory per rank, step time
+    (compute, exposed communication, pipeline bubble), bytes per link, and what limits each."""
+    if calibrate:
+        _calibrate(output)
+        return
+    if model is None:
+        raise UsageError("MODEL", "(none)", "no model to plan for",
+                         "pass FILE.py:FUNCTION, or --calibrate to measure this machine")
+    import torch
+
+    from mpt.estimate import load_model, meta_model
+    from mpt.parse import one_of
+    from mpt.plan.network import Cluster
+    from mpt.plan.planner import plan
+    from mpt.plan.profiles import device_profile, link_profile
+
+    for flag, count in (("--nodes", nodes), ("--gpus", gpus)):
+        if count < 1:
+            raise UsageError(flag, count, "it must be at least 1", f"pass {flag} 1 or more")
+    one_of(*OPTIMIZER_STATES)("--optimizer", optimizer)
+    dtype = getattr(torch, one_of(*INPUT_DTYPES)("--input-dtype", input_dtype))
+    if calibration is not None:
+        from mpt.plan import calibrate as calibrated
+
+        chosen = calibrated.load(calibration).device(str(calibration))
+    else:
+        chosen = device_profile(device)
+    cluster = Cluster(nodes=nodes, gpus=gpus, device=chosen, link=link_profile(link))
+    net = meta_model(load_model(model))
+    shape = _input_shape(input_shape, net)
+    result = plan(net, cluster, precision=precision,
+                  batch=batch if batch is not None else 8 * cluster.world_size,
+                  input_shape=shape, input_dtype=dtype, optimizer=optimizer)
+    script = model.rpartition(":")[0] if model.rpartition(":")[0].endswith(".py") else "TRAIN.py"
+    if json_output:
+        from mpt.plan.report import as_json
+
+        out.print_json(json.dumps(as_json(result, script)))
+    else:
+        from mpt.plan.report import print_tables
+
+        print_tables(result, script, Console(width=max(out.width, 160), highlight=False))
+
+
+def _input_shape(given: str | None, net: object) -> list[int]:
+    """``--input-shape`` parsed, or the first Linear's input features."""
+    from torch import nn
+
+    if given is not None:
+        try:
+            return [int(n) for n in given.split(",")]
+        except ValueError:
+            raise UsageError("--input-shape", given, "it is not a list of sizes",
+                             "pass sizes separated by commas, e.g. 3,224,224") from None
+    assert isinstance(net, nn.Module)
+    first = next((m for m in net.modules() if not list(m.children())
+                  and any(True for _ in m.parameters())), None)
+    if isinstance(first, nn.Linear):
+        return [first.in_features]
+    raise UsageError("--input-shape", "(none)", f"the model's first layer is "
+                     f"{type(first).__name__}, whose input shape is not known",
+                     "pass one sample's shape, e.g. --input-shape 3,224,224, or --input-shape "
+                     "128 --input-dtype int64 for 128 tokens")
+
+
+def _calibrate(output: Path) -> None:
+    from mpt.plan import calibrate
+
+    err.print("measuring: collectives between 2 processes, then matmuls, memory and op "
+              "overhead (about 15 s)")
+    found = calibrate.measure()
+    calibrate.save(found, output)
+    flops = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in found.flops.items())
+    err.print(f"wrote {output}: matmul GFLOP/s {flops}; memory "
+              f"{found.memory_bandwidth / 1e9:.1f} GB/s; allreduce bus bandwidth "
+              f"{found.collectives['all_reduce']['bus_bandwidth'] / 1e9:.2f} GB/s "
+              f"({found.backend}, {found.ranks} processes). Use it with --calibration {output}")
+
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+app.command("plan")(plan_command)
+
+
+def main() -> None:
+    """Run `plan` alone: usage errors in one line, exit 2 (as mpt's own main)."""
+    try:
+        code = typer.main.get_command(app)(args=sys.argv[1:], standalone_mode=False)
+    except MptError as exc:
+        err.print(f"mpt: error: {exc}", markup=False)
+        sys.exit(2)
+    except typer.TyperException as exc:
+        err.print(f"mpt: error: {exc.format_message().rstrip('.')}. Fix: see `mpt plan --help`")
+        sys.exit(2)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

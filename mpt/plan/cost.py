@@ -1,0 +1,283 @@
+"""One layout's predicted step: memory per rank, time split into compute, exposed communication
+and pipeline bubble, bytes on the links, and what limits it.
+
+The step, for a rank of the slowest pipeline stage:
+
+- compute: every op of the stage's forward and backward (``mpt.plan.workload``) at
+  ``max(FLOPs / peak of the compute dtype, bytes / memory bandwidth) + op overhead``, the ops
+  a tensor-parallel plan splits divided by T; then the optimizer step, which streams
+  4 x (3 + 2 x states) bytes per parameter it steps (read weight, gradient and states, write
+  weight and states).
+- tensor parallelism: the plan's allreduces of activations, in the forward and the backward, on
+  the critical path (each waits for its matmul and the next op waits for it).
+- pipeline (1F1B/GPipe, M micro-batches, P stages): M micro-batches of compute, a bubble of
+  (P - 1) micro-batches, and each micro-batch's activation and its gradient sent across every
+  cut, taken as exposed.
+- data parallelism: ``mpt.plan.traffic``'s collectives, less the part that hides behind its
+  window (the backward, the whole step, or none) times the device's ``overlap``.
+
+Memory per rank: ``Backend.estimate_memory`` of the stage's blocks at the shard size, its
+tp-split parameters over T, and the activations ``mpt.estimate`` counts, times the micro-batches
+1F1B keeps in flight on the first stage (min(M, P)); under tp, the activations of split ops over
+T (by their share of the forward's bytes). Not counted: communication buffers, the allocator's
+slack, the process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from mpt.backends import get_backend
+from mpt.estimate import MemoryEstimate
+from mpt.parallel import ParallelPlan
+from mpt.plan.network import Cluster, collective, send
+from mpt.plan.traffic import Traffic, stage_of, traffic
+from mpt.plan.workload import BlockCost, Op, Workload
+from mpt.precision import PrecisionSpec
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Layout:
+    """One way to run the model on the cluster, as mpt would lay it out."""
+
+    backend: str
+    """``--backend``."""
+    options: Mapping[str, Any]
+    """The backend's options the layout sets (``zero_stage``, ``replicate``)."""
+    plan: ParallelPlan
+    """The mesh ``RunConfig.layout`` built for it."""
+    microbatches: int
+    """Micro-batches per step under a pipeline (1 without one)."""
+    micro_batch: int
+    """Samples per micro-batch on each rank."""
+    flags: tuple[str, ...]
+    """The `mpt launch` flags that choose it."""
+
+    @property
+    def label(self) -> str:
+        return " ".join(self.flags)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Prediction:
+    """What the cost model says of one layout."""
+
+    layout: Layout
+    """The layout."""
+    memory: MemoryEstimate
+    """Per rank of the fullest stage: parameters, gradients, optimizer state."""
+    activations: int
+    """Per rank of the fullest stage: what autograd keeps for the backward."""
+    capacity: float
+    """Bytes one rank may fill."""
+    compute: float
+    """Seconds of forward, backward and optimizer step."""
+    exposed: float
+    """Seconds of communication not hidden behind compute."""
+    hidden: float
+    """Seconds of data-parallel communication hidden behind compute."""
+    bubble: float
+    """Seconds the pipeline's stages wait for each other."""
+    link_bytes: float
+    """Bytes the busiest node's link carries per step (each direction)."""
+    rank_bytes: float
+    """Bytes each rank sends per step."""
+    terms: Mapping[str, float]
+    """Every term of the step, in seconds, by name."""
+    limiter: str
+    """The one thing that limits the layout."""
+
+    @property
+    def total_memory(self) -> int:
+        return self.memory.device + self.activations
+
+    @property
+    def short(self) -> int:
+        """Bytes that do not fit on a rank (0 where it fits)."""
+        return max(0, int(self.total_memory - self.capacity))
+
+    @property
+    def step(self) -> float:
+        return self.compute + self.exposed + self.bubble
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Model:
+    """The model as the cost model needs it."""
+
+    net: nn.Module
+    """The model, on the meta device."""
+    stages: Callable[[int], list[list[str]]]
+    """The block names of each of P stages (mpt's own split)."""
+    workload: Callable[[int], Workload]
+    """The model's cost at a micro-batch size (cached by the caller)."""
+    tp_plan: Mapping[str, str]
+    """Module name -> tp style."""
+    optimizer_states: int
+    """fp32 values the optimizer keeps per parameter."""
+
+
+def op_seconds(op: Op, cluster: Cluster, spec: PrecisionSpec, tp: int) -> float:
+    """One op's time: its roofline, split ops over the tp ranks, plus the op's overhead."""
+    device = cluster.device
+    matmul = op.flops > 0
+    width = spec.compute.itemsize / 4 if matmul else 1.0  # measured in fp32 on meta
+    dtype = str(spec.compute).removeprefix("torch.") if matmul else "float32"
+    seconds = max(op.flops / device.matmul_flops(dtype),
+                  op.bytes * width / device.memory_bandwidth)
+    return (seconds / tp if op.split else seconds) + device.op_overhead
+
+
+def _pass_seconds(ops: tuple[Op, ...], cluster: Cluster, spec: PrecisionSpec, tp: int) -> float:
+    return sum(op_seconds(op, cluster, spec, tp) for op in ops)
+
+
+def _block_seconds(block: BlockCost, cluster: Cluster, spec: PrecisionSpec, tp: int
+                   ) -> tuple[float, float]:
+    """A block's forward and backward seconds. The backward's ops are not attributed to
+    modules, so they split over the tp ranks in the forward's proportion."""
+    forward = _pass_seconds(block.forward, cluster, spec, tp)
+    whole = _pass_seconds(block.forward, cluster, spec, 1)
+    backward = _pass_seconds(block.backward, cluster, spec, 1)
+    return forward, backward * (forward / whole if whole else 1.0)
+
+
+def _split_share(block: BlockCost) -> float:
+    """The share of the block's forward bytes that tp splits."""
+    total = sum(op.bytes for op in block.forward)
+    return sum(op.bytes for op in block.forward if op.split) / total if total else 0.0
+
+
+def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec) -> Prediction:
+    """The cost model's answer for ``layout``."""
+    plan, tp = layout.plan, layout.plan.tp
+    work = model.workload(layout.micro_batch)
+    by_name = {block.name: block for block in work.blocks}
+    stages = model.stages(plan.pp) if plan.pp > 1 else [[b.name for b in work.blocks]]
+    terms: dict[str, float] = {}
+    per_stage = []
+    for names in stages:
+        blocks = [by_name[name] for name in names]
+        timed = [_block_seconds(b, cluster, spec, tp) for b in blocks]
+        forward, backward = sum(f for f, _ in timed), sum(b for _, b in timed)
+        width = spec.compute.itemsize
+        tp_bytes = sum(b.tp_forward_bytes + b.tp_backward_bytes for b in blocks) * width / 4
+        tp_time = collective("all_reduce", tp_bytes, plan, "tp", cluster)
+        per_stage.append((forward, backward, tp_time))
+    slowest = max(range(len(stages)), key=lambda s: sum(per_stage[s][:2]) +
+                  per_stage[s][2].seconds)
+    forward, backward, tp_time = per_stage[slowest]
+    m = layout.microbatches
+    terms["forward"], terms["backward"] = m * forward, m * backward
+    terms["tensor-parallel allreduces"] = m * tp_time.seconds
+    bubble = (plan.pp - 1) * (forward + backward + tp_time.seconds)
+    cut = max((by_name[names[-1]].output_bytes for names in stages[:-1]), default=0)
+    p2p = send(cut, plan, cluster)
+    terms["pipeline sends"] = 2 * m * p2p.seconds
+    memory, activations, trained = _memory(layout, model, stages, work, spec)
+    flow = traffic(layout.backend, layout.options, plan, spec, trained)
+    dp_seconds, dp_link, dp_rank, crosses = _data_parallel(flow, plan, cluster)
+    window = {"backward": terms["backward"], "step": terms["forward"] + terms["backward"],
+              "none": 0.0}[flow.window] * cluster.device.overlap
+    stepped = trained / plan.dp_shard if flow.shards_optimizer else trained
+    terms["optimizer step"] = (stepped * 4 * (3 + 2 * model.optimizer_states)
+                               / cluster.device.memory_bandwidth)
+    terms["data-parallel communication"] = max(0.0, dp_seconds - window)
+    compute = terms["forward"] + terms["backward"] + terms["optimizer step"]
+    exposed = (terms["data-parallel communication"] + terms["tensor-parallel allreduces"]
+               + terms["pipeline sends"])
+    terms["pipeline bubble"] = bubble
+    kinds = "/".join(dict.fromkeys(c.kind.replace("_", "-") for c in flow.collectives))
+    where = f"{cluster.link.name} node link" if crosses else "in-node link"
+    prediction = Prediction(
+        layout=layout, memory=memory, activations=activations,
+        capacity=cluster.device.memory, compute=compute, exposed=exposed,
+        hidden=dp_seconds - terms["data-parallel communication"], bubble=bubble,
+        link_bytes=dp_link + 2 * m * p2p.link_bytes + m * tp_time.link_bytes,
+        rank_bytes=dp_rank + 2 * m * p2p.per_rank + m * tp_time.per_rank,
+        terms=terms, limiter="")
+    return _with_limiter(prediction, slowest, f"dp {kinds} ({where})")
+
+
+def _data_parallel(flow: Traffic, plan: ParallelPlan, cluster: Cluster
+                   ) -> tuple[float, float, float, bool]:
+    """Seconds, busiest link's bytes and a rank's bytes of the backend's collectives."""
+    seconds = link = rank = 0.0
+    crosses = False
+    for c in flow.collectives:
+        moved = collective(c.kind, c.size, plan, c.axis, cluster)
+        seconds, link, rank = seconds + moved.seconds, link + moved.link_bytes, \
+            rank + moved.per_rank
+        crosses = crosses or moved.crosses
+    return seconds, link, rank, crosses
+
+
+def _with_limiter(p: Prediction, stage: int, dp_words: str) -> Prediction:
+    """``p`` with its limiter: memory where it does not fit, else its largest term."""
+    from dataclasses import replace
+
+    if p.short:
+        return replace(p, limiter=f"memory: {p.short / 2**30:.2f} GiB short per rank")
+    candidates = {"compute": p.compute, dp_words: p.terms["data-parallel communication"],
+                  "tp all-reduces": p.terms["tensor-parallel allreduces"],
+                  "pipeline sends": p.terms["pipeline sends"], "pipeline bubble": p.bubble}
+    name = max(candidates, key=lambda k: candidates[k])
+    suffix = f" (stage {stage})" if p.layout.plan.pp > 1 and name == "compute" else ""
+    return replace(p, limiter=name + suffix)
+
+
+def _memory(layout: Layout, model: Model, stages: list[list[str]], work: Workload,
+            spec: PrecisionSpec) -> tuple[MemoryEstimate, int, float]:
+    """The fullest stage's per-rank memory row and activations, and the parameters a rank of
+    the slowest stage trains (its tp share)."""
+    plan = layout.plan
+    modules = dict(model.net.named_modules())
+    by_name = {block.name: block for block in work.blocks}
+    cls = get_backend(layout.backend)
+    best: tuple[MemoryEstimate, int, float] | None = None
+    for index, names in enumerate(stages):
+        stage = nn.ModuleList(modules.get(n, model.net) for n in names)
+        share, params = _tp_share(stage, model, plan.tp)
+        rows = cls.estimate_memory(stage, spec, model.optimizer_states, plan.dp_shard,
+                                   dict(layout.options))
+        row = _scaled(_row(rows, layout), share)
+        in_flight = min(layout.microbatches, plan.pp - index) if plan.pp > 1 else 1
+        saved = sum(b.activations * (1 - _split_share(b) + _split_share(b) / plan.tp)
+                    for b in (by_name[n] for n in names))
+        found = (row, int(saved * in_flight), params * share)
+        if best is None or found[0].device + found[1] > best[0].device + best[1]:
+            best = found
+    assert best is not None  # at least one stage
+    return best
+
+
+def _tp_share(stage: nn.Module, model: Model, tp: int) -> tuple[float, int]:
+    """The share of the stage's parameters a tp rank holds, and the stage's parameters."""
+    owners = {id(m): n for n, m in model.net.named_modules()}
+    split = {id(p) for m in stage.modules() if owners.get(id(m)) in model.tp_plan
+             for p in m.parameters()}
+    params = {id(p): p.numel() for p in stage.parameters()}
+    total = sum(params.values())
+    if tp == 1 or not total:
+        return 1.0, total
+    cut = sum(n for key, n in params.items() if key in split)
+    return (total - cut + cut / tp) / total, total
+
+
+def _row(rows: list[MemoryEstimate], layout: Layout) -> MemoryEstimate:
+    """The estimate's row for the layout's options (DeepSpeed's stage), else its first."""
+    if layout.backend == "deepspeed":
+        wanted = f"deepspeed --zero-stage {stage_of(layout.options)}"
+        return next((r for r in rows if r.label == wanted), rows[0])
+    return rows[0]
+
+
+def _scaled(row: MemoryEstimate, share: float) -> MemoryEstimate:
+    """``row`` with every part times ``share`` (a tp rank's share of the parameters)."""
+    return MemoryEstimate(label=row.label, parameters=int(row.parameters * share),
+                          gradients=int(row.gradients * share),
+                          optimizer=int(row.optimizer * share), host=int(row.host * share))

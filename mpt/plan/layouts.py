@@ -1,0 +1,111 @@
+"""Every layout mpt can run for a model on a cluster, built the way `mpt launch` builds it.
+
+Each combination of backend, its layout option (DeepSpeed's ZeRO stage, fsdp's HSDP replicas),
+pipeline stages P and tensor-parallel size T goes through ``RunConfig`` and ``RunConfig.layout``
+(the launcher's own checks: backend capabilities, precision, divisibility of the world), then
+the checks the model meets when it is set up (``stage_blocks`` for P, ``tensor_plan`` for T)
+and the batch's (it must split over the replicas and the micro-batches). A refused
+combination keeps mpt's one-line reason. T stays within a node (tp groups are a node's
+consecutive ranks); the pipeline runs mpt's default schedule, 1F1B with 2P micro-batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from mpt.backends import registered
+from mpt.errors import MptError, UsageError
+from mpt.parallel.tensor import tensor_plan
+from mpt.pipeline.split import stage_blocks
+from mpt.plan.cost import Layout
+from mpt.run_config import RunConfig
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Refused:
+    """A combination mpt would not run, and why."""
+
+    flags: tuple[str, ...]
+    """The `mpt launch` flags of the combination."""
+    reason: str
+    """mpt's one-line refusal."""
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _variants(backend: str, world: int) -> Iterator[dict[str, Any]]:
+    """The backend options that change the layout or what is sent."""
+    if backend == "deepspeed":
+        for stage in range(4):
+            yield {"zero_stage": stage}
+    elif backend == "fsdp":
+        for replicas in divisors(world):
+            yield {"replicate": replicas}
+    else:
+        yield {}
+
+
+def _flags(backend: str, options: Mapping[str, Any], pp: int, tp: int) -> tuple[str, ...]:
+    """The `mpt launch` flags of a combination (each option by its own flag)."""
+    cls = registered()[backend]
+    flags = [f"--backend {backend}"]
+    for name, value in options.items():
+        if name == "replicate" and value == 1:
+            continue
+        flags.append(f"{cls.options[name].flag} {value}")
+    if pp > 1:
+        flags.append(f"--pipeline-stages {pp}")
+    if tp > 1:
+        flags.append(f"--tensor-parallel {tp}")
+    return tuple(flags)
+
+
+def layouts(net: nn.Module, *, nodes: int, gpus: int, precision: str, batch: int,
+            device_type: str) -> tuple[list[Layout], list[Refused]]:
+    """Every layout of ``net`` on ``nodes`` x ``gpus`` ranks at a global batch of ``batch``,
+    and every combination mpt refuses."""
+    from mpt.precision import describe
+
+    world = nodes * gpus
+    spec = describe(precision)
+    found: list[Layout] = []
+    refused: list[Refused] = []
+    for backend, cls in sorted(registered().items()):
+        for options in _variants(backend, world):
+            for pp in divisors(world):
+                for tp in divisors(gpus):
+                    flags = _flags(backend, options, pp, tp)
+                    try:
+                        cls.check_precision(spec, device_type, options)
+                        found.append(_layout(net, backend, options, pp, tp, flags,
+                                             world=world, precision=precision, batch=batch))
+                    except MptError as exc:
+                        refused.append(Refused(flags=flags, reason=str(exc)))
+    return found, refused
+
+
+def _layout(net: nn.Module, backend: str, options: dict[str, Any], pp: int, tp: int,
+            flags: tuple[str, ...], *, world: int, precision: str, batch: int) -> Layout:
+    """The layout of one combination; a UsageError where mpt refuses it."""
+    config = RunConfig.parse({"backend": backend, "backend_options": options,
+                              "pipeline_stages": pp, "tensor_parallel": tp,
+                              "precision": precision})
+    plan = config.layout(world)
+    if pp > 1:
+        stage_blocks(net, pp)
+    if tp > 1:
+        tensor_plan(net, tp)
+    microbatches = config.pipeline.microbatches if config.pipeline is not None else 1
+    per_replica, left = divmod(batch, plan.dp_size)
+    if left or per_replica % microbatches:
+        raise UsageError("--batch", batch, f"it does not split into {plan.dp_size} replica(s) "
+                         f"x {microbatches} micro-batch(es)",
+                         f"pass a multiple of {plan.dp_size * microbatches}")
+    return Layout(backend=backend, options=options, plan=plan, microbatches=microbatches,
+                  micro_batch=per_replica // microbatches, flags=flags)

@@ -1,0 +1,102 @@
+"""How long a collective over the ranks of one mesh axis takes on a cluster, and what it puts
+on each node's link.
+
+Ranks are numbered node by node (``rank = node x gpus + local rank``), and a ring visits a
+group's ranks in rank order, so each group leaves a node over one ring edge: a node's link
+carries the per-rank bytes of every group that spans nodes and has ranks on it, all at once.
+A collective then takes its ring steps' latency plus the longer of its intra-node edge (the
+device's link, or the collective measured between its ranks where calibrated) and the node's
+link shared by those groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mpt.parallel import Axis, ParallelPlan
+from mpt.plan.profiles import Device, Link
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Cluster:
+    """The machines a plan is for."""
+
+    nodes: int
+    """Nodes of the job."""
+    gpus: int
+    """Ranks (devices) per node."""
+    device: Device
+    """What each rank computes with, and the link between ranks of a node."""
+    link: Link
+    """Each node's link to the others (one direction)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Transfer:
+    """A collective's cost on the cluster."""
+
+    seconds: float
+    """Wall time of the collective."""
+    per_rank: float
+    """Bytes each rank sends."""
+    link_bytes: float
+    """Bytes the busiest node's link carries (0 when the groups stay inside nodes)."""
+    crosses: bool
+    """Whether its groups span nodes."""
+
+
+def ring_factor(kind: str, ranks: int) -> float:
+    """Bytes each rank sends, over the tensor's: 2(N-1)/N for an allreduce, (N-1)/N for an
+    all-gather or reduce-scatter (a send is one rank's share)."""
+    share = (ranks - 1) / ranks
+    return 2 * share if kind == "all_reduce" else share
+
+
+def collective(kind: str, size: float, plan: ParallelPlan, axis: Axis, cluster: Cluster
+               ) -> Transfer:
+    """A collective of a ``size``-byte tensor over every group of ``axis`` at once."""
+    groups = plan.groups(axis)
+    ranks = len(groups[0])
+    if ranks == 1 or size <= 0:
+        return Transfer(seconds=0.0, per_rank=0.0, link_bytes=0.0, crosses=False)
+    per_rank = ring_factor(kind, ranks) * size
+    steps = 2 * (ranks - 1) if kind == "all_reduce" else ranks - 1
+    fit = cluster.device.collectives.get(kind)
+    latency = fit.latency if fit else cluster.device.intra_node.latency
+    intra_bandwidth = fit.bus_bandwidth if fit else cluster.device.intra_node.bandwidth
+    nodes_of = [{rank // cluster.gpus for rank in group} for group in groups]
+    crossing = [nodes for nodes in nodes_of if len(nodes) > 1]
+    inside = any(len(group) > len(nodes) for group, nodes in zip(groups, nodes_of, strict=True))
+    intra = per_rank / intra_bandwidth if inside else 0.0
+    link_bytes = 0.0
+    if crossing:
+        busiest = max(sum(node in nodes for nodes in crossing) for node in range(cluster.nodes))
+        link_bytes = busiest * per_rank
+        latency = max(latency, cluster.link.latency)
+    seconds = steps * latency + max(intra, link_bytes / cluster.link.bandwidth)
+    return Transfer(seconds=seconds, per_rank=per_rank, link_bytes=link_bytes,
+                    crosses=bool(crossing))
+
+
+def send(size: float, plan: ParallelPlan, cluster: Cluster) -> Transfer:
+    """One point-to-point send of ``size`` bytes between adjacent pipeline stages (every
+    replica's at once)."""
+    if plan.pp == 1 or size <= 0:
+        return Transfer(seconds=0.0, per_rank=0.0, link_bytes=0.0, crosses=False)
+    pairs = [(plan.rank_at(pp=s, dp_replicate=r, dp_shard=d, tp=t),
+              plan.rank_at(pp=s + 1, dp_replicate=r, dp_shard=d, tp=t))
+             for s in range(plan.pp - 1) for r in range(plan.dp_replicate)
+             for d in range(plan.dp_shard) for t in range(plan.tp)]
+    crossing = [(a // cluster.gpus, b // cluster.gpus) for a, b in pairs
+                if a // cluster.gpus != b // cluster.gpus]
+    if not crossing:
+        link = cluster.device.intra_node
+        return Transfer(seconds=link.latency + size / link.bandwidth, per_rank=size,
+                        link_bytes=0.0, crosses=False)
+    busiest = max(sum(node == a for a, _ in crossing) for node in range(cluster.nodes))
+    return Transfer(seconds=cluster.link.latency + busiest * size / cluster.link.bandwidth,
+                    per_rank=size, link_bytes=busiest * size, crosses=True)

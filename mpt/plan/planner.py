@@ -1,0 +1,109 @@
+"""One model on one cluster: every layout priced and ranked, and the best one's launch line."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from mpt.errors import UsageError
+from mpt.estimate import OPTIMIZER_STATES, parameter_counts
+from mpt.pipeline.split import stage_blocks
+from mpt.plan.cost import Model, Prediction, predict
+from mpt.plan.layouts import Refused, layouts
+from mpt.plan.network import Cluster
+from mpt.plan.workload import profile, tp_plan_of
+from mpt.precision import describe
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """Every layout of a model on a cluster, best first."""
+
+    cluster: Cluster
+    """The machines."""
+    parameters: int
+    """The model's parameters."""
+    batch: int
+    """Samples per optimizer step over all ranks."""
+    precision: str
+    """``--precision``."""
+    fitting: tuple[Prediction, ...]
+    """Layouts that fit, fastest first."""
+    short: tuple[Prediction, ...]
+    """Layouts that do not fit, least short first."""
+    refused: tuple[Refused, ...]
+    """Combinations mpt refuses, with its reason."""
+
+    @property
+    def best(self) -> Prediction:
+        return self.fitting[0]
+
+
+def model_of(net: nn.Module, input_shape: Sequence[int], input_dtype: torch.dtype,
+             optimizer: str) -> Model:
+    """The cost model's view of ``net`` (on meta), profiled lazily per micro-batch size."""
+
+    @functools.cache
+    def workload(micro_batch: int) -> Any:
+        return profile(net, input_shape, input_dtype, micro_batch)
+
+    @functools.cache
+    def stages(pp: int) -> list[list[str]]:
+        return [[name for name, _ in blocks] for blocks in stage_blocks(net, pp)]
+
+    return Model(net=net, stages=stages, workload=workload, tp_plan=tp_plan_of(net),
+                 optimizer_states=OPTIMIZER_STATES[optimizer])
+
+
+def plan(net: nn.Module, cluster: Cluster, *, precision: str, batch: int,
+         input_shape: Sequence[int], input_dtype: torch.dtype, optimizer: str = "adam") -> Plan:
+    """Price every layout; a UsageError where none fits, naming the smallest shortfall."""
+    if batch < 1:
+        raise UsageError("--batch", batch, "it must be at least 1", "pass the global batch")
+    spec = describe(precision)
+    model = model_of(net, input_shape, input_dtype, optimizer)
+    found, refused = layouts(net, nodes=cluster.nodes, gpus=cluster.gpus, precision=precision,
+                             batch=batch, device_type=cluster.device.device_type)
+    predictions = [predict(layout, model, cluster, spec) for layout in found]
+    fitting = sorted((p for p in predictions if not p.short), key=lambda p: p.step)
+    short = sorted((p for p in predictions if p.short), key=lambda p: p.short)
+    result = Plan(cluster=cluster, parameters=parameter_counts(net)[0], batch=batch,
+                  precision=precision, fitting=tuple(fitting), short=tuple(short),
+                  refused=tuple(refused))
+    if not fitting:
+        _refuse_unfit(result)
+    return result
+
+
+def _refuse_unfit(result: Plan) -> None:
+    """No layout fits: name the closest and what it lacks."""
+    if not result.short:
+        reason = result.refused[0].reason if result.refused else "no combination"
+        raise UsageError("--nodes/--gpus", f"{result.cluster.nodes}x{result.cluster.gpus}",
+                         f"mpt runs no layout of this model there ({reason})",
+                         "change the cluster or --batch")
+    closest = result.short[0]
+    need = closest.total_memory / 2**30
+    raise UsageError("--nodes/--gpus", f"{result.cluster.nodes}x{result.cluster.gpus}",
+                     f"no layout fits in {result.cluster.device.memory / 2**30:.1f} GiB per "
+                     f"rank: the closest, {closest.layout.label}, needs {need:.2f} GiB per rank "
+                     f"of its fullest stage ({closest.short / 2**30:.2f} GiB short)",
+                     "add nodes or GPUs, a device with more memory, or a smaller --batch")
+
+
+def launch_line(prediction: Prediction, cluster: Cluster, script: str, batch: int,
+                precision: str) -> str:
+    """The `mpt launch` command of ``prediction``'s layout (node 0's, where several)."""
+    parts = ["mpt launch", f"--nodes {cluster.nodes}", f"--gpus {cluster.gpus}"]
+    if cluster.nodes > 1:
+        parts.append("--nr 0")
+    parts += [*prediction.layout.flags, f"--precision {precision}",
+              f"--global-batch-size {batch}"]
+    if prediction.layout.plan.pp > 1:
+        parts.append(f"--microbatches {prediction.layout.microbatches}")
+    return " ".join([*parts, script])

@@ -1,0 +1,136 @@
+"""What a device computes and what a link carries: named datasheet profiles, or calibrated ones.
+
+A profile is a set of figures the cost model divides by; nothing in it is fitted to the
+predictions it is later compared with. The datasheet figures below are the vendors' published
+peaks (dense, no sparsity), set before any comparison:
+
+- NVIDIA H100 SXM5 80 GB ("NVIDIA H100 Tensor Core GPU" datasheet, nvidia.com/h100): bf16/fp16
+  tensor core 989 TFLOP/s dense, fp32 (no TF32) 67 TFLOP/s, HBM3 3.35 TB/s, NVLink 4 900 GB/s
+  per GPU (both directions together: 450 GB/s each way).
+- NVIDIA H200 SXM 141 GB (nvidia.com/h200): the H100's compute, HBM3e 4.8 TB/s, NVLink 900 GB/s.
+- NVIDIA A100 SXM4 80 GB / 40 GB ("NVIDIA A100 Tensor Core GPU" datasheet, nvidia.com/a100):
+  bf16/fp16 312 TFLOP/s dense, fp32 19.5 TFLOP/s, HBM2e 2.04 TB/s (80 GB) / 1.56 TB/s (40 GB),
+  NVLink 3 600 GB/s per GPU (300 GB/s each way).
+- Ethernet / InfiniBand links by their line rate (1, 10, 100, 200, 400 Gbit/s, each way).
+
+A datasheet peak is never reached by a whole training step (kernel launches, memory-bound ops,
+the optimizer): the model adds the memory-bound time of every op (a roofline per op) but no
+other inefficiency, so a datasheet prediction is a lower bound, and the output says so.
+Latencies of datasheet links (5 us per ring step) are an assumption, stated as such.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from mpt.errors import UsageError
+
+GB = 1e9
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Link:
+    """One direction of a connection between two ranks: what a ring step over it costs."""
+
+    name: str
+    """The profile's name (``400gbit``, ``nvlink4``, ``calibrated gloo``)."""
+    bandwidth: float
+    """Bytes per second each way (a collective's bus bandwidth where calibrated)."""
+    latency: float = 5e-6
+    """Seconds one ring step costs whatever its size."""
+    source: str = "datasheet"
+    """Where the figures come from: ``datasheet`` or the calibration file."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CollectiveFit:
+    """A collective measured between the ranks of one machine: t = latency + factor x S / busbw
+    with the ring's factor (2(N-1)/N for an allreduce, (N-1)/N for the others)."""
+
+    latency: float
+    """Seconds of a collective of no bytes, per ring step."""
+    bus_bandwidth: float
+    """Bytes per second a rank moves in it, as nccl-tests' busbw."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Device:
+    """What one rank's device does per second."""
+
+    name: str
+    """The profile's name (``h100-sxm``) or the calibrated device's."""
+    flops: Mapping[str, float]
+    """Matmul FLOP/s by dtype name (``float32``, ``bfloat16``, ``float16``)."""
+    memory_bandwidth: float
+    """Bytes per second an elementwise op streams through memory."""
+    memory: float
+    """Bytes of device memory one rank may fill."""
+    intra_node: Link
+    """The link between two ranks of one node."""
+    op_overhead: float = 0.0
+    """Seconds each op costs beyond its FLOPs and bytes (dispatch, kernel launch)."""
+    overlap: float = 1.0
+    """Fraction of its overlap window a backend's collectives really hide behind compute:
+    1 where the collectives run on engines of their own (NCCL), 0 where they take the cores the
+    compute runs on (gloo on a CPU: docs/benchmarks.md's scaling runs measure negative overlap)."""
+    collectives: Mapping[str, CollectiveFit] = field(default_factory=dict)
+    """Measured collectives between ranks of one node, by name (``all_reduce``,
+    ``all_gather``, ``reduce_scatter``); empty: the intra-node link's ring figures."""
+    source: str = "datasheet"
+    """``datasheet``, or the calibration file the figures were measured into."""
+    device_type: str = "cuda"
+    """torch's device type of the ranks (what precision refusals are checked for)."""
+
+    def matmul_flops(self, dtype: str) -> float:
+        """FLOP/s of a matmul in ``dtype``, the fp32 figure where the dtype was not measured."""
+        return self.flops.get(dtype, self.flops["float32"])
+
+
+def _gpu(name: str, bf16: float, fp32: float, hbm: float, memory_gb: float, nvlink: str
+         ) -> Device:
+    return Device(name=name, flops={"bfloat16": bf16 * 1e12, "float16": bf16 * 1e12,
+                                    "float32": fp32 * 1e12},
+                  memory_bandwidth=hbm * 1e12, memory=memory_gb * GB, intra_node=LINKS[nvlink],
+                  op_overhead=0.0, overlap=1.0)
+
+
+LINKS: dict[str, Link] = {
+    "nvlink4": Link(name="nvlink4", bandwidth=450 * GB),  # 900 GB/s both ways together
+    "nvlink3": Link(name="nvlink3", bandwidth=300 * GB),  # 600 GB/s both ways together
+    **{f"{rate}gbit": Link(name=f"{rate}gbit", bandwidth=rate * 1e9 / 8)
+       for rate in (1, 10, 25, 100, 200, 400)},
+}
+"""Named links; any ``<N>gbit`` or ``<N>mbit`` rate is also taken as a line rate."""
+
+DEVICES: dict[str, Device] = {
+    "h100-sxm": _gpu("h100-sxm", 989.0, 67.0, 3.35, 80, "nvlink4"),
+    "h200": _gpu("h200", 989.0, 67.0, 4.8, 141, "nvlink4"),
+    "a100-sxm-80gb": _gpu("a100-sxm-80gb", 312.0, 19.5, 2.039, 80, "nvlink3"),
+    "a100-sxm-40gb": _gpu("a100-sxm-40gb", 312.0, 19.5, 1.555, 40, "nvlink3"),
+}
+"""Named devices with their datasheet figures (sources in the module docstring)."""
+
+RATE = re.compile(r"(\d+(?:\.\d+)?)(g|m)bit")
+
+
+def device_profile(name: str) -> Device:
+    """The named device; a UsageError lists the known ones."""
+    if name not in DEVICES:
+        raise UsageError("--device", name, "no such device profile",
+                         f"use one of {', '.join(DEVICES)}, or --calibration FILE from "
+                         "`mpt plan --calibrate`")
+    return DEVICES[name]
+
+
+def link_profile(name: str) -> Link:
+    """The named link, or a line rate such as ``25gbit``; a UsageError lists the known."""
+    if name in LINKS:
+        return LINKS[name]
+    rate = RATE.fullmatch(name.strip().lower())
+    if rate is None or float(rate.group(1)) <= 0:
+        raise UsageError("--link", name, "no such link profile",
+                         f"use one of {', '.join(LINKS)}, or a rate such as 25gbit or 500mbit")
+    scale = 1e9 if rate.group(2) == "g" else 1e6
+    return Link(name=name, bandwidth=float(rate.group(1)) * scale / 8)

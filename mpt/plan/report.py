@@ -1,0 +1,85 @@
+"""`mpt plan`'s output: a table for people, JSON for tools."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from mpt.plan.cost import Prediction
+from mpt.plan.planner import Plan, launch_line
+
+GIB = 2.0**30
+MB = 1e6
+
+
+def _source(result: Plan) -> str:
+    device, link = result.cluster.device, result.cluster.link
+    made = "datasheet" if device.source == "datasheet" else f"calibrated ({device.source})"
+    return (f"device {device.name}: {made}; node link {link.name}: {link.source}"
+            + ("; datasheet peaks: a lower bound of the step" if device.source == "datasheet"
+               else ""))
+
+
+def as_json(result: Plan, script: str) -> dict[str, Any]:
+    """Every figure, in seconds and bytes."""
+    return {
+        "cluster": {"nodes": result.cluster.nodes, "gpus": result.cluster.gpus,
+                    "device": result.cluster.device.name, "link": result.cluster.link.name,
+                    "source": _source(result)},
+        "parameters": result.parameters, "batch": result.batch, "precision": result.precision,
+        "best": None if not result.fitting else launch_line(
+            result.best, result.cluster, script, result.batch, result.precision),
+        "fitting": [_entry(p) for p in result.fitting],
+        "not_fitting": [_entry(p) for p in result.short],
+        "refused": [{"flags": " ".join(r.flags), "reason": r.reason} for r in result.refused],
+    }
+
+
+def _entry(p: Prediction) -> dict[str, Any]:
+    return {"layout": p.layout.label, "mesh": p.layout.plan.describe(),
+            "microbatches": p.layout.microbatches, "micro_batch": p.layout.micro_batch,
+            "memory": {"parameters": p.memory.parameters, "gradients": p.memory.gradients,
+                       "optimizer": p.memory.optimizer, "activations": p.activations,
+                       "total": p.total_memory, "capacity": p.capacity, "short": p.short},
+            "step_s": p.step, "compute_s": p.compute, "exposed_comm_s": p.exposed,
+            "hidden_comm_s": p.hidden, "bubble_s": p.bubble, "terms_s": dict(p.terms),
+            "link_bytes": p.link_bytes, "rank_bytes": p.rank_bytes, "limiter": p.limiter}
+
+
+def _short(label: str) -> str:
+    """A layout's flags without ``--backend`` (the table is wide)."""
+    return label.removeprefix("--backend ")
+
+
+def print_tables(result: Plan, script: str, console: Console) -> None:
+    """The ranking, the layouts that do not fit, and the best layout's launch line."""
+    cluster = result.cluster
+    table = Table(title=f"{result.parameters:,} parameters on {cluster.nodes} x {cluster.gpus}"
+                  f" ranks, global batch {result.batch}, {result.precision}; {_source(result)}")
+    for column in ("layout", "memory/rank GiB", "step ms", "compute", "exposed comm",
+                   "bubble", "samples/s", "MB/link/step", "limited by"):
+        table.add_column(column, justify="left" if column in ("layout", "limited by")
+                         else "right", no_wrap=column in ("layout", "limited by"))
+    for p in result.fitting:
+        table.add_row(_short(p.layout.label), f"{p.total_memory / GIB:.2f}", f"{p.step * 1e3:.1f}",
+                      f"{p.compute * 1e3:.1f}", f"{p.exposed * 1e3:.1f}",
+                      f"{p.bubble * 1e3:.1f}", f"{result.batch / p.step:,.0f}",
+                      f"{p.link_bytes / MB:.1f}", p.limiter)
+    console.print(table)
+    if result.short:
+        lacking = Table(title=f"layouts that do not fit in {cluster.device.memory / GIB:.1f} "
+                        "GiB per rank")
+        for column in ("layout", "needs GiB/rank", "short GiB"):
+            lacking.add_column(column, justify="left" if column == "layout" else "right")
+        for p in result.short:
+            lacking.add_row(_short(p.layout.label), f"{p.total_memory / GIB:.2f}",
+                            f"{p.short / GIB:.2f}")
+        console.print(lacking)
+    console.print(f"{len(result.refused)} other combinations are refused by mpt (--json lists "
+                  "each with its reason). Not counted in memory: communication buffers, the "
+                  "allocator's slack, the process (a few hundred MiB).")
+    if result.fitting:
+        console.print("best: " + launch_line(result.best, cluster, script, result.batch,
+                                             result.precision), markup=False)

@@ -1,0 +1,198 @@
+"""What one micro-batch costs a model, block by block, measured on the meta device.
+
+The model runs forward and backward on meta tensors (nothing allocated, any size) under a
+dispatch mode that records every op torch runs: its FLOPs (torch's own formulas,
+``torch.utils.flop_counter``) and the bytes it reads and writes (its tensor arguments and
+results). The cost model turns each op into time with a roofline, ``max(FLOPs / peak, bytes /
+memory bandwidth)``, so memory-bound ops (norms, activations, small batches' matmuls) count at
+their real cost instead of their FLOPs.
+
+It runs block by block (``mpt.pipeline.split.ordered_blocks``: what a pipeline cuts between) so
+that every pipeline split the enumeration tries is priced from the same records, and records
+what crosses each cut (the block's output) and what autograd saves (``mpt.estimate``'s count).
+Under tensor parallelism (``tensor_parallel_plan()``), the ops inside the modules the plan
+splits are marked: they divide over the tp ranks; a ``rowwise`` module's output is summed over
+them in the forward, a ``colwise`` module's input gradient in the backward (Megatron's four
+allreduces per transformer block).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+from mpt.errors import UsageError
+from mpt.estimate import activation_bytes, example_input
+from mpt.pipeline.split import ordered_blocks
+
+FREE = {torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default}
+"""Ops that move no bytes though torch does not mark them as views."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Op:
+    """One op of a forward or backward."""
+
+    flops: float
+    """Floating-point operations (matmuls and convolutions; 0 for the rest)."""
+    bytes: float
+    """Bytes of its tensor arguments and results."""
+    split: bool = False
+    """Whether it runs on 1/T of the features under tensor parallelism: inside a module the
+    plan splits, or between a colwise module and the rowwise one that sums its result."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BlockCost:
+    """One block (what a pipeline stage is made of) for one micro-batch."""
+
+    name: str
+    """The block's name in the model (``blocks.3``), or ``model`` for an unsplittable one."""
+    forward: tuple[Op, ...]
+    """The forward's ops, in order."""
+    backward: tuple[Op, ...]
+    """The backward's ops (input and weight gradients); split in the forward's proportion."""
+    activations: int
+    """Bytes autograd saves for the backward (``mpt.estimate.activation_bytes``)."""
+    output_bytes: int
+    """Bytes of the block's output: what a pipeline sends to the next stage, and the size of
+    its gradient coming back."""
+    tp_forward_bytes: int
+    """Bytes the forward sums over tp ranks: the outputs of the plan's ``rowwise`` modules."""
+    tp_backward_bytes: int
+    """Bytes the backward sums over tp ranks: the input gradients of ``colwise`` modules."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Workload:
+    """A model at one micro-batch size: every block's cost, in forward order."""
+
+    micro_batch: int
+    """Samples per forward."""
+    blocks: tuple[BlockCost, ...]
+    """The blocks' costs, in forward order."""
+    splittable: bool
+    """Whether the model can be cut into pipeline stages (``ordered_blocks`` found blocks)."""
+
+
+class _Recorder(TorchDispatchMode):
+    """Records each op's FLOPs and bytes; ``split`` is set while a planned module runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[Op] = []
+        self.split = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.is_view or func in FREE:
+            return out
+        packet = func.overloadpacket
+        flops = float(flop_registry[packet](*args, **kwargs, out_val=out)) \
+            if packet in flop_registry else 0.0
+        moved = sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
+                    if isinstance(t, torch.Tensor))
+        self.ops.append(Op(flops=flops, bytes=float(moved), split=self.split))
+        return out
+
+
+def style_of(entry: Any) -> str:
+    """``colwise``, ``rowwise`` or another style's name, for a tensor_parallel_plan() value."""
+    if isinstance(entry, str):
+        return entry
+    style = getattr(entry, "style", None)
+    if isinstance(style, str):
+        return style
+    name = type(entry).__name__.lower()
+    return next((s for s in ("colwise", "rowwise") if s in name), name)
+
+
+def tp_plan_of(model: nn.Module) -> dict[str, str]:
+    """The model's tensor-parallel plan as module name -> style; empty where it has none."""
+    plan = getattr(model, "tensor_parallel_plan", None)
+    return {name: style_of(entry) for name, entry in plan().items()} if callable(plan) else {}
+
+
+def blocks_of(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], bool]:
+    """The model's blocks in forward order, and whether it can be cut between them; a model
+    that follows no pipeline convention is one block."""
+    try:
+        return ordered_blocks(model), True
+    except UsageError:
+        return [("model", model)], False
+
+
+def profile(model: nn.Module, input_shape: Sequence[int], input_dtype: torch.dtype,
+            micro_batch: int) -> Workload:
+    """Every block's cost for a micro-batch of ``micro_batch`` samples of ``input_shape``."""
+    blocks, splittable = blocks_of(model)
+    plan = tp_plan_of(model)
+    x = example_input([micro_batch, *input_shape], input_dtype)
+    costs = []
+    for index, (name, block) in enumerate(blocks):
+        # The data needs no gradient; every later block's input does (its backward makes it).
+        cost, x = _block_cost(model, name, block, x, plan, input_grad=index > 0)
+        costs.append(cost)
+    return Workload(micro_batch=micro_batch, blocks=tuple(costs), splittable=splittable)
+
+
+def _block_cost(model: nn.Module, name: str, block: nn.Module, x: torch.Tensor,
+                plan: dict[str, str], *, input_grad: bool) -> tuple[BlockCost, torch.Tensor]:
+    """One block's records, and its output (the next block's input, detached)."""
+    recorder = _Recorder()
+    sums = {"rowwise": 0, "colwise": 0}
+    handles = _mark_planned(model, block, plan, recorder, sums)
+    if input_grad and x.is_floating_point():
+        x = x.detach().requires_grad_(True)
+    try:
+        with recorder:
+            out = block(x)
+        forward = tuple(recorder.ops)
+        recorder.ops.clear()
+        with recorder:
+            out.backward(torch.empty_like(out))
+        backward = tuple(recorder.ops)
+    finally:
+        for handle in handles:
+            handle.remove()
+    saved = activation_bytes(block, x)
+    cost = BlockCost(name=name, forward=forward, backward=backward, activations=saved,
+                     output_bytes=out.numel() * out.element_size(),
+                     tp_forward_bytes=sums["rowwise"], tp_backward_bytes=sums["colwise"])
+    return cost, out.detach()
+
+
+def _mark_planned(model: nn.Module, block: nn.Module, plan: dict[str, str],
+                  recorder: _Recorder, sums: dict[str, int]) -> list[Any]:
+    """Forward hooks on the block's planned modules: mark their ops split, add up what the
+    tp ranks sum (a rowwise module's output, a colwise module's input)."""
+    names = {id(module): name for name, module in model.named_modules()}
+    handles = []
+    for module in block.modules():
+        style = plan.get(names.get(id(module), ""))
+        if style is None:
+            continue
+
+        def enter(_m: nn.Module, args: tuple[Any, ...]) -> None:
+            recorder.split = True
+
+        def leave(_m: nn.Module, args: tuple[Any, ...], out: Any, style: str = style) -> None:
+            # A colwise output stays split (attention's heads, the MLP's hidden features)
+            # until a rowwise module sums it: the ops between run on 1/T of the features.
+            recorder.split = style == "colwise"
+            if style == "rowwise":
+                sums["rowwise"] += out.numel() * out.element_size()
+            elif style == "colwise":
+                sums["colwise"] += args[0].numel() * args[0].element_size()
+
+        handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+    return handles

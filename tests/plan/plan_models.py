@@ -1,0 +1,21 @@
+"""Model builders the `mpt plan` tests name as FILE.py:FUNCTION."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def mlp() -> nn.Module:
+    """docs/benchmarks.md's communication-bound MLP: 25.2 M parameters, 100.7 MB of fp32
+    gradients."""
+    return nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
+                         nn.Linear(4096, 1024))
+
+
+def huge() -> nn.Module:
+    """8.6 G parameters: more than any rank of a small cluster holds with Adam."""
+    return nn.Sequential(*(nn.Linear(32768, 32768) for _ in range(8)))
+
+
+def not_a_module() -> int:
+    return 3

@@ -1,0 +1,75 @@
+"""The cost model's terms against the ring bound, the bubble formula and the bytes on the wire
+docs/benchmarks.md measured."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from plan_models import mlp
+
+from mpt.errors import UsageError
+from mpt.estimate import meta_model
+from mpt.parallel import ParallelPlan
+from mpt.plan.network import Cluster, collective
+from mpt.plan.planner import plan
+from mpt.plan.profiles import device_profile, link_profile
+
+GRADIENTS = 25_175_040 * 4  # the MLP's fp32 gradients, 100.7 MB
+
+
+def _cluster(nodes: int, gpus: int, link: str = "1gbit") -> Cluster:
+    return Cluster(nodes=nodes, gpus=gpus, device=device_profile("h100-sxm"),
+                   link=link_profile(link))
+
+
+def _plan(nodes: int, gpus: int, link: str = "1gbit", **kw):
+    return plan(meta_model(mlp), _cluster(nodes, gpus, link), precision="fp32",
+                batch=8 * nodes * gpus, input_shape=[1024], input_dtype=torch.float32, **kw)
+
+
+def _by_label(result, label: str):
+    return next(p for p in (*result.fitting, *result.short) if p.layout.label == label)
+
+
+def test_allreduce_across_two_nodes_is_the_ring_bound() -> None:
+    """docs/benchmarks.md: ring bound of 100.7 MB at 1 Gbit/s over 2 nodes, 0.806 s."""
+    cluster = _cluster(2, 1)
+    moved = collective("all_reduce", GRADIENTS, ParallelPlan(dp_replicate=2), "dp_replicate",
+                       cluster)
+    assert moved.link_bytes == pytest.approx(GRADIENTS)
+    assert moved.seconds == pytest.approx(0.806, abs=0.001)
+
+
+def test_bytes_on_the_link_match_the_measured_ones() -> None:
+    """Measured per node per step at 2 nodes (docs/benchmarks.md, `make scaling`): ddp, apex,
+    horovod 100.9 MB; DeepSpeed ZeRO-1 151 MB."""
+    result = _plan(2, 1)
+    for label in ("--backend ddp", "--backend apex", "--backend horovod"):
+        assert _by_label(result, label).link_bytes / 1e6 == pytest.approx(100.7, abs=0.1)
+    zero1 = _by_label(result, "--backend deepspeed --zero-stage 1")
+    assert zero1.link_bytes / 1e6 == pytest.approx(151.0, abs=0.2)
+
+
+def test_pipeline_bubble_is_p_minus_1_over_m_plus_p_minus_1() -> None:
+    result = _plan(1, 2)
+    piped = _by_label(result, "--backend ddp --pipeline-stages 2")
+    m, p = piped.layout.microbatches, piped.layout.plan.pp
+    work = piped.terms["forward"] + piped.terms["backward"]
+    assert piped.bubble / (work + piped.bubble) == pytest.approx((p - 1) / (m + p - 1))
+
+
+def test_refusals_are_mpts_own() -> None:
+    result = _plan(1, 2)
+    reasons = {" ".join(r.flags): r.reason for r in result.refused}
+    assert "cannot cut a model into pipeline stages" in reasons[
+        "--backend horovod --pipeline-stages 2"]
+    assert "tensor_parallel_plan" in reasons["--backend ddp --tensor-parallel 2"] or \
+        "tensor" in reasons["--backend ddp --tensor-parallel 2"]
+
+
+def test_unknown_profiles_list_the_known() -> None:
+    with pytest.raises(UsageError, match="h100-sxm"):
+        device_profile("b300")
+    with pytest.raises(UsageError, match="400gbit"):
+        link_profile("carrier-pigeon")
+    assert link_profile("25gbit").bandwidth == pytest.approx(25e9 / 8)
