@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.console import Console
 
-from mpt.backends.base import BackendOption
+from mpt.backends.base import BackendOption, LaunchOption
 from mpt.cli_checkpoint import app as checkpoint_app
+from mpt.cli_plan import plan_command
 from mpt.config import ConfigurableCommand, load_into_context
 from mpt.errors import MptError, UsageError
 from mpt.estimate import OPTIMIZER_STATES
@@ -97,6 +98,8 @@ RunOptions = dict[str, Any] | None
 """A command's parameter that ``_with_run_options`` replaces by one option per setting."""
 BackendFlags = dict[str, Any] | None
 """A command's parameter that ``_with_run_options`` replaces by the backends' own flags."""
+LaunchFlags = dict[str, Any] | None
+"""A command's parameter that ``_with_run_options`` replaces by the backends' launch flags."""
 
 
 def _run_option(setting: dataclasses.Field[Any]) -> inspect.Parameter:
@@ -114,33 +117,58 @@ def _run_option(setting: dataclasses.Field[Any]) -> inspect.Parameter:
                                  metavar=metavar, help=help_text)])
 
 
+def _parameter(flag: str) -> str:
+    """The command's parameter of a generated flag: ``--zero-stage`` -> ``zero_stage``."""
+    return flag.removeprefix("--").replace("-", "_")
+
+
 def _backend_flags() -> dict[str, tuple[str, str, BackendOption]]:
     """Parameter name -> (backend, option name, option) of every built-in backend option with a
     flag."""
     from mpt.backends import BUILTIN
 
-    return {option.flag.removeprefix("--").replace("-", "_"): (backend, name, option)
+    return {_parameter(option.flag): (backend, name, option)
             for backend, cls in BUILTIN.items() for name, option in cls.options.items()
             if option.flag is not None}
 
 
-def _backend_flag(parameter: str, backend: str, option: BackendOption) -> inspect.Parameter:
-    """The `mpt launch` flag of one backend option; its value is parsed by the backend."""
-    help_text = f"--backend {backend}: {option.help}."
+def _launch_flags() -> dict[str, tuple[str, str, LaunchOption]]:
+    """Parameter name -> (its backends, option name, option) of every built-in backend's
+    launch options; backends that declare the same flag share it (``horovod or other``)."""
+    from mpt.backends import BUILTIN
+
+    found: dict[str, tuple[str, str, LaunchOption]] = {}
+    for backend, cls in BUILTIN.items():
+        for name, option in cls.launch_options.items():
+            parameter = _parameter(option.flag)
+            first = found.get(parameter)  # its declaration and help; every backend named
+            found[parameter] = ((backend, name, option) if first is None
+                                else (f"{first[0]} or {backend}", first[1], first[2]))
+    return found
+
+
+def _backend_flag(parameter: str, backend: str, option: BackendOption, *,
+                  applies_with: str = "", default: str | None = None) -> inspect.Parameter:
+    """The `mpt launch` flag of one backend option; its value is parsed by the backend (a
+    launch option's by the launcher)."""
+    help_text = f"--backend {' '.join(filter(None, (backend, applies_with)))}: {option.help}."
     annotation: Any = (Annotated[bool, typer.Option(option.flag, help=help_text)]
                        if option.is_switch else
                        Annotated[str | None, typer.Option(option.flag, help=help_text,
-                                                          metavar="VALUE")])
+                                                          metavar=option.metavar)])
     return inspect.Parameter(parameter, inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                             default=False if option.is_switch else None, annotation=annotation)
+                             default=False if option.is_switch else default,
+                             annotation=annotation)
 
 
 def _with_run_options(command: Callable[..., None]) -> Callable[..., None]:
     """``command`` with one option per ``RunConfig`` setting where its ``run`` parameter was,
-    and one flag per backend option that declares one where its ``backend_flags`` was; it
-    receives their values, as given, in ``run`` and ``backend_flags`` (options by name)."""
+    one flag per backend option that declares one where its ``backend_flags`` was, and one per
+    backend launch option where its ``launch_flags`` was; it receives their values, as given,
+    in ``run``, ``backend_flags`` and ``launch_flags`` (options by name)."""
     settings = dataclasses.fields(RunConfig)
     flags = _backend_flags()
+    launch_flags = _launch_flags()
     signature = inspect.signature(command, eval_str=True)
     parameters: list[inspect.Parameter] = []
     for parameter in signature.parameters.values():
@@ -149,6 +177,10 @@ def _with_run_options(command: Callable[..., None]) -> Callable[..., None]:
         elif parameter.name == "backend_flags":
             parameters += [_backend_flag(p, backend, option)
                            for p, (backend, _, option) in flags.items()]
+        elif parameter.name == "launch_flags":
+            parameters += [_backend_flag(p, backends, option, applies_with=option.applies_with,
+                                         default=option.default)
+                           for p, (backends, _, option) in launch_flags.items()]
         else:
             parameters.append(parameter)
 
@@ -156,7 +188,9 @@ def _with_run_options(command: Callable[..., None]) -> Callable[..., None]:
     def with_run_options(**values: Any) -> None:
         run = {s.name: values.pop(s.name) for s in settings}
         given = {flags[p][1]: values.pop(p) for p in flags}
+        launch = {launch_flags[p][1]: values.pop(p) for p in launch_flags}
         command(run=run, backend_flags={k: v for k, v in given.items() if v not in (None, False)},
+                launch_flags={k: v for k, v in launch.items() if v not in (None, False)},
                 **values)
 
     with_run_options.__signature__ = signature.replace(  # type: ignore[attr-defined]
@@ -210,16 +244,7 @@ def launch(
     rdzv_timeout: Annotated[str, typer.Option(
         metavar="SECONDS", help="How long node 0 waits for the other nodes to arrive; also how "
         "long a node that can no longer reach the rendezvous host waits before it ends.")] = "900",
-    hosts: Annotated[str | None, typer.Option(
-        metavar="H1,H2", help="--backend horovod: start every node from here through "
-        "horovodrun (over ssh), one host per node; without it each node runs `mpt launch "
-        "--nr R`.")] = None,
-    hostfile: Annotated[Path | None, typer.Option(
-        metavar="FILE", help="--backend horovod: as --hosts, from 'HOST slots=N' lines.")
-                        ] = None,
-    horovod_controller: Annotated[str, typer.Option(
-        metavar="C", help="--backend horovod with --hosts/--hostfile: horovodrun's "
-        "controller, gloo or mpi.")] = "gloo",
+    launch_flags: LaunchFlags = None,  # how each backend's job may start (see _with_run_options)
     backend_flags: BackendFlags = None,  # each backend's own options (see _with_run_options)
     local_rank_arg: LocalRankArgOption = False,
     dry_run: Annotated[bool, typer.Option(
@@ -230,7 +255,6 @@ def launch(
 
     from mpt import launchers
     from mpt.elastic import check_node_rank, default_max_restarts, parse_nodes
-    from mpt.launchers.horovod_join import check_port, check_restarts
     from mpt.launchers.logs import console_lines
     from mpt.launchers.node_rank import NodeRankClaim, RendezvousError
 
@@ -254,20 +278,19 @@ def launch(
         else parse_int("--max-restarts", max_restarts),
         heartbeat_timeout=parse_number("--heartbeat-timeout", heartbeat_timeout),
         grace_period=parse_int("--grace-period", grace_period),
-        rdzv_timeout=parse_int("--rdzv-timeout", rdzv_timeout), local_rank_arg=local_rank_arg)
+        rdzv_timeout=parse_int("--rdzv-timeout", rdzv_timeout), local_rank_arg=local_rank_arg,
+        launch_options=launch_flags or {})
     if tee is not None:  # checked against the world, so after the spec has checked the world
         spec = dataclasses.replace(spec, tee=_tee(tee, spec))
-    if hosts or hostfile:  # else every backend, horovod too, starts this node's processes
-        _launch_horovodrun(spec, hosts, hostfile, horovod_controller, dry_run)
+    job_launcher = spec.job_launcher()
+    if job_launcher is not None:  # else every backend, horovod too, starts this node's processes
+        _launch_job(spec, job_launcher, dry_run)
         return
     cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if dry_run:
         _print_plan(spec, cuda_devices)
         return
     spec.check_machine(cuda_devices)
-    if not spec.elastic:  # an elastic job runs no Horovod rendezvous (Horovod is refused)
-        check_port(spec)
-    check_restarts(spec)
     if not cuda_devices:
         _say(f"mpt: no CUDA device here: running {spec.gpus} CPU process(es) per node on gloo")
     try:
@@ -317,37 +340,21 @@ def _tee(value: str, spec: LaunchSpec) -> frozenset[int]:
     return parse_tee(value, spec.world.world_size)
 
 
-def _horovodrun_can_start(backend: str) -> bool:
-    """Whether horovodrun can start the backend's processes (the backend says so itself)."""
-    from mpt.backends import get_backend
+def _launch_job(spec: LaunchSpec, launcher: str, dry_run: bool) -> None:
+    """Run the whole job (every node) through the backend's own ``launcher`` (a module of
+    ``mpt.launchers`` with ``describe`` and ``run``), as its launch options asked; its exit
+    code becomes ours."""
+    import importlib
 
-    return get_backend(backend).launcher == "horovodrun"
-
-
-def _launch_horovodrun(spec: LaunchSpec, hosts: str | None, hostfile: Path | None,
-                       controller: str, dry_run: bool) -> None:
-    """Run the whole job (every node) through one horovodrun, for those who ask for it with
-    --hosts/--hostfile; its exit code becomes ours."""
-    import shlex
-
-    from mpt.launchers import horovodrun
-
-    if not _horovodrun_can_start(spec.backend):
-        raise UsageError("--hosts" if hosts else "--hostfile", hosts or hostfile,
-                         f"backend {spec.backend!r} is not started by horovodrun",
-                         "use --backend horovod, or run `mpt launch --nr R` on each node")
-    job_hosts = horovodrun.job_hosts(spec, hosts, hostfile)
-    command = horovodrun.horovodrun_command(spec, job_hosts, controller)
+    job = importlib.import_module(f"mpt.launchers.{launcher}")
     if dry_run:
-        settings = " ".join(f"{k}={shlex.quote(v)}"
-                            for k, v in horovodrun.horovodrun_env(spec).items())
-        out.print(f"{settings} {shlex.join(command)}")
+        out.print(job.describe(spec), markup=False)
         return
-    result = horovodrun.run(spec, job_hosts, controller)
-    for line in result.lines(spec.local_rank_arg):
-        err.print(line, markup=False)
-    if result.code:
-        raise typer.Exit(result.code)
+    code, lines = job.run(spec)
+    for line in lines:
+        _say(line)
+    if code:
+        raise typer.Exit(code)
 
 
 AXIS_COLUMNS = {"pp": "stage", "dp_replicate": "replica", "dp_shard": "shard",
@@ -609,6 +616,7 @@ def visualize(
 
 config_app = typer.Typer(help="Config files for `mpt launch --config FILE`.",
                          no_args_is_help=True)
+app.command("plan")(plan_command)
 app.add_typer(config_app, name="config")
 app.add_typer(checkpoint_app, name="checkpoint")
 app.add_typer(install_app, name="install")

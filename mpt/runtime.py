@@ -1,55 +1,47 @@
-"""``mpt.Runtime``: the one object a training script talks to.
-
-It wires the parts together and only delegates: the backend wraps and reduces, the precision
-casts and scales, ``TrainStep`` (the backend's) runs backward/clip/step, ``CheckpointSession``
-saves and resumes, ``Loaders`` shards the data, ``WorkerFaults`` answers to the launcher. It never
-asks which backend it runs on, so adding a backend never touches this file.
-"""
+"""``mpt.Runtime``: the one object a training script talks to. It wires the parts together
+and only delegates: the backend wraps and reduces, the precision casts and scales, ``TrainStep``
+(the backend's) runs backward/clip/step, ``CheckpointSession`` saves and resumes, ``Loaders``
+shards the data, ``Monitor`` reports, ``WorkerFaults`` answers to the launcher. It never asks
+which backend it runs on, so adding a backend never touches this file."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any, overload
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from mpt.backends import Backend, Topology
+from mpt.backends import Topology
 from mpt.checkpoint.session import CheckpointSession, Schedulers
-from mpt.checkpoint.snapshot import peer_snapshots
 from mpt.connector import connect
 from mpt.data import DistributedLoader, Loaders
-from mpt.elastic import report_resize
-from mpt.environments import World
 from mpt.errors import UsageError
 from mpt.fault.worker import WorkerFaults
 from mpt.launchers.notes import note_runtime
-from mpt.metrics import MetricsConfig, Monitor
-from mpt.pairs import Pair, Pairs
-from mpt.precision import Precision
+from mpt.metrics import Monitor
+from mpt.pairs import Pairs
 from mpt.run_config import RunConfig
 from mpt.scaling import BatchPlan, lr_factor
 from mpt.step import TrainStep
 
 
-class Runtime:
+class Runtime(contextlib.AbstractContextManager["Runtime"]):
     """Run one training script on any backend, precision and number of processes.
 
     Args:
-        config: every run setting (``mpt.RunConfig``); default: what `mpt launch` handed this
-            process (``MPT_RUN_CONFIG``), else the defaults (``ddp``, ``fp32``, no
-            accumulation, dynamic loss scaling).
+        config: every run setting (``mpt.RunConfig``); default: `mpt launch`'s hand-off
+            (``MPT_RUN_CONFIG``), else the defaults (``ddp``, ``fp32``, dynamic loss scaling).
         seed: seed of the per-epoch shuffle of ``setup_dataloader``.
         batch_size: the script's per-rank micro-batch size; with a global batch size, the
-            accumulation steps are derived from it (else the batch size is derived).
+            accumulation steps are derived from it (else the batch size is).
         env: the environment to read (``os.environ`` by default).
-        **settings: ``RunConfig`` settings by name (``backend="fsdp"``, ``precision=
-            "bf16-mixed"``; each `mpt launch` flag says what it does), on top of ``config``;
-            None keeps its value. ``loss_scale`` may be a ``LossScaleConfig``, ``timeout`` a
-            ``timedelta``.
+        **settings: ``RunConfig`` settings by name (``backend="fsdp"``; each `mpt launch` flag
+            says what it does) on top of ``config``; None keeps its value. ``loss_scale`` may
+            be a ``LossScaleConfig``, ``timeout`` a ``timedelta``.
     """
 
     def __init__(self, config: RunConfig | None = None, *, seed: int = 0,
@@ -58,20 +50,15 @@ class Runtime:
         env = os.environ if env is None else env
         note_runtime()  # `mpt launch` reports run flags no Runtime applied
         run = connect(env, config, batch_size=batch_size, **settings)
-        self._faults = WorkerFaults(run.world.rank, env)
+        self._faults = WorkerFaults(run.world, env, sum_async=run.backend.sum_async)
         self.config: RunConfig = run.config
         """Every run setting, as this process trains with it."""
-        self.world: World = run.world
-        self.device: torch.device = run.device
+        self.world, self.device, self.accumulate = run.world, run.device, run.accumulate
+        self.precision, self.backend, self._batch_size = run.precision, run.backend, run.batch_size
         self.topology: Topology = run.topology
         """Where this rank sits in the backend's layout: its data-parallel rank and size."""
         self.batch_plan: BatchPlan | None = run.batch_plan
         """How the global batch splits over replicas and micro-batches (None: no global size)."""
-        self.accumulate: int = run.accumulate
-        self._batch_size = run.batch_size
-        self.precision: Precision = run.precision
-        self.backend: Backend = run.backend
-        config = self.config
         self.backend.init_process_group()
         for line in run.notes():
             self.print(line)
@@ -79,22 +66,14 @@ class Runtime:
         """Every model and optimizer ``setup`` was given, by name."""
         self._loaders = Loaders(rank=self.topology.dp_rank, world_size=self.topology.dp_size,
                                 device=self.device, seed=seed, batch_plan=self.batch_plan)
-        self.monitor = Monitor(
-            MetricsConfig(run_dir=None if config.run_dir is None else Path(config.run_dir),
-                          quiet=config.quiet, log_every=config.log_every,
-                          all_ranks=config.metrics_all_ranks),
-            rank=self.rank, device=self.device, precision=self.precision, meta={
-                "backend": self.backend.name, "precision": self.precision.name,
-                "world_size": self.world_size, "accumulate": self.accumulate})
+        self.monitor = Monitor.for_run(run)
         """Progress bar and metrics files, fed by backward, clip_grad_norm_ and step."""
         self._step: TrainStep = self.backend.make_step(
             pairs=self.pairs, accumulate=self.accumulate, monitor=self.monitor,
             mark=self._faults.mark, on_iteration=self._on_iteration)
-        self._checkpoints = CheckpointSession(
-            backend=self.backend, pairs=self.pairs, loaders=lambda: self._loaders.loaders,
-            root=config.checkpoint_dir, resume=config.resume or "auto",
-            async_save=config.async_save, snapshots=peer_snapshots(
-                config.snapshot_every, config.snapshot_dir, self.backend, self.backend.timeout))
+        self._checkpoints = CheckpointSession.for_run(
+            run, pairs=self.pairs, monitor=self.monitor, loaders=lambda: self._loaders.loaders,
+            say=self.print)
 
     # -- who am I -----------------------------------------------------------------------------
     @property
@@ -132,8 +111,7 @@ class Runtime:
 
     @property
     def global_step(self) -> int:
-        """Training iterations done (every optimizer stepped once), counted on from a loaded
-        checkpoint's step."""
+        """Training iterations done (each optimizer stepped once), on from a loaded checkpoint's."""
         return self._step.global_step
 
     def print(self, *args: Any, **kwargs: Any) -> None:
@@ -153,27 +131,14 @@ class Runtime:
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
               name: str | None = None) -> tuple[nn.Module, torch.optim.Optimizer] | nn.Module:
         """Move the model to this rank's device and wrap it and its optimizer for the backend;
-        under an autocast precision its forward then autocasts by itself.
-
-        Call it once per model (a GAN's generator and discriminator, each with its optimizer;
-        an EMA copy or a frozen teacher without one, placed and equal on every rank). ``name``
-        keys the pair in checkpoints (default ``model``, ``model_1``, ... in call order). Build
-        the optimizer over ``model.parameters()`` first: they move in place. ``--backend fsdp``
-        also takes a model built on the meta device, materialised one unit at a time.
-        """
-        name = self.pairs.check_new(name, model, optimizer)
-        original_model, original_optimizer = model, optimizer
-        model = self.precision.convert_module(self.backend.place(model, optimizer))
-        wrapped, wrapped_optimizer = self.backend.setup(model, optimizer)
-        self.precision.autocast_forward(wrapped)  # no rt.autocast() needed in the script
-        pair = self.pairs.add(Pair(name=name, model=wrapped, optimizer=wrapped_optimizer),
-                              original_model, original_optimizer)
-        if wrapped_optimizer is None:
-            return wrapped
-        # After the backend: masters (O2) start from the weights it synchronised.
-        self.precision.setup_optimizer(wrapped, wrapped_optimizer)
-        self._step.sync_for_next_micro_batch(pair)
-        return wrapped, wrapped_optimizer
+        under an autocast precision its forward then autocasts by itself. Call it once per
+        model (a GAN's generator and discriminator, each with its optimizer; an EMA copy or a
+        frozen teacher without one, placed and equal on every rank). ``name`` keys the pair in
+        checkpoints (default ``model``, ``model_1``, ... in call order). Build the optimizer
+        over ``model.parameters()`` first: they move in place. ``--backend fsdp`` also takes a
+        model built on the meta device, materialised one unit at a time."""
+        pair = self._step.add(self.pairs.check_new(name, model, optimizer), model, optimizer)
+        return pair.model if pair.optimizer is None else (pair.model, pair.optimizer)
 
     def scale_lr(self, lr: float) -> float:
         """``lr`` scaled by the run's rule in the data-parallel size (unchanged without one)."""
@@ -183,8 +148,7 @@ class Runtime:
                          ) -> DistributedLoader:
         """This rank's shard of ``loader``'s dataset, batches on this rank's device (samplers:
         see ``mpt.data``). ``name`` keys its position in checkpoints; the one named ``"train"``
-        (the first, unless named) alone is bound to the global batch and counts samples.
-        """
+        (the first, unless named) alone is bound to the global batch and counts samples."""
         distributed = self._loaders.add(loader, name)
         if distributed.name == "train" and loader.batch_size:  # rt.progress(...) overrides
             self.monitor.samples_per_step = (loader.batch_size * self.accumulate
@@ -243,27 +207,22 @@ class Runtime:
         """Step ``optimizer`` (the only one by default) once every ``accumulate`` calls (call
         it once per micro-batch), then zero its gradients. True when its parameters changed;
         False while accumulating or when fp16 gradients overflowed (skipped on every rank).
-
         An iteration ends when every optimizer stepped: the shared loss scale is updated once,
         ``global_step`` counts one, and a preempted job saves and exits there (code
         ``REQUEUE_EXIT_CODE``) on every rank."""
         return self._step.step(self.pairs.of_optimizer(optimizer, "step"))
 
     def _on_iteration(self) -> None:
-        """At the end of every training iteration: a snapshot when one is due; stop here if
-        the job is preempted."""
+        """At the end of every iteration: a snapshot when due; stop if the job is preempted."""
         self._checkpoints.after_iteration(self.global_step)
         self._faults.stop_if_preempted(
-            self.global_step, sum_async=self.backend.sum_async, world_size=self.world_size,
-            save=None if self.checkpoint_dir is None else lambda: self.save(async_save=False),
-            close=self.close, say=self.print)
+            self.global_step, close=self.close, say=self.print,
+            save=None if self.checkpoint_dir is None else lambda: self.save(async_save=False))
 
     def progress(self, total: int | None = None, *, samples_per_step: int | None = None) -> None:
         """Tell the progress bar the run's optimizer steps (for its ETA) and, where the loader
         did not come through ``setup_dataloader``, the samples per step over all ranks."""
-        self.monitor.set_total(total)
-        if samples_per_step is not None:
-            self.monitor.samples_per_step = samples_per_step
+        self.monitor.set_total(total, samples_per_step)
 
     def log(self, **metrics: float | torch.Tensor) -> None:
         """Record the script's own figures (``val_acc=0.97``) at the current step, where the
@@ -272,16 +231,13 @@ class Runtime:
 
     # -- collectives --------------------------------------------------------------------------
     def barrier(self) -> None:
-        self._faults.mark("collective")
-        self.backend.barrier()
-        self._faults.mark("script")
+        with self._faults.phase("collective"):
+            self.backend.barrier()
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         """Reduce a tensor across ranks in place (``sum``, ``mean``, ``max``, ``min``)."""
-        self._faults.mark("collective")
-        result = self.backend.all_reduce(tensor, op)
-        self._faults.mark("script")
-        return result
+        with self._faults.phase("collective"):
+            return self.backend.all_reduce(tensor, op)
 
     # -- checkpoints --------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str] | None = None, *, step: int | None = None,
@@ -290,21 +246,18 @@ class Runtime:
              async_save: bool | None = None, **extra: Any) -> str:
         """Checkpoint the run atomically into ``path/step-<step>/`` (``path``: default
         ``checkpoint_dir``, or an fsspec URL) and point ``path/latest`` at it; every rank calls
-        it. Returns the directory's URL. docs/checkpoints.md says what is kept.
-
-        ``step``: default ``global_step``. ``scheduler``: one, or a dict by name (default: the
-        last one given). ``keep``: delete all but the newest ``keep``. ``sharded``: per-rank
-        shards through torch.distributed.checkpoint (default: past 2 GiB). ``async_save``
-        (default: the run's): return once the state is in host memory; a thread writes and
-        commits it, and the next ``save``/``load``/``close`` wait for it. ``extra``: JSON-able
-        values (``model=``/``optimizer=`` may name what ``setup`` returned: saved anyway).
-        """
-        self._faults.mark("checkpoint")
-        where = self._checkpoints.save(
-            path, step=self.global_step if step is None else step, epoch=epoch,
-            scheduler=scheduler, keep=keep, sharded=sharded, async_save=async_save, extra=extra)
-        self._faults.mark("script")
-        return where
+        it. Returns the directory's URL; docs/checkpoints.md says what is kept. ``step``:
+        default ``global_step``. ``scheduler``: one, or a dict by name (default: the last one
+        given). ``keep``: delete all but the newest ``keep``. ``sharded``: per-rank shards
+        through torch.distributed.checkpoint (default: past 2 GiB). ``async_save`` (default:
+        the run's): return once the state is in host memory; a thread writes and commits it,
+        and the next ``save``/``load``/``close`` wait for it. ``extra``: JSON-able values
+        (``model=``/``optimizer=`` may name what ``setup`` returned: saved anyway)."""
+        with self._faults.phase("checkpoint"):
+            return self._checkpoints.save(
+                path, step=self.global_step if step is None else step, epoch=epoch,
+                scheduler=scheduler, keep=keep, sharded=sharded, async_save=async_save,
+                extra=extra)
 
     def wait_for_save(self) -> None:
         """Block until every rank's asynchronous save is committed (collective; a no-op when
@@ -319,9 +272,7 @@ class Runtime:
         Returns ``{"step": ..., "epoch": ... (when known), **extra}``."""
         self._faults.mark("checkpoint")
         info = self._checkpoints.load(path, scheduler)
-        self._step.global_step = info["step"]
-        self.monitor.resume_at(info["step"])  # metrics and progress go on from the saved step
-        self._faults.mark("script", self.global_step)
+        self._step.resume_at(info["step"])  # and marks the heartbeat's step
         return info
 
     def resume(self, *, scheduler: Schedulers = None) -> dict[str, Any]:
@@ -330,18 +281,7 @@ class Runtime:
         complete checkpoint of ``checkpoint_dir``, or a fresh start (``{"step": 0}``), so one
         command starts, resumes and restarts a job; ``never`` refuses a ``checkpoint_dir`` that
         holds checkpoints (they would be overwritten)."""
-        found = self._checkpoints.to_resume(scheduler)
-        if found is None:
-            return {"step": 0}
-        info = self.load(found)
-        self.print(f"mpt: resumed from {found} at step {info['step']}")
-        resized = report_resize(  # an elastic job's new world, or a manual resize
-            found, world_size=self.world_size, plan=self.batch_plan,
-            samples_per_step=self.monitor.samples_per_step, lr_scaling=self.config.lr_scaling,
-            layout=self.topology.plan, say=self.print, log=self.monitor.log)
-        if resized is not None:
-            self._checkpoints.scale_lr(resized.lr_ratio)
-        return info
+        return self._checkpoints.resume(scheduler, load=self.load, say=self.print)
 
     # -- teardown -----------------------------------------------------------------------------
     def close(self) -> None:
@@ -355,9 +295,6 @@ class Runtime:
             self.monitor.close()
             self.backend.shutdown()
             self._faults.close()
-
-    def __enter__(self) -> Runtime:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()

@@ -44,6 +44,29 @@ class TrainStep:
         self.micro_step = 0
         """Backward calls, over every model."""
 
+    def add(self, name: str, model: nn.Module,
+            optimizer: torch.optim.Optimizer | None) -> Pair:
+        """Place and wrap ``model`` and ``optimizer`` for the backend and the precision (see
+        ``Runtime.setup``) and count the pair's micro-batches from here."""
+        precision = self.backend.precision
+        placed = precision.convert_module(self.backend.place(model, optimizer))
+        wrapped, wrapped_optimizer = self.backend.setup(placed, optimizer)
+        precision.autocast_forward(wrapped)  # no rt.autocast() needed in the script
+        pair = self.pairs.add(Pair(name=name, model=wrapped, optimizer=wrapped_optimizer),
+                              model, optimizer)
+        if wrapped_optimizer is not None:
+            # After the backend: masters (O2) start from the weights it synchronised.
+            precision.setup_optimizer(wrapped, wrapped_optimizer)
+            self.sync_for_next_micro_batch(pair)
+        return pair
+
+    def resume_at(self, step: int) -> None:
+        """Count on from a loaded checkpoint's ``step``: iterations, metrics and progress, and
+        the heartbeat's step."""
+        self.global_step = step
+        self.monitor.resume_at(step)
+        self.mark("script", step)
+
     def accumulating(self, pair: Pair) -> bool:
         """Whether the pair's coming ``step`` only accumulates (not the step's last micro-batch)."""
         return (pair.calls + 1) % self.accumulate != 0

@@ -39,3 +39,21 @@ def test_an_unknown_option_from_code_is_still_named_by_its_key():
 
     with pytest.raises(UsageError, match="backend option=no_such is invalid"):
         DDPBackend.check_options({"no_such": 1})
+
+
+def test_launch_flags_are_the_backends_own():
+    """How a job may start (Horovod's --hosts, --hostfile, --horovod-controller) is declared by
+    the backend and generated into `mpt launch`; cli.py names no backend's flag."""
+    from pathlib import Path
+
+    import mpt.cli
+    from mpt.backends import BUILTIN
+    from mpt.cli import _launch_flags
+
+    found = {p: (owner, name) for p, (owner, name, _) in _launch_flags().items()}
+    assert found == {"hosts": ("horovod", "hosts"), "hostfile": ("horovod", "hostfile"),
+                     "horovod_controller": ("horovod", "controller")}
+    source = Path(mpt.cli.__file__).read_text()
+    for cls in BUILTIN.values():
+        for option in [*cls.options.values(), *cls.launch_options.values()]:
+            assert option.flag is None or f'"{option.flag}"' not in source, option.flag

@@ -41,11 +41,27 @@ class BackendOption:
     """The value when not given (None: the backend decides, e.g. from its own config)."""
     flag: str | None = None
     """The `mpt launch` flag (``--zero-stage``); None: only ``--backend-options`` sets it."""
+    metavar: str = "VALUE"
+    """What the flag's value is called in `mpt launch --help` (``H1,H2``, ``FILE``)."""
 
     @property
     def is_switch(self) -> bool:
         """A yes/no option: its flag takes no value."""
         return self.parse is parse_bool
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LaunchOption(BackendOption):
+    """One of a backend's options of how `mpt launch` starts its job (Horovod's ``--hosts``),
+    not of how its workers train: the launcher reads it, the workers never see it."""
+
+    flag: str
+    """The `mpt launch` flag: a launch option has no other way in."""
+    applies_with: str = ""
+    """What else it needs besides its backend, as its help says (``with --hosts``)."""
+    selects_launcher: bool = False
+    """Given, it hands the whole job to the backend's ``launcher``, started from this node
+    (``--hosts``); under another backend it is refused."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -97,9 +113,13 @@ class Backend(ABC):
     """Whether a job may change its world size between restarts (`mpt launch --nodes
     MIN:MAX`)."""
     launcher: ClassVar[str] = "elastic"
-    """``horovodrun`` where `mpt launch --hosts/--hostfile` may hand the whole job to horovodrun;
-    without those flags every backend's processes are started by torch's elastic agent, one
-    `mpt launch --nr R` per node."""
+    """The module of ``mpt.launchers`` (its ``describe(spec)`` and ``run(spec)``) that starts
+    the whole job from one node where a launch option that ``selects_launcher`` is given
+    (``horovodrun``); without one every backend's processes are started by torch's elastic
+    agent, one `mpt launch --nr R` per node."""
+    launch_options: ClassVar[dict[str, LaunchOption]] = {}
+    """How `mpt launch` may start the backend's job (flags it generates from them), by name;
+    the launcher reads them, parsed and with their defaults, from ``LaunchSpec.launch_options``."""
     options: ClassVar[dict[str, BackendOption]] = {}
     """The backend's own options (``Runtime(backend_options=...)``, `--backend-options`, and the
     flags `mpt launch` generates from them), by name. A subclass reads them, parsed and with

@@ -38,6 +38,7 @@ import os
 import socket
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any, ClassVar
 
@@ -45,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mpt.backends.base import Availability, Backend, BackendOption
+from mpt.backends.base import Availability, Backend, BackendOption, LaunchOption
 from mpt.comm import GradComm
 from mpt.errors import MissingDependencyError, UsageError
 from mpt.parse import one_of, parse_size
@@ -90,6 +91,11 @@ def _check_adasum_built() -> None:
     if not hvd.mpi_built():
         raise UsageError("--horovod-op", "adasum", "this Horovod was built without MPI, and "
                          "Horovod runs Adasum only over MPI (its gloo has none)", ADASUM_HINT)
+
+
+def _path(argument: str, value: Any) -> Path:
+    """A launch option's file (``--hostfile``); whether it reads is the launcher's to say."""
+    return Path(value)
 
 
 def _refuse_bf16(what: str, tensor: torch.Tensor) -> None:
@@ -166,6 +172,19 @@ class HorovodBackend(Backend):
             help="wait between fusion cycles in ms (a horovodrun flag, applied by `mpt "
             "launch`)", parse=parse_size, flag="--cycle-time-ms"),
     }
+    launch_options: ClassVar[dict[str, LaunchOption]] = {
+        "hosts": LaunchOption(
+            help="start every node from here through horovodrun (over ssh), one host per node; "
+            "without it each node runs `mpt launch --nr R`", flag="--hosts", metavar="H1,H2",
+            selects_launcher=True),
+        "hostfile": LaunchOption(help="as --hosts, from 'HOST slots=N' lines", parse=_path,
+                                 flag="--hostfile", metavar="FILE", selects_launcher=True),
+        "controller": LaunchOption(help="horovodrun's controller, gloo or mpi", default="gloo",
+                                   flag="--horovod-controller", metavar="C",
+                                   applies_with="with --hosts/--hostfile"),
+    }
+    """horovodrun's (``mpt.launchers.horovodrun`` reads them and checks the controller where
+    it uses it)."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

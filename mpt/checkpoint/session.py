@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from mpt.checkpoint.background import BackgroundWriter
 from mpt.checkpoint.io import find_latest, resolve
-from mpt.checkpoint.snapshot import PeerSnapshots
+from mpt.checkpoint.snapshot import PeerSnapshots, peer_snapshots
 from mpt.checkpoint.state import (
     Stateful,
     StateHolder,
@@ -25,8 +25,14 @@ from mpt.checkpoint.state import (
     save_checkpoint,
 )
 from mpt.data import DistributedLoader
+from mpt.elastic import report_resize
 from mpt.errors import UsageError
 from mpt.pairs import Pairs
+
+if TYPE_CHECKING:
+    from mpt.connector import Connection
+    from mpt.elastic import Resize
+    from mpt.metrics import Monitor
 
 Schedulers = Stateful | Mapping[str, Stateful] | None
 """An LR scheduler, or several by name (``{"G": sched_g, "D": sched_d}``)."""
@@ -37,7 +43,8 @@ class CheckpointSession:
 
     def __init__(self, *, backend: StateHolder, pairs: Pairs,
                  loaders: Callable[[], Sequence[DistributedLoader]], root: str | None,
-                 resume: str, async_save: bool, snapshots: PeerSnapshots | None) -> None:
+                 resume: str, async_save: bool, snapshots: PeerSnapshots | None,
+                 resized: Callable[[str], Resize | None] | None = None) -> None:
         self.backend = backend
         self.pairs = pairs
         self.loaders = loaders
@@ -50,9 +57,32 @@ class CheckpointSession:
         """Whether ``save`` writes in the background unless told otherwise."""
         self.snapshots = snapshots
         """In-memory snapshots on two nodes (``--snapshot-every``), or None."""
+        self.resized = resized
+        """Says and logs how the run changed since the checkpoint it resumed (world size, batch
+        split), with the factor of its learning rates; returns None where it did not."""
         self._writer = BackgroundWriter()
         self._unsettled = False  # an asynchronous save since the ranks last met after one
         self._schedulers: dict[str, Stateful] = {}  # saved with a preempted run too
+
+    @classmethod
+    def for_run(cls, run: Connection, *, pairs: Pairs, monitor: Monitor,
+                loaders: Callable[[], Sequence[DistributedLoader]],
+                say: Callable[[str], None]) -> CheckpointSession:
+        """The session a run's settings ask for: its ``checkpoint_dir``, ``resume`` (default
+        ``auto``), ``async_save`` and peer snapshots (``snapshot_every``, ``snapshot_dir``); a
+        resize after a resume is said with ``say`` and logged to ``monitor``."""
+        config, backend = run.config, run.backend
+
+        def resized(found: str) -> Resize | None:  # an elastic job's new world, or a manual one
+            return report_resize(
+                found, world_size=run.world.world_size, plan=run.batch_plan,
+                samples_per_step=monitor.samples_per_step, lr_scaling=config.lr_scaling,
+                layout=run.topology.plan, say=say, log=monitor.log)
+
+        return cls(backend=backend, pairs=pairs, loaders=loaders, root=config.checkpoint_dir,
+                   resume=config.resume or "auto", async_save=config.async_save,
+                   snapshots=peer_snapshots(config.snapshot_every, config.snapshot_dir, backend,
+                                            backend.timeout), resized=resized)
 
     def save(self, path: str | os.PathLike[str] | None, *, step: int, epoch: int | None,
              scheduler: Schedulers, keep: int | None, sharded: bool | None,
@@ -103,6 +133,20 @@ class CheckpointSession:
             on_disk = None if found is None else resolve(found).manifest().step
             return self.snapshots.restore(newer_than=on_disk) or found
         return found
+
+    def resume(self, scheduler: Schedulers, load: Callable[[str], dict[str, Any]],
+               say: Callable[[str], None]) -> dict[str, Any]:
+        """``rt.resume``: ``load`` what ``to_resume`` names (or start fresh, at step 0), say
+        so, and scale the learning rates where the run was resized since."""
+        found = self.to_resume(scheduler)
+        if found is None:
+            return {"step": 0}
+        info = load(found)
+        say(f"mpt: resumed from {found} at step {info['step']}")
+        resize = None if self.resized is None else self.resized(found)
+        if resize is not None:
+            self.scale_lr(resize.lr_ratio)
+        return info
 
     def scale_lr(self, ratio: float) -> None:
         """Multiply the learning rates of every optimizer and LR scheduler by ``ratio`` (a

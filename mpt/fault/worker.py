@@ -3,16 +3,21 @@ launcher watches, and stopping at an agreed step when the job is preempted."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
 from mpt._native import bind_to_parent
+from mpt.environments import World
 from mpt.environments.settings import launch_dir, launcher_pid
 from mpt.fault.heartbeat import Heartbeat
 from mpt.fault.preemption import REQUEUE_EXIT_CODE, Preemption
+
+SumAsync = Callable[[torch.Tensor], Callable[[], None]]
+"""Starts a sum of a tensor over every rank in place; the call it returns waits for it."""
 
 
 def die_with_launcher(pid: int | None) -> None:
@@ -45,30 +50,38 @@ class WorkerFaults:
     launcher, tells it where it is (the heartbeat names a stalled rank), and honours a
     preemption at a step every rank agrees on. Outside `mpt launch` only preemption remains."""
 
-    def __init__(self, rank: int, env: Mapping[str, str]) -> None:
+    def __init__(self, world: World, env: Mapping[str, str], *, sum_async: SumAsync) -> None:
         die_with_launcher(launcher_pid(env))
         scratch = launch_dir(env)  # under `mpt launch`: its stall watch reads our heartbeat
-        self._heartbeat = Heartbeat(scratch, rank) if scratch else None
+        self._heartbeat = Heartbeat(scratch, world.rank) if scratch else None
         self._preemption = Preemption()
+        self._world_size = world.world_size
+        self._sum_async = sum_async
+        """Starts a sum over every rank: how the ranks agree to stop (the backend's)."""
 
     def mark(self, phase: str, step: int | None = None) -> None:
         """Tell the heartbeat where this rank is (a no-op outside `mpt launch`)."""
         if self._heartbeat is not None:
             self._heartbeat.mark(phase, step)
 
-    def should_stop(self, sum_async: Callable[[torch.Tensor], Callable[[], None]],
-                    world_size: int) -> bool:
-        """At the end of a training iteration: whether every rank stops here (collective)."""
-        return self._preemption.should_stop(sum_async, world_size)
+    @contextlib.contextmanager
+    def phase(self, phase: str) -> Iterator[None]:
+        """Mark ``phase`` for the block, then ``script``; a block that raises leaves its phase
+        in the heartbeat, which is where the rank failed."""
+        self.mark(phase)
+        yield
+        self.mark("script")
 
-    def stop_if_preempted(self, step: int, *, sum_async: Callable[[torch.Tensor],
-                                                              Callable[[], None]],
-                          world_size: int, save: Callable[[], str] | None,
+    def should_stop(self) -> bool:
+        """At the end of a training iteration: whether every rank stops here (collective)."""
+        return self._preemption.should_stop(self._sum_async, self._world_size)
+
+    def stop_if_preempted(self, step: int, *, save: Callable[[], str] | None,
                           close: Callable[[], None], say: Callable[[str], None]) -> None:
         """At the end of training iteration ``step`` (collective): where the job is preempted,
         commit a checkpoint with ``save`` (None: nowhere to save), ``close`` the run and exit
         with ``REQUEUE_EXIT_CODE``, on every rank at the same iteration."""
-        if not self.should_stop(sum_async, world_size):
+        if not self.should_stop():
             return
         if save is not None:  # committed before the process exits
             say(f"mpt: preempted: saved step {step} to {save()}; exiting with "

@@ -1,5 +1,6 @@
 """`mpt launch --backend horovod --hosts/--hostfile`: build the ``horovodrun`` command for a job
-and run it (without those flags, each node's `mpt launch` starts its own processes).
+and run it (without those flags, each node's `mpt launch` starts its own processes). The flags
+are the backend's ``launch_options``; they reach this module in ``LaunchSpec.launch_options``.
 
 Unlike torchrun's agent, which runs once per node, horovodrun starts every node's processes from
 one place (over ssh for remote hosts), so it needs the job's host list: ``--hosts h1,h2`` (each
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -273,14 +275,29 @@ def run_horovodrun(args: Sequence[str], env: dict[str, str], grace_period: float
     return HorovodrunResult(128 - rank_code if rank_code < 0 else rank_code or code, named, named)
 
 
-def run(spec: LaunchSpec, hosts: list[tuple[str, int]],
-        controller: str = "gloo") -> HorovodrunResult:
-    """Run the whole job through horovodrun; how it ended, as run_horovodrun."""
-    args = horovodrun_command(spec, hosts, controller)[1:]
+def job_command(spec: LaunchSpec) -> list[str]:
+    """The horovodrun command of ``spec``'s launch options (``--hosts`` or ``--hostfile``,
+    ``--horovod-controller``; see ``HorovodBackend.launch_options``)."""
+    options = spec.launch_options
+    hosts = job_hosts(spec, options.get("hosts"), options.get("hostfile"))
+    return horovodrun_command(spec, hosts, options.get("controller") or "gloo")
+
+
+def describe(spec: LaunchSpec) -> str:
+    """What `mpt launch --dry-run` prints: the workers' settings and the horovodrun command."""
+    settings = " ".join(f"{k}={shlex.quote(v)}" for k, v in horovodrun_env(spec).items())
+    return f"{settings} {shlex.join(job_command(spec))}"
+
+
+def run(spec: LaunchSpec) -> tuple[int, list[str]]:
+    """Run the whole job through horovodrun: its exit code (as ``run_horovodrun``) and what
+    `mpt launch` prints about it."""
+    args = job_command(spec)[1:]
     args[args.index("python")] = sys.executable  # the printed "python" is this interpreter
     output = RankOutput(spec.log_dir, spec.tee, spec.world.world_size)
-    return run_horovodrun(args, horovodrun_env(spec), spec.grace_period, spec.heartbeat_timeout,
-                          output)
+    result = run_horovodrun(args, horovodrun_env(spec), spec.grace_period,
+                            spec.heartbeat_timeout, output)
+    return result.code, result.lines(spec.local_rank_arg)
 
 
 def run_passthrough(args: Sequence[str], settings: dict[str, str], *,

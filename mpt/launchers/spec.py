@@ -5,15 +5,18 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from mpt.backends import resolve_precision
+from mpt.backends import get_backend, registered, resolve_precision
 from mpt.elastic import NodeRange, check_elastic, plan_sizes
 from mpt.environments import World
 from mpt.errors import UsageError
+from mpt.launchers.horovod_join import check_port, check_restarts
 from mpt.launchers.local_rank import LOCAL_RANK_ARG
 from mpt.launchers.logs import DEFAULT_TEE
 from mpt.parallel import ParallelPlan
@@ -84,6 +87,9 @@ class LaunchSpec:
     """Seconds without progress after which the launcher reports a rank as stalled; 0: never."""
     local_rank_arg: bool = False
     """Pass ``--local_rank=<N>`` to the script, as ``torch.distributed.launch`` did."""
+    launch_options: Mapping[str, Any] = field(default_factory=dict)
+    """How the job is started (``Backend.launch_options``), by name: as given, then the run
+    backend's own, parsed and with their defaults (the workers never see them)."""
 
     @property
     def elastic(self) -> bool:
@@ -146,6 +152,34 @@ class LaunchSpec:
         if self.run.resume == "auto" and self.run.checkpoint_dir is None:
             raise UsageError("--resume", "auto", "there is no --checkpoint-dir to look in",
                              "pass --checkpoint-dir DIR as well")
+        object.__setattr__(self, "launch_options", self._own_launch_options())
+
+    def _own_launch_options(self) -> dict[str, Any]:
+        """The run backend's launch options, parsed, with the defaults of those not given; one
+        that selects another backend's launcher is refused (the others do nothing here)."""
+        own = get_backend(self.backend)
+        for name, value in self.launch_options.items():
+            if value is None or name in own.launch_options:
+                continue
+            owner = next((cls for cls in registered().values() if name in cls.launch_options
+                          and cls.launch_options[name].selects_launcher), None)
+            if owner is not None:
+                raise UsageError(owner.launch_options[name].flag, value, f"backend "
+                                 f"{self.backend!r} is not started by {owner.launcher}",
+                                 f"use --backend {owner.name}, or run `mpt launch --nr R` on "
+                                 "each node")
+        given = {k: v for k, v in self.launch_options.items() if v is not None}
+        return {name: option.parse(option.flag, given[name]) if name in given
+                else option.default for name, option in own.launch_options.items()}
+
+    def job_launcher(self) -> str | None:
+        """The launcher (a module of ``mpt.launchers``) that starts the whole job from this
+        node, where a launch option given selects the backend's own (``--hosts``: horovodrun);
+        None: this node's `mpt launch` starts its own processes, whatever the backend."""
+        own = get_backend(self.backend)
+        selected = any(option.selects_launcher and self.launch_options.get(name)
+                       for name, option in own.launch_options.items())
+        return own.launcher if selected else None
 
     @property
     def backend(self) -> str:
@@ -167,7 +201,8 @@ class LaunchSpec:
         return ["-u", "-m", "mpt.launchers.worker", *flag, str(self.script), *self.script_args]
 
     def check_machine(self, cuda_devices: int) -> None:
-        """Errors that depend on this machine: too few GPUs, a rendezvous port already taken."""
+        """Errors that depend on this machine, or that only a run (no ``--dry-run``) meets: too
+        few GPUs, a rendezvous port already taken, what the workers' Horovod needs here."""
         if cuda_devices and self.gpus > cuda_devices:
             raise UsageError("--gpus", self.gpus, f"this node has only {cuda_devices} visible "
                              f"GPU(s)", f"pass --gpus {cuda_devices} or fewer, or check "
@@ -175,6 +210,9 @@ class LaunchSpec:
         if self.nr == 0 and not self.elastic and not port_is_free(self.master_port):
             raise UsageError("--master-port", self.master_port, "the port is already in use on "
                              "this node", "pick another port, or stop the job that holds it")
+        if not self.elastic:  # an elastic job runs no Horovod rendezvous (Horovod is refused)
+            check_port(self)
+        check_restarts(self)
 
 
 def thread_env(processes_per_node: int | None) -> dict[str, str]:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import atexit
 import math
 import time
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +29,9 @@ from mpt.metrics.writers import (
     tensorboard_dir,
 )
 from mpt.precision import Precision
+
+if TYPE_CHECKING:
+    from mpt.connector import Connection
 
 
 class _Pending:
@@ -107,6 +111,18 @@ class Monitor:
         if self.active:
             atexit.register(self.close)
 
+    @classmethod
+    def for_run(cls, run: Connection) -> Monitor:
+        """The monitor a run's settings ask for (``run_dir``, ``quiet``, ``log_every``,
+        ``metrics_all_ranks``), its metrics files headed by the run's facts."""
+        config, precision = run.config, run.precision
+        metrics = MetricsConfig(run_dir=None if config.run_dir is None else Path(config.run_dir),
+                                quiet=config.quiet, log_every=config.log_every,
+                                all_ranks=config.metrics_all_ranks)
+        return cls(metrics, rank=run.world.rank, device=run.device, precision=precision, meta={
+            "backend": run.backend.name, "precision": precision.name,
+            "world_size": run.world.world_size, "accumulate": run.accumulate})
+
     # -- hooks called by the runtime ------------------------------------------------------------
     def on_backward(self, loss: torch.Tensor) -> None:
         if self.active:
@@ -140,8 +156,11 @@ class Monitor:
         self.step = self._start = step
         self._window = (step, time.perf_counter())
 
-    def set_total(self, total: int | None) -> None:
+    def set_total(self, total: int | None, samples_per_step: int | None = None) -> None:
+        """The run's optimizer steps (for the ETA) and, where given, its samples per step."""
         self.total = total
+        if samples_per_step is not None:
+            self.samples_per_step = samples_per_step
         if self.display is not None:
             self.display.set_total(total)
 

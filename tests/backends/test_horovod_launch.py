@@ -294,3 +294,23 @@ def test_loopback_serves_one_machine_and_other_backends(gloo_binds, backend, nod
     gloo_binds("127.0.0.1")
     check_host_name(LaunchSpec(script=Path(SCRIPT), run=RunConfig(backend=backend), nodes=nodes,
                                master_addr=master_addr))
+
+
+def test_launch_options_reach_the_launcher_parsed_and_select_horovodrun(tmp_path):
+    """The backend's launch options, as `mpt launch` hands them over: parsed, with their
+    defaults; --hosts or --hostfile hands the job to horovodrun, and only under horovod."""
+    from mpt.launchers.horovodrun import describe
+
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("h1 slots=1\nh2 slots=1\n")
+    by_file = spec(nodes=2, launch_options={"hostfile": str(hostfile)})
+    assert by_file.launch_options == {"hosts": None, "hostfile": hostfile, "controller": "gloo"}
+    assert by_file.job_launcher() == "horovodrun"
+    assert describe(by_file).endswith(f"horovodrun -np 2 -H h1:1,h2:1 --gloo python -u -m "
+                                      f"mpt.launchers.worker {SCRIPT} out 1")
+    assert spec(nodes=2).job_launcher() is None  # each node's `mpt launch` starts its own
+    ddp = LaunchSpec(script=Path(SCRIPT), launch_options={"controller": "mpi"})
+    assert ddp.launch_options == {} and ddp.job_launcher() is None  # nothing to configure
+    with pytest.raises(UsageError, match=r"^--hostfile=.* backend 'ddp' is not started by "
+                       r"horovodrun\. Fix: use --backend horovod"):
+        LaunchSpec(script=Path(SCRIPT), launch_options={"hostfile": str(hostfile)})
