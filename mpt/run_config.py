@@ -133,7 +133,6 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         from mpt.backends import get_backend, offering
-        from mpt.checkpoint import check_resume, check_root
         from mpt.metrics.config import parse_log_every
         from mpt.precision import LossScaleConfig, check_precision
         from mpt.scaling import check_lr_scaling
@@ -152,7 +151,12 @@ class RunConfig:
         if self.timeout is not None and not self.timeout > 0:
             raise UsageError("--timeout", self.timeout, "it must be positive",
                              "pass --timeout 30, for example")
-        check_root("--checkpoint-dir", self.checkpoint_dir)
+        if self.checkpoint_dir is not None or self.resume not in (None, "auto", "never"):
+            # the checkpoint package (fsspec) only where there is a path to check
+            from mpt.checkpoint import check_resume, check_root
+
+            check_root("--checkpoint-dir", self.checkpoint_dir)
+            check_resume("--resume", self.resume)
         if self.pipeline is not None and not backend.pipelines:
             raise UsageError("--pipeline-stages", self.pipeline_stages, f"--backend "
                              f"{self.backend} cannot cut a model into pipeline stages",
@@ -180,7 +184,6 @@ class RunConfig:
                              "average one flat bucket after the backward, not DDP's buckets "
                              "PowerSGD hooks into", "use --grad-compression bf16 or fp16, or "
                              f"drop {split}")
-        check_resume("--resume", self.resume)
         if self.snapshot_every < 0:
             raise UsageError("--snapshot-every", self.snapshot_every, "it cannot be negative",
                              "pass 1 for a snapshot after every step, or 0 for none")

@@ -246,12 +246,17 @@ def find_latest(url: str | os.PathLike[str]) -> str | None:
 
 
 def check_resume(argument: str, value: str | None) -> str:
-    """A ``resume`` setting, checked: ``auto`` (the default), ``never``, or a checkpoint path."""
+    """A ``resume`` setting, checked: ``auto`` (the default), ``never``, or a checkpoint path
+    (mpt's, or another framework's that ``mpt.checkpoint.foreign`` imports)."""
     if value in (None, "auto", "never"):
         return value or "auto"
     if find_latest(value) is None:
-        raise UsageError(argument, value, "no checkpoint there", "pass auto, never, or a "
-                         "directory rt.save wrote (a root or one step-N inside it)")
+        from mpt.checkpoint import foreign  # it imports this module
+
+        if not foreign.is_foreign(value):
+            raise UsageError(argument, value, "no checkpoint there", "pass auto, never, a "
+                             "directory rt.save wrote (a root or one step-N inside it), or "
+                             f"{'; '.join(foreign.KNOWN)}")
     return value
 
 

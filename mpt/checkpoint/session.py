@@ -44,7 +44,8 @@ class CheckpointSession:
     def __init__(self, *, backend: StateHolder, pairs: Pairs,
                  loaders: Callable[[], Sequence[DistributedLoader]], root: str | None,
                  resume: str, async_save: bool, snapshots: PeerSnapshots | None,
-                 resized: Callable[[str], Resize | None] | None = None) -> None:
+                 resized: Callable[[str], Resize | None] | None = None,
+                 say: Callable[[str], None] = print) -> None:
         self.backend = backend
         self.pairs = pairs
         self.loaders = loaders
@@ -60,6 +61,8 @@ class CheckpointSession:
         self.resized = resized
         """Says and logs how the run changed since the checkpoint it resumed (world size, batch
         split), with the factor of its learning rates; returns None where it did not."""
+        self.say = say
+        """Prints a line once for the job (rank 0's)."""
         self._writer = BackgroundWriter()
         self._unsettled = False  # an asynchronous save since the ranks last met after one
         self._schedulers: dict[str, Stateful] = {}  # saved with a preempted run too
@@ -82,7 +85,7 @@ class CheckpointSession:
         return cls(backend=backend, pairs=pairs, loaders=loaders, root=config.checkpoint_dir,
                    resume=config.resume or "auto", async_save=config.async_save,
                    snapshots=peer_snapshots(config.snapshot_every, config.snapshot_dir, backend,
-                                            backend.timeout), resized=resized)
+                                            backend.timeout), resized=resized, say=say)
 
     def save(self, path: str | os.PathLike[str] | None, *, step: int, epoch: int | None,
              scheduler: Schedulers, keep: int | None, sharded: bool | None,
@@ -111,8 +114,14 @@ class CheckpointSession:
             self._unsettled = False
 
     def load(self, path: str | os.PathLike[str], scheduler: Schedulers) -> dict[str, Any]:
-        """``rt.load``: restore ``path`` into the run's live objects."""
+        """``rt.load``: restore ``path`` into the run's live objects: an mpt checkpoint, or
+        another framework's (``mpt.checkpoint.foreign``), imported on the way."""
         self.wait()  # a checkpoint being written is committed before anything loads
+        if find_latest(path) is None:
+            from mpt.checkpoint import foreign
+
+            if foreign.is_foreign(path):
+                return foreign.load(path, self._training_state(scheduler), self.say)
         return load_checkpoint(path, self._training_state(scheduler))
 
     def to_resume(self, scheduler: Schedulers) -> str | None:
@@ -143,7 +152,9 @@ class CheckpointSession:
             return {"step": 0}
         info = load(found)
         say(f"mpt: resumed from {found} at step {info['step']}")
-        resize = None if self.resized is None else self.resized(found)
+        # an imported checkpoint has no manifest to tell the world it was saved at
+        resize = None if self.resized is None or find_latest(found) is None \
+            else self.resized(found)
         if resize is not None:
             self.scale_lr(resize.lr_ratio)
         return info

@@ -53,17 +53,32 @@ def test_a_plain_scripts_checkpoint_resumes_in_mpt_on_its_curve(fmt, tmp_path, r
     result = run_cli("checkpoint", "convert", str(source), str(tmp_path / "mpt"))
     assert result.returncode == 0, result.stderr
     assert "AdamW state of 4 parameters, LR scheduler; step 3" in result.stdout
-    rt = mpt.Runtime(env={})
+    for loaded in (tmp_path / "mpt", source):  # converted, or the source itself imported
+        rt = mpt.Runtime(env={}, resume=str(loaded))
+        model = make_model()
+        model, optimizer = rt.setup(model, make_adamw(model))
+        scheduler = make_warmup(optimizer)
+        info = rt.resume(scheduler=scheduler)
+        assert info["step"] == SAVE_AT
+        resumed = continue_in_mpt(rt, model, scheduler, info["step"], STEPS)
+        rt.close()
+        assert list(resumed) == list(range(SAVE_AT + 1, STEPS + 1))
+        for step, loss in resumed.items():
+            assert loss == pytest.approx(plain[step], rel=1e-5), (loaded, step)
+
+
+def test_resuming_a_foreign_checkpoint_says_what_it_lacks(tmp_path, capsys):
+    source = tmp_path / "ckpt.pt"
+    plain_run(make_model(), SAVE_AT, SAVE_AT, save_torch(source))
+    rt = mpt.Runtime(env={}, resume=str(source))
     model = make_model()
-    model, optimizer = rt.setup(model, make_adamw(model))
-    scheduler = make_warmup(optimizer)
-    info = rt.load(tmp_path / "mpt", scheduler=scheduler)
-    assert info["step"] == SAVE_AT
-    resumed = continue_in_mpt(rt, model, scheduler, info["step"], STEPS)
+    rt.setup(model, make_adamw(model))
+    assert rt.resume()["step"] == SAVE_AT
     rt.close()
-    assert list(resumed) == list(range(SAVE_AT + 1, STEPS + 1))
-    for step, loss in resumed.items():
-        assert loss == pytest.approx(plain[step], rel=1e-5), step
+    said = [line for line in capsys.readouterr().out.splitlines() if "imported" in line]
+    assert len(said) == 1 and "the data loader's position, the RNG states" in said[0]
+    with pytest.raises(mpt.UsageError, match=r"a torch\.save file"):
+        mpt.Runtime(env={}, resume=str(tmp_path / "nothing-here"))
 
 
 def test_numbered_state_is_named_past_batchnorm_buffers(tmp_path, run_cli):

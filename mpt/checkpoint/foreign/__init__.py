@@ -8,12 +8,19 @@ mpt checkpoint, which ``rt.load`` and ``--resume`` restore under any backend and
 
 from __future__ import annotations
 
+import os
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from mpt.checkpoint.foreign.imported import Imported, write
 from mpt.errors import UsageError
 
-__all__ = ["KNOWN", "Imported", "detect", "read", "write"]
+if TYPE_CHECKING:
+    from mpt.checkpoint.state import TrainingState
+
+__all__ = ["KNOWN", "Imported", "detect", "is_foreign", "load", "read", "write"]
 
 KNOWN = ("a DeepSpeed checkpoint directory (engine.save_checkpoint: 'latest' and "
          "*_model_states.pt)", "a torch.distributed.checkpoint directory (dcp.save: .metadata "
@@ -61,3 +68,30 @@ def read(src: Path, *, tag: str | None = None, optimizer: bool = True) -> Import
     if not optimizer:
         imported.lacks.insert(0, "the optimizer's state (--weights-only)")
     return imported
+
+
+def is_foreign(src: str | os.PathLike[str]) -> bool:
+    """Whether ``src`` is a local checkpoint in a format ``read`` knows."""
+    try:
+        detect(Path(src))
+    except UsageError:
+        return False
+    return True
+
+
+def load(src: str | os.PathLike[str], parts: TrainingState,
+         say: Callable[[str], None]) -> dict[str, Any]:
+    """``rt.load``/``--resume`` of another framework's checkpoint: read, written in mpt's
+    format to a temporary directory of this process and restored from there, as `mpt
+    checkpoint convert` then ``--resume`` would. Every rank reads the source itself (no shared
+    temporary directory is needed) and holds the whole state once on the way; convert once
+    beforehand for a model whose state is large beside a rank's memory."""
+    from mpt.checkpoint.state import load_checkpoint
+
+    imported = read(Path(src))
+    with tempfile.TemporaryDirectory(prefix="mpt-import-") as folder:
+        url = write(imported, folder, step=imported.step or 0, source_path=os.fspath(src))
+        info = load_checkpoint(url, parts)
+    say(f"mpt: imported {src} ({imported.source}): {imported.summary()}; it holds no "
+        f"{', '.join(imported.lacks)}, which start afresh")
+    return info
