@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
@@ -58,6 +59,12 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not DCP metadata")
 
 
+_UNPICKLING_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
+                      ImportError, IndexError, KeyError)
+"""What unpickling a bad, truncated or unsafe file raises (the pickle module's documented
+list, and a refused class)."""
+
+
 class _SafeReader(FileSystemReader):
     """DCP's file-system reader whose metadata read runs no pickled code."""
 
@@ -65,7 +72,7 @@ class _SafeReader(FileSystemReader):
         path = Path(self.path) / METADATA
         try:
             metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
-        except Exception as exc:  # pickle raises several types for a bad or unsafe file
+        except _UNPICKLING_ERRORS as exc:
             raise UsageError("SRC", path, f"its DCP metadata cannot be read safely: "
                              f"{first_line(exc)}", "pass the directory dcp.save wrote") from None
         if not isinstance(metadata, Metadata):
@@ -95,7 +102,8 @@ def read(src: Path, *, optimizer: bool = True) -> Imported:
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
             dcp.load(flat, storage_reader=reader, planner=_SafePlanner(
                 flatten_state_dict=False, flatten_sharded_tensors=False), no_dist=True)
-    except Exception as exc:  # DCP wraps its ranks' errors; a file may be truncated or unsafe
+    except (CheckpointException, RuntimeError, ValueError, OSError, *_UNPICKLING_ERRORS) as exc:
+        # DCP wraps its ranks' errors; a file may be truncated or unsafe
         raise UsageError("SRC", src, f"reading it with torch.distributed.checkpoint failed: "
                          f"{first_line(exc)}", "pass a complete directory dcp.save wrote"
                          ) from None
