@@ -34,7 +34,8 @@ batch norm sees those).
 
 The tensor-parallel rows (``--tensor-parallel``, default 2) run the backends that split layers
 (ddp, fsdp) with the model's head split over T ranks (``ConvNet.tensor_parallel_plan``), at
-every pipeline P: T x P x ws processes, judged against the reference of the same ws and P.
+every pipeline P: T x P x ws processes (at most ``MAX_TP_PROCESSES``), judged against the
+reference of the same ws and P.
 
 The compression rows run each backend in fp32 with `--grad-compression C`: fp16 and bf16 are
 judged as mixed cells of ``COMPRESSED_AS[C]`` (within that mixed-precision tolerance of the
@@ -274,6 +275,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+MAX_TP_PROCESSES = 4
+"""The tp rows' largest job: T x P x ws processes beyond it (8 at ws 2, P 2, T 2) are left to
+tests/distributed/test_tensor_parallel.py's slow cases, which train them once each."""
+
+
 def cells_of(args: argparse.Namespace) -> list[Cell]:
     backends = [b for b in args.backends.split(",") if b]
     precisions = [p for p in args.precisions.split(",") if p]
@@ -296,7 +302,8 @@ def cells_of(args: argparse.Namespace) -> list[Cell]:
     splits = [int(t) for t in args.tensor_parallel.split(",") if t]
     return cells + [Cell(b, p, ws, acc, stages=stages, tp=tp) for tp in splits for stages
                     in pipelines for b in backends if get_backend(b).tensor_parallel
-                    for p in precisions for ws, acc in shapes]
+                    for p in precisions for ws, acc in shapes
+                    if tp * stages * ws <= MAX_TP_PROCESSES]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
