@@ -27,7 +27,7 @@ from mpt.errors import MptError, UsageError
 from mpt.estimate import OPTIMIZER_STATES
 from mpt.install import app as install_app
 from mpt.parallel import AXES, ParallelPlan
-from mpt.parse import parse_int, parse_number
+from mpt.parse import parse_int, parse_number, parse_sizes
 from mpt.run_config import RunConfig, flag_of
 
 if TYPE_CHECKING:
@@ -524,11 +524,7 @@ def estimate_memory(
     if input_shape is not None:
         dtype = {"float32": torch.float32, "int64": torch.int64}[
             one_of("float32", "int64")("--input-dtype", input_dtype)]
-        try:
-            shape = [int(n) for n in input_shape.split(",")]
-        except ValueError:
-            raise UsageError("--input-shape", input_shape, "it is not a list of sizes",
-                             "pass sizes separated by commas, e.g. 8,3,224,224") from None
+        shape = parse_sizes("--input-shape", input_shape, "8,3,224,224")
         activations = activation_bytes(net, example_input(shape, dtype))
     gib = 2.0**30
     table = Table(title=f"per-rank memory, {world_size} ranks, {precision}, {optimizer} "

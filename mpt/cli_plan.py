@@ -1,20 +1,18 @@
 """`mpt plan`: the layouts of a model on a cluster, priced by a cost model, best first.
 
-Registered in mpt/cli.py as ``app.command("plan")(plan_command)``; ``python -m mpt.cli_plan``
-runs it alone.
+Registered in mpt/cli.py as ``app.command("plan")(plan_command)``.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
 
-from mpt.errors import MptError, UsageError
+from mpt.errors import UsageError
 from mpt.estimate import OPTIMIZER_STATES
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -105,11 +103,9 @@ def _input_shape(given: str | None, net: object) -> list[int]:
     from torch import nn
 
     if given is not None:
-        try:
-            return [int(n) for n in given.split(",")]
-        except ValueError:
-            raise UsageError("--input-shape", given, "it is not a list of sizes",
-                             "pass sizes separated by commas, e.g. 3,224,224") from None
+        from mpt.parse import parse_sizes
+
+        return parse_sizes("--input-shape", given, "3,224,224")
     assert isinstance(net, nn.Module)
     first = next((m for m in net.modules() if not list(m.children())
                   and any(True for _ in m.parameters())), None)
@@ -133,24 +129,3 @@ def _calibrate(output: Path) -> None:
               f"{found.memory_bandwidth / 1e9:.1f} GB/s; allreduce bus bandwidth "
               f"{found.collectives['all_reduce']['bus_bandwidth'] / 1e9:.2f} GB/s "
               f"({found.backend}, {found.ranks} processes). Use it with --calibration {output}")
-
-
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-app.command("plan")(plan_command)
-
-
-def main() -> None:
-    """Run `plan` alone: usage errors in one line, exit 2 (as mpt's own main)."""
-    try:
-        code = typer.main.get_command(app)(args=sys.argv[1:], standalone_mode=False)
-    except MptError as exc:
-        err.print(f"mpt: error: {exc}", markup=False)
-        sys.exit(2)
-    except typer.TyperException as exc:
-        err.print(f"mpt: error: {exc.format_message().rstrip('.')}. Fix: see `mpt plan --help`")
-        sys.exit(2)
-    sys.exit(code if isinstance(code, int) else 0)
-
-
-if __name__ == "__main__":
-    main()

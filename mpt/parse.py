@@ -70,3 +70,12 @@ def parse_size(argument: str, value: Any) -> float:
     if number < 0:
         raise UsageError(argument, value, "it cannot be negative", f"pass {argument} 0 or more")
     return number
+
+
+def parse_sizes(argument: str, value: str, example: str) -> list[int]:
+    """Comma-separated sizes (a tensor's shape, ``8,3,224,224``)."""
+    try:
+        return [int(n) for n in value.split(",")]
+    except ValueError:
+        raise UsageError(argument, value, "it is not a list of sizes",
+                         f"pass sizes separated by commas, e.g. {example}") from None

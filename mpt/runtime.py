@@ -281,7 +281,7 @@ class Runtime(contextlib.AbstractContextManager["Runtime"]):
         complete checkpoint of ``checkpoint_dir``, or a fresh start (``{"step": 0}``), so one
         command starts, resumes and restarts a job; ``never`` refuses a ``checkpoint_dir`` that
         holds checkpoints (they would be overwritten)."""
-        return self._checkpoints.resume(scheduler, load=self.load, say=self.print)
+        return self._checkpoints.resume(scheduler, load=self.load)
 
     # -- teardown -----------------------------------------------------------------------------
     def close(self) -> None:

@@ -142,6 +142,8 @@ class Backend(ABC):
         """Micro-batches per optimizer step; ``backward`` divides the loss by it."""
         self.timeout = timeout
         """How long a collective may wait before it becomes an error instead of a hang."""
+        if self.layout.model_size > 1:  # ranks hold different parts of the gradients
+            precision.before_unscale = self.agree_on_overflow
 
     @functools.cached_property
     def mesh(self) -> DeviceMesh:
@@ -370,37 +372,32 @@ class Backend(ABC):
     def clip_grad_norm_(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                         max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the true (unscaled) gradients; return their total norm before clipping."""
-        self.agree_on_overflow(optimizer)
         self.precision.unscale_(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        from torch.distributed.tensor import DTensor
-
         # torch's clip takes DTensors of one mesh (fsdp's shards, tensor-parallel layers): the
         # norm is reduced over the ranks before any gradient is scaled; whole for the caller.
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        return whole(torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type))
 
     def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
         """Step unless the gradients overflowed; return whether the parameters changed."""
-        self.agree_on_overflow(optimizer)
         return self.precision.optimizer_step(optimizer)
 
     def agree_on_overflow(self, optimizer: torch.optim.Optimizer) -> None:
-        """Under loss scaling where ranks hold different parts of the gradients (the model
-        split over ``tp`` or ``pp``), one verdict for all, before the scaler looks: a rank whose
-        part is finite while another's overflowed marks its own non-finite too, so that every
-        rank skips the step and backs its scale off alike. Collective."""
-        if self.layout.model_size == 1 or self.precision.spec.loss_scaling == "none":
-            return
+        """Where ranks hold different parts of the gradients (the model split over ``tp`` or
+        ``pp``), one verdict for all, before the scaler looks (``Precision.before_unscale``): a
+        rank whose part is finite while another's overflowed marks its own non-finite too, so
+        that every rank skips the step and backs its scale off alike. Collective."""
         import torch.distributed as dist
 
         grads = [local_part(p.grad) for group in optimizer.param_groups
                  for p in group["params"] if p.grad is not None]
-        mine = any(not torch.isfinite(g).all() for g in grads)
-        bad = torch.tensor([float(mine)], device=self.device)
+        # On the device throughout: no wait for it here (the scaler waits once, as always).
+        bad = torch.zeros(1, device=self.device)
+        for grad in grads:
+            bad = torch.maximum(bad, (~torch.isfinite(grad).all()).float().to(bad.device))
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        if bad.item() and not mine and grads:
-            grads[0].fill_(float("inf"))
+        if grads:  # where another rank's part overflowed, this rank's is marked so too
+            grads[0].masked_fill_(bad.reshape(()).bool().to(grads[0].device), float("inf"))
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         """Clear the gradients after a step (to None: the next backward allocates them)."""
@@ -518,6 +515,13 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` gathered over its shards where it is a DTensor (collective), else itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def holds(kind: type, state: dict[str, Any]) -> bool:

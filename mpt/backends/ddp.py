@@ -267,27 +267,32 @@ class DDPBackend(Backend):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model
 
-    # Under tensor parallelism the split layers' weights are DTensors: whole (gathered over
-    # the tp ranks) through torch.distributed.checkpoint's state_dict API, as fsdp's.
+    @property
+    def holds_dtensors(self) -> bool:
+        """Whether the models' parameters are DTensors (tensor parallelism's split layers):
+        their state then goes through torch.distributed.checkpoint's state_dict API
+        (``mpt.backends.dtensor_state``), whole tensors gathered over the ranks that split them."""
+        return self.layout.tp > 1
+
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        if self.layout.tp > 1:
+        if self.holds_dtensors:
             return dtensor_state.model_state(model, full=True)
         return super().model_state_dict(model)
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        if self.layout.tp > 1:
+        if self.holds_dtensors:
             return dtensor_state.load_model_state(model, state)
         return super().load_model_state_dict(model, state)
 
     def optimizer_state_dict(self, model: nn.Module,
                              optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        if self.layout.tp > 1:
+        if self.holds_dtensors:
             return dtensor_state.optimizer_state(model, optimizer, full=True, create=False)
         return super().optimizer_state_dict(model, optimizer)
 
     def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                                   state: dict[str, Any]) -> None:
-        if self.layout.tp > 1:
+        if self.holds_dtensors:
             return dtensor_state.load_optimizer_state(model, optimizer, state)
         return super().load_optimizer_state_dict(model, optimizer, state)
 

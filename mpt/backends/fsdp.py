@@ -345,23 +345,13 @@ class FSDPBackend(DDPBackend):
     # -- state for checkpoints: the DTensor shards themselves (mpt.backends.dtensor_state) ----
     shards_state = True
 
-    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return dtensor_state.model_state(model, full=True)
+    @property
+    def holds_dtensors(self) -> bool:
+        return True  # every parameter is a shard
 
     def local_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         return dtensor_state.model_state(model, full=False)
 
-    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        dtensor_state.load_model_state(model, state)
-
-    def optimizer_state_dict(self, model: nn.Module,
-                             optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return dtensor_state.optimizer_state(model, optimizer, full=True, create=False)
-
     def local_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                                    *, create: bool = False) -> dict[str, Any]:
         return dtensor_state.optimizer_state(model, optimizer, full=False, create=create)
-
-    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                                  state: dict[str, Any]) -> None:
-        dtensor_state.load_optimizer_state(model, optimizer, state)

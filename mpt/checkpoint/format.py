@@ -33,8 +33,8 @@ STATE_TENSORS = "state.safetensors"
 STATE_JSON = "state.json"
 SHARDED_DIR = "sharded"
 """Subdirectory of torch.distributed.checkpoint's per-rank safetensors shards."""
-
-
+CONVERTED = "converted"
+"""The manifest's ``backend`` of a checkpoint imported from another framework."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -38,8 +38,12 @@ LATEST = "latest"
 _TMP, _TRASH = ".tmp-", ".trash-"
 
 
+STEP_PREFIX = "step-"
+"""How the folder of each checkpoint under a root begins (``step-000000042``)."""
+
+
 def step_dir_name(step: int) -> str:
-    return f"step-{step:09d}"
+    return f"{STEP_PREFIX}{step:09d}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from mpt.checkpoint.background import BackgroundWriter
+from mpt.checkpoint.format import CONVERTED
 from mpt.checkpoint.io import find_latest, resolve
 from mpt.checkpoint.snapshot import PeerSnapshots, peer_snapshots
 from mpt.checkpoint.state import (
@@ -143,18 +144,20 @@ class CheckpointSession:
             return self.snapshots.restore(newer_than=on_disk) or found
         return found
 
-    def resume(self, scheduler: Schedulers, load: Callable[[str], dict[str, Any]],
-               say: Callable[[str], None]) -> dict[str, Any]:
+    def resume(self, scheduler: Schedulers, load: Callable[[str], dict[str, Any]]
+               ) -> dict[str, Any]:
         """``rt.resume``: ``load`` what ``to_resume`` names (or start fresh, at step 0), say
         so, and scale the learning rates where the run was resized since."""
         found = self.to_resume(scheduler)
         if found is None:
             return {"step": 0}
         info = load(found)
-        say(f"mpt: resumed from {found} at step {info['step']}")
-        # an imported checkpoint has no manifest to tell the world it was saved at
-        resize = None if self.resized is None or find_latest(found) is None \
-            else self.resized(found)
+        self.say(f"mpt: resumed from {found} at step {info['step']}")
+        # Another framework's run, imported or converted, had its own learning rates for its
+        # own world: they go on as they were, whichever way it came in.
+        saved_by_mpt = find_latest(found) is not None and \
+            resolve(found).manifest().backend != CONVERTED
+        resize = self.resized(found) if self.resized is not None and saved_by_mpt else None
         if resize is not None:
             self.scale_lr(resize.lr_ratio)
         return info

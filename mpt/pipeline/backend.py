@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mpt.backends.base import Backend, local_part, on_meta
+from mpt.backends.base import Backend, local_part, on_meta, whole
 from mpt.backends.meta import check_materialisable, materialise, rank0_random_state
 from mpt.errors import UsageError
 from mpt.parallel import Topology
@@ -186,13 +186,12 @@ class PipelineBackend(Backend):
                         max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """The norm over every stage's gradients (replicas of a stage hold the same ones, or
         shards of them: a DTensor norm, whole once reduced over them)."""
-        self.agree_on_overflow(optimizer)  # before the scaler looks at this rank's part
-        self.precision.unscale_(optimizer)
+        self.precision.unscale_(optimizer)  # after one overflow verdict for all stages
         params = [p for group in optimizer.param_groups for p in group["params"]
                   if p.grad is not None]
         names = {param: name for name, param in model.named_parameters()}
         counted = [p.grad for p in params if names[p] not in self._not_owned]  # ties once
-        local = _whole(torch.nn.utils.get_total_norm(counted, norm_type).float())
+        local = whole(torch.nn.utils.get_total_norm(counted, norm_type).float())
         if norm_type == float("inf"):
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.pp_group)
             total = local
@@ -273,13 +272,6 @@ class PipelineBackend(Backend):
 
     def sum_async(self, tensor: torch.Tensor) -> Callable[[], None]:
         return self.inner.sum_async(tensor)
-
-
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` reduced over its shards where it is a DTensor (collective), else itself."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def _renamed(state: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from mpt.errors import UsageError
-from mpt.plan.network import ring_factor
+from mpt.plan.network import ring_factor, ring_steps
 from mpt.plan.profiles import CollectiveFit, Device, Link
 
 FORMAT = "mpt-plan-calibration/1"
@@ -138,7 +138,12 @@ def sweep(world: int, device: torch.device, sync: Callable[[], None]
         for name, run in runs.items():
             seconds = _timed(run, 5, sync)
             points[name].append((ring_factor(name, world) * size, seconds))
-    return {name: fit(found) for name, found in points.items()}
+    # the fit's intercept is the whole collective's fixed cost: per ring step, as the cost
+    # model (mpt.plan.network.collective) multiplies it by the steps
+    fits = {name: fit(found) for name, found in points.items()}
+    for name, found in fits.items():
+        found["latency"] /= ring_steps(name, world)
+    return fits
 
 
 def device_figures(device: torch.device, sync: Callable[[], None]) -> dict[str, Any]:

@@ -178,7 +178,7 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
     cut = max((by_name[names[-1]].output_bytes for names in stages[:-1]), default=0)
     p2p = send(cut, plan, cluster)
     terms["pipeline sends"] = 2 * m * p2p.seconds
-    memory, activations, trained = _memory(layout, model, stages, work, spec)
+    memory, activations, trained = _memory(layout, model, stages, work, spec, slowest)
     flow = traffic(layout.backend, layout.options, plan, spec, trained)
     dp_seconds, dp_link, dp_rank, crosses = _data_parallel(flow, plan, cluster)
     window = {"backward": terms["backward"], "step": terms["forward"] + terms["backward"],
@@ -231,14 +231,15 @@ def _with_limiter(p: Prediction, stage: int, dp_words: str) -> Prediction:
 
 
 def _memory(layout: Layout, model: Model, stages: list[list[str]], work: Workload,
-            spec: PrecisionSpec) -> tuple[MemoryEstimate, int, float]:
+            spec: PrecisionSpec, slowest: int) -> tuple[MemoryEstimate, int, float]:
     """The fullest stage's per-rank memory row and activations, and the parameters a rank of
-    the slowest stage trains (its tp share)."""
+    stage ``slowest`` (the one whose time the step is) trains: its tp share."""
     plan = layout.plan
     modules = dict(model.net.named_modules())
     by_name = {block.name: block for block in work.blocks}
     cls = get_backend(layout.backend)
-    best: tuple[MemoryEstimate, int, float] | None = None
+    best: tuple[MemoryEstimate, int] | None = None
+    trained = 0.0
     for index, names in enumerate(stages):
         stage = nn.ModuleList(modules.get(n, model.net) for n in names)
         share, params = _tp_share(stage, model, plan.tp)
@@ -248,11 +249,13 @@ def _memory(layout: Layout, model: Model, stages: list[list[str]], work: Workloa
         in_flight = min(layout.microbatches, plan.pp - index) if plan.pp > 1 else 1
         saved = sum(b.activations * (1 - _split_share(b) + _split_share(b) / plan.tp)
                     for b in (by_name[n] for n in names))
-        found = (row, int(saved * in_flight), params * share)
+        found = (row, int(saved * in_flight))
         if best is None or found[0].device + found[1] > best[0].device + best[1]:
             best = found
+        if index == slowest:
+            trained = params * share
     assert best is not None  # at least one stage
-    return best
+    return (*best, trained)
 
 
 def _tp_share(stage: nn.Module, model: Model, tp: int) -> tuple[float, int]:

@@ -56,6 +56,11 @@ def ring_factor(kind: str, ranks: int) -> float:
     return 2 * share if kind == "all_reduce" else share
 
 
+def ring_steps(kind: str, ranks: int) -> int:
+    """Sends one rank makes in a ring collective: 2(N-1) for an allreduce, N-1 otherwise."""
+    return 2 * (ranks - 1) if kind == "all_reduce" else ranks - 1
+
+
 def collective(kind: str, size: float, plan: ParallelPlan, axis: Axis, cluster: Cluster
                ) -> Transfer:
     """A collective of a ``size``-byte tensor over every group of ``axis`` at once."""
@@ -64,7 +69,7 @@ def collective(kind: str, size: float, plan: ParallelPlan, axis: Axis, cluster: 
     if ranks == 1 or size <= 0:
         return Transfer(seconds=0.0, per_rank=0.0, link_bytes=0.0, crosses=False)
     per_rank = ring_factor(kind, ranks) * size
-    steps = 2 * (ranks - 1) if kind == "all_reduce" else ranks - 1
+    steps = ring_steps(kind, ranks)
     fit = cluster.device.collectives.get(kind)
     latency = fit.latency if fit else cluster.device.intra_node.latency
     intra_bandwidth = fit.bus_bandwidth if fit else cluster.device.intra_node.bandwidth

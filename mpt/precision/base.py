@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -88,6 +89,10 @@ class Precision:
         self.device_type = device_type
         self.skipped_steps = 0
         """Optimizer steps skipped because the gradients were not finite."""
+        self.before_unscale: Callable[[torch.optim.Optimizer], None] | None = None
+        """Called with the optimizer right before its gradients are unscaled (once per step):
+        where ranks hold different parts of the gradients, the backend's agreement on an
+        overflow, so that the scaler of every rank sees the same verdict."""
 
     def autocast(self) -> AbstractContextManager[Any]:
         """Context for the forward pass and the loss."""

@@ -99,6 +99,8 @@ class MixedPrecision(Precision):
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         if self.scaler is not None and id(optimizer) not in self._unscaled:
+            if self.before_unscale is not None:
+                self.before_unscale(optimizer)
             self.scaler.unscale_(optimizer)
             self._unscaled.add(id(optimizer))
 

@@ -106,6 +106,44 @@ def test_numbered_state_is_named_past_batchnorm_buffers(tmp_path, run_cli):
     rt.close()
 
 
+def test_numbered_groups_out_of_model_order_are_named_only_by_their_param_names(tmp_path,
+                                                                              run_cli):
+    """torch numbers parameters group by group: two groups in another order than the model's,
+    named by the model's order, would swap moments and learning rates of same-shaped tensors;
+    refused unless the groups carry their names (an optimizer built from named_parameters)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    for named in (False, True):
+        def group(layer: str, lr: float) -> dict:
+            params = [(n, p) for n, p in model.named_parameters() if n.startswith(f"{layer}.")]
+            return {"params": params if named else [p for _, p in params], "lr": lr}
+
+        optimizer = torch.optim.SGD([group("2", 0.01), group("0", 0.1)], momentum=0.9)
+        model(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+                   tmp_path / f"groups-{named}.pt")
+        result = run_cli("checkpoint", "convert", str(tmp_path / f"groups-{named}.pt"),
+                         str(tmp_path / f"mpt-{named}"))
+        if not named:
+            assert result.returncode == 2
+            assert "2 param groups and no parameter names" in result.stderr, result.stderr
+            assert not (tmp_path / f"mpt-{named}").exists()
+            continue
+        assert result.returncode == 0, result.stderr
+        rt = mpt.Runtime(env={})
+        target = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        _, loaded = rt.setup(target, torch.optim.SGD([
+            {"params": list(target[2].parameters()), "lr": 0.01},
+            {"params": list(target[0].parameters()), "lr": 0.1}], momentum=0.9))
+        rt.load(tmp_path / f"mpt-{named}")
+        for mine, theirs in ((target[0].weight, model[0].weight),
+                             (target[2].weight, model[2].weight)):
+            assert torch.equal(loaded.state[mine]["momentum_buffer"],
+                               optimizer.state[theirs]["momentum_buffer"])
+        assert [g["lr"] for g in loaded.param_groups] == [0.01, 0.1]
+        rt.close()
+
+
 def test_an_optimizer_over_part_of_the_model_is_refused(tmp_path, run_cli):
     model = make_model()
     optimizer = torch.optim.Adam(model[2].parameters())  # the first layer frozen

@@ -8,16 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from mpt import cli_plan
+from mpt import cli
 
 MODELS = Path(__file__).parent / "plan_models.py"
 
 
 def _run(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["mpt plan", *args])
+    monkeypatch.setattr(sys, "argv", ["mpt", "plan", *args])
     monkeypatch.setenv("COLUMNS", "200")
     with pytest.raises(SystemExit) as exit_:
-        cli_plan.main()
+        cli.main()
     found = capsys.readouterr()
     return exit_.value.code, found.out, found.err
 

@@ -63,8 +63,8 @@ def test_refusals_are_mpts_own() -> None:
     reasons = {" ".join(r.flags): r.reason for r in result.refused}
     assert "cannot cut a model into pipeline stages" in reasons[
         "--backend horovod --pipeline-stages 2"]
-    assert "tensor_parallel_plan" in reasons["--backend ddp --tensor-parallel 2"] or \
-        "tensor" in reasons["--backend ddp --tensor-parallel 2"]
+    assert "Sequential declares no tensor-parallel plan" in reasons[
+        "--backend ddp --tensor-parallel 2"]
 
 
 def test_unknown_profiles_list_the_known() -> None:

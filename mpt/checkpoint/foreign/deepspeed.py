@@ -21,7 +21,8 @@ import torch
 
 from mpt.checkpoint.foreign import optimizer as optim
 from mpt.checkpoint.foreign import torchload, zero
-from mpt.checkpoint.foreign.imported import Imported
+from mpt.checkpoint.foreign.imported import NEVER_HELD, Imported, as_int
+from mpt.checkpoint.io import STEP_PREFIX
 from mpt.errors import UsageError
 from mpt.precision import LossScaleState
 
@@ -37,9 +38,11 @@ _ENGINE_KEYS = frozenset({
 
 def is_deepspeed(src: Path) -> bool:
     """Whether ``src`` looks like what ``engine.save_checkpoint`` writes: a ``latest`` file or
-    a tag folder holding ``*_model_states.pt``."""
-    if (src / "latest").is_file():
-        return True
+    a tag folder holding ``*_model_states.pt``. An mpt root has a ``latest`` too, naming one of
+    its ``step-N`` folders: not DeepSpeed's, even with that folder gone."""
+    latest = src / "latest"
+    if latest.is_file():
+        return not latest.read_text().strip().startswith(STEP_PREFIX)
     return any(src.glob("*_model_states.pt")) or any(src.glob("*/*_model_states.pt"))
 
 
@@ -66,17 +69,20 @@ def read(src: Path, tag: str | None = None, *, optimizer: bool = True) -> Import
         optim.check_shapes(named, {name: t.shape for name, t in trainable.items()},
                            str(folder))
     client = {k: v for k, v in states.items() if k not in _ENGINE_KEYS}
-    step = client.pop("step", None)
-    if not isinstance(step, int):
+    step = as_int(client.pop("step", None))
+    if step is None:
         step = states.get("global_steps") or _tag_step(tag)
-    epoch = client.pop("epoch", None)
+    epoch = as_int(client.pop("epoch", None))
+    scale = _loss_scale(loss_scaler)
     return Imported(
         source=f"DeepSpeed {_stage(states)}, {world} rank(s)",
         weights={**trainable, **frozen, **buffers}, optimizer=named, optimizer_kind=kind,
-        scheduler=states.get("lr_scheduler"), loss_scale=_loss_scale(loss_scaler),
-        precision=_precision(states.get("ds_config") or {}), step=step,
-        epoch=epoch if isinstance(epoch, int) else None, world_size=world,
-        extra={k: v for k, v in client.items() if isinstance(v, int | float | str | bool)})
+        scheduler=states.get("lr_scheduler"), loss_scale=scale,
+        precision=_precision(states.get("ds_config") or {}), step=step, epoch=epoch,
+        world_size=world,
+        extra={k: v for k, v in client.items() if isinstance(v, int | float | str | bool)},
+        lacks=[*NEVER_HELD, *(["the loss scaler's count of clean steps (its scale comes in)"]
+                             if scale is not None else [])])
 
 
 def _tag_folder(src: Path, tag: str | None) -> tuple[Path, str]:
@@ -151,6 +157,7 @@ def _stage0(folder: Path, states: dict[str, Any], buffers: list[str], optimizer:
                          "conversion does not read", "save it again from DeepSpeed with bf16 or "
                          "ZeRO, or take its fp32 weights with DeepSpeed's zero_to_fp32")
     inner = saved.get("optimizer_state_dict", saved)  # bf16/fp16: a wrapper around torch's
+    optim.in_model_order(inner.get("param_groups") or [], str(folder))
     named = optim.named_from_numbered(inner, names, str(folder))
     order = [name for group in named["param_groups"] for name in group["params"]]
     weights = {name: module[name] for name in names}

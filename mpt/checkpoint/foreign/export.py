@@ -26,6 +26,7 @@ import torch
 from mpt.checkpoint import contents
 from mpt.checkpoint.encode import decode
 from mpt.errors import UsageError
+from mpt.state.named import from_named
 
 FORMATS = ("torch", "dcp", "safetensors")
 
@@ -46,13 +47,18 @@ def export(src: str | os.PathLike[str], dst: Path, to: str) -> str:
     saved = found.state["optimizers"].get(name)
     optimizer = None if saved is None else decode(saved, found.tensors)
     schedulers = found.state["schedulers"]
+    if len(schedulers) > 1:
+        raise UsageError("SRC", found.location.url, f"it holds {len(schedulers)} LR schedulers "
+                         f"({', '.join(schedulers)}); a plain script's checkpoint holds one",
+                         "export a checkpoint of one scheduler")
     scheduler = decode(next(iter(schedulers.values())), found.tensors) if schedulers else None
     scaler = decode(found.state["precision"], found.tensors).get("scaler")
     step, epoch = found.manifest.step, found.manifest.epoch
     if to == "torch":
         blob = {"model": weights, "step": step, "epoch": epoch}
         blob.update({key: value for key, value in (
-            ("optimizer", None if optimizer is None else numbered(optimizer)),
+            ("optimizer", None if optimizer is None else from_named(optimizer, [
+                name for group in optimizer["param_groups"] for name in group["params"]])),
             ("scheduler", scheduler), ("scaler", scaler)) if value is not None})
         _commit(dst, lambda path: torch.save(blob, path))
     elif to == "dcp":
@@ -66,17 +72,9 @@ def export(src: str | os.PathLike[str], dst: Path, to: str) -> str:
         _commit(dst, lambda path: save_file(
             {key: t.contiguous() for key, t in weights.items()}, str(path)))
     held = "weights" if to == "safetensors" or optimizer is None else "weights, optimizer"
-    return f"wrote {dst} ({to}): {held}{', LR scheduler' if scheduler else ''}; step {step}"
-
-
-def numbered(named: dict[str, Any]) -> dict[str, Any]:
-    """``optimizer.state_dict()`` of by-name state: each parameter numbered by its place in
-    the param groups, as torch numbers them."""
-    order = [name for group in named["param_groups"] for name in group["params"]]
-    index = {name: i for i, name in enumerate(order)}
-    return {"state": {index[name]: value for name, value in named["state"].items()},
-            "param_groups": [{**group, "params": [index[n] for n in group["params"]]}
-                             for group in named["param_groups"]]}
+    lost = "; not the loss scale (a DCP script keeps none)" if to == "dcp" and scaler else ""
+    return (f"wrote {dst} ({to}): {held}{', LR scheduler' if scheduler else ''}; "
+            f"step {step}{lost}")
 
 
 def _dcp_save(blob: dict[str, Any], path: Path) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from mpt.checkpoint import io
 from mpt.checkpoint.encode import encode
-from mpt.checkpoint.format import MODEL_FILE, STATE_JSON, STATE_TENSORS
+from mpt.checkpoint.format import CONVERTED, MODEL_FILE, STATE_JSON, STATE_TENSORS
 from mpt.checkpoint.state import write_directory
 from mpt.precision import LossScaleState
 
@@ -123,7 +123,7 @@ def write(imported: Imported, dst: str | os.PathLike[str], *, step: int,
     final = io.step_dir_name(step)
     staging = io.staging_name(step) if root.local else final
     write_directory(root, staging, final, blobs, manifest=dict(
-        backend="converted", world_size=imported.world_size, step=step, epoch=imported.epoch,
+        backend=CONVERTED, world_size=imported.world_size, step=step, epoch=imported.epoch,
         sharded=False, precision=imported.precision,
         loss_scale=1.0 if imported.loss_scale is None else imported.loss_scale.scale,
         parameters=sum(t.numel() for t in imported.weights.values())))

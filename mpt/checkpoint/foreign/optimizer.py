@@ -14,10 +14,26 @@ from typing import Any
 import torch
 
 from mpt.errors import UsageError
+from mpt.state.named import to_named
 
 _TORCH_ADAM = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
                "differentiable": False, "fused": None}
 """What torch's Adam/AdamW keep in a param group beside lr, betas, eps and weight decay."""
+
+
+GROUPS_UNNAMED = ("its optimizer has {n} param groups and no parameter names: torch numbers "
+                  "parameters in group order, which need not be the model's")
+"""Why numbered state of several groups cannot be named by the model's order."""
+GROUPS_FIX = ("build the optimizer from named_parameters() (its groups then hold param_names), "
+              "or convert with --weights-only")
+
+
+def in_model_order(groups: Sequence[Mapping[str, Any]], where: str) -> None:
+    """Refuse numbered state of several param groups named by the model's order: torch numbers
+    the parameters group by group, and groups in another order than the model's would give one
+    parameter's moments (and its group's learning rate) to another of the same shape."""
+    if len(groups) > 1:
+        raise UsageError("SRC", where, GROUPS_UNNAMED.format(n=len(groups)), GROUPS_FIX)
 
 
 def named_from_numbered(state_dict: Mapping[str, Any], names: Sequence[str], where: str
@@ -35,10 +51,7 @@ def named_from_numbered(state_dict: Mapping[str, Any], names: Sequence[str], whe
                          f"{len(names)}: which state belongs to which parameter cannot be told",
                          "convert with --weights-only, or save the optimizer by parameter name "
                          "(torch.distributed.checkpoint.state_dict.get_optimizer_state_dict)")
-    return {"state": {names[int(index)]: dict(value)
-                      for index, value in state_dict["state"].items()},
-            "param_groups": [{**group, "params": [names[int(i)] for i in group["params"]]}
-                             for group in groups]}
+    return to_named(dict(state_dict), names)
 
 
 def as_torch(named: dict[str, Any], where: str) -> tuple[dict[str, Any], str | None]:

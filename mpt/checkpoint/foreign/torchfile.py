@@ -52,7 +52,8 @@ def read(src: Path, *, optimizer: bool = True) -> Imported:
     saved = _first(loaded, _OPTIMIZER)
     # no param groups: an optimizer that was never set up, nothing to import
     if optimizer and isinstance(saved, Mapping) and saved.get("param_groups"):
-        named = optim.named_from_numbered(saved, _parameter_names(weights, saved), str(src))
+        named = optim.named_from_numbered(saved, _parameter_names(weights, saved, str(src)),
+                                         str(src))
         named, kind = optim.as_torch(named, str(src))
         optim.check_shapes(named, {k: t.shape for k, t in weights.items()}, str(src))
     loss_scale = _loss_scale(loaded)
@@ -67,13 +68,15 @@ def _first(loaded: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
     return next((loaded[key] for key in keys if key in loaded), None)
 
 
-def _parameter_names(weights: dict[str, torch.Tensor], saved: Mapping[str, Any]) -> list[str]:
+def _parameter_names(weights: dict[str, torch.Tensor], saved: Mapping[str, Any], where: str
+                     ) -> list[str]:
     """The name of each numbered parameter: the groups' own ``param_names`` where the
     optimizer was built from ``named_parameters()``, else the model's floating-point tensors
     in state-dict order but the normalization layers' running statistics."""
     groups = saved.get("param_groups") or []
     if groups and all("param_names" in group for group in groups):
         return [name.removeprefix("module.") for group in groups for name in group["param_names"]]
+    optim.in_model_order(groups, where)
     return [name for name, t in weights.items()
             if t.is_floating_point() and not name.endswith(_BUFFERS)]
 
