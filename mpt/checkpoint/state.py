@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from mpt.checkpoint import io, tensorfile
+from mpt.checkpoint.contents import Contents
 from mpt.checkpoint.contents import read as read_contents
 from mpt.checkpoint.encode import decode, encode, rng_state, set_rng_state
 from mpt.checkpoint.format import (
@@ -299,13 +300,20 @@ def load_checkpoint(path: str | os.PathLike[str], parts: TrainingState) -> dict[
 
     Returns ``{"step": ..., "epoch": ... (when saved), **extra}``.
     """
-    backend, world = parts.backend, parts.backend.world
+    backend = parts.backend
     contents = read_contents(path, lambda: _pieces(parts) if backend.shards_state else {})
-    location, manifest, state = contents.location, contents.manifest, contents.state
+    return restore(contents.location.url, contents, parts)
+
+
+def restore(where: str, contents: Contents, parts: TrainingState) -> dict[str, Any]:
+    """Collective: put ``contents`` (a checkpoint's, read from ``where``) into the run's live
+    objects; returns what ``load_checkpoint`` returns."""
+    backend, world = parts.backend, parts.backend.world
+    manifest, state = contents.manifest, contents.state
     model_state, tensors = contents.model, contents.tensors
-    _check_names(location.url, "models", state["models"], [p.name for p in parts.pairs])
+    _check_names(where, "models", state["models"], [p.name for p in parts.pairs])
     if "imported" in state:  # converted from another framework: its names and optimizer class
-        _check_imported(location.url, parts, model_state, state["imported"])
+        _check_imported(where, parts, model_state, state["imported"])
     for pair in parts.pairs:
         prefix = f"{pair.name}/"
         backend.load_model_state_dict(pair.model, {key.removeprefix(prefix): t for key, t in
@@ -320,7 +328,7 @@ def load_checkpoint(path: str | os.PathLike[str], parts: TrainingState) -> dict[
         if pair.name in comms:
             backend.load_comm_state_dict(pair.model, decode(comms[pair.name], tensors))
     if parts.schedulers:
-        _check_names(location.url, "LR schedulers", list(state["schedulers"]),
+        _check_names(where, "LR schedulers", list(state["schedulers"]),
                      list(parts.schedulers))
         for name, scheduler in parts.schedulers.items():
             scheduler.load_state_dict(decode(state["schedulers"][name], tensors))
