@@ -24,6 +24,7 @@ from mpt.state.named import from_named, to_named
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from mpt.launchers.spec import LaunchSpec
     from mpt.step import TrainStep
 
 
@@ -218,6 +219,18 @@ class Backend(ABC):
         if comm.bucket_mb is not None:
             return comm.refused("--bucket-mb", "has no bucket size", "leave --bucket-mb out")
         return None
+
+    @classmethod
+    def check_launch(cls, spec: LaunchSpec) -> None:
+        """Refuse, in one line, a job this backend's workers could not run as `mpt launch`
+        would start it from this machine (checked before any process starts; nothing by
+        default)."""
+
+    @classmethod
+    def worker_env(cls, spec: LaunchSpec) -> dict[str, str]:
+        """Variables this backend's engine reads from the environment only, made from the
+        run's options, for every worker `mpt launch` starts (none by default)."""
+        return {}
 
     @classmethod
     def pipeline_refusal(cls, schedule: str, split_backward: bool, values: Mapping[str, Any]

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,9 @@ from mpt.comm import GradComm
 from mpt.errors import MissingDependencyError, UsageError
 from mpt.parse import one_of, parse_size
 from mpt.precision import PrecisionSpec
+
+if TYPE_CHECKING:
+    from mpt.launchers.spec import LaunchSpec
 
 INSTALL = ("run `mpt install horovod` (builds Horovod 0.28.1 patched for C++20 against this "
            "torch, with HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1, and installs it; see "
@@ -218,6 +221,23 @@ class HorovodBackend(Backend):
                     "use --precision bf16-mixed (bf16 compute, fp32 gradients), or --backend "
                     "ddp or apex for " + spec.name)
         return None
+
+    @classmethod
+    def check_launch(cls, spec: LaunchSpec) -> None:
+        """What `mpt launch` without ``--hosts`` cannot give Horovod (``horovod_join``): a
+        restart of the gang, a host name of loopback across machines, Adasum over gloo."""
+        from mpt.launchers import horovod_join
+
+        horovod_join.check_restarts(spec)
+        horovod_join.check_host_name(spec)
+        horovod_join.check_op(spec)
+
+    @classmethod
+    def worker_env(cls, spec: LaunchSpec) -> dict[str, str]:
+        """Horovod's cycle time, which ``hvd.init()`` reads from the environment only: the
+        variable horovodrun makes of its ``--cycle-time-ms`` flag."""
+        cycle_time = spec.run.backend_options.get("cycle_time_ms")
+        return {} if cycle_time is None else {"HOROVOD_CYCLE_TIME": str(cycle_time)}
 
     @classmethod
     def comm_refusal(cls, comm: GradComm, values: Mapping[str, Any]

@@ -32,7 +32,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mpt.backends.horovod import ADASUM_HINT
@@ -63,29 +63,22 @@ def rendezvous_port(spec: LaunchSpec) -> int:
 
 
 def check_restarts(spec: LaunchSpec) -> None:
-    """``--max-restarts`` under ``--backend horovod`` is refused: the rendezvous server forgets a
-    round's addresses only once every worker finished it, so a gang restarted after a failure
-    half-way through could meet the dead round's addresses."""
-    if spec.backend == "horovod" and spec.max_restarts:
+    """``--max-restarts`` is refused: the rendezvous server forgets a round's addresses only
+    once every worker finished it, so a gang restarted after a failure half-way through could
+    meet the dead round's addresses."""
+    if spec.max_restarts:
         raise UsageError("--max-restarts", spec.max_restarts, "Horovod's rendezvous serves one "
                          "round of workers, and a restarted gang could meet the failed round's "
                          "addresses", "pass --max-restarts 0 with --backend horovod, or restart "
                          "the job from its checkpoint (--resume auto)")
 
 
-def tuning_env(spec: LaunchSpec) -> dict[str, str]:
-    """Horovod's cycle time, which ``hvd.init()`` reads from the environment only: the variable
-    horovodrun makes of its ``--cycle-time-ms`` flag."""
-    cycle_time = spec.run.backend_options.get("cycle_time_ms") if spec.backend == "horovod" \
-        else None
-    return {} if cycle_time is None else {"HOROVOD_CYCLE_TIME": str(cycle_time)}
-
-
 def check_port(spec: LaunchSpec) -> None:
     """What this node must offer the job's Horovod, checked by `mpt launch` before it claims
     its node rank, so that every node refuses within seconds: node 0 of a multi-node job needs
-    ``--master-port + 1`` free where Horovod is installed, and ``--backend horovod`` a host name
-    the other machines reach (``check_host_name``) and an op its gloo has (``check_op``)."""
+    ``--master-port + 1`` free where Horovod is installed (scripts that call ``hvd.init()``
+    themselves meet there under any backend; ``HorovodBackend.check_launch`` checks the
+    rest)."""
     from mpt.launchers.spec import port_is_free
 
     if _server_classes() is None:
@@ -95,8 +88,6 @@ def check_port(spec: LaunchSpec) -> None:
         raise UsageError("--master-port", spec.master_port, f"port {port} (--master-port + 1, "
                          "where node 0 hosts Horovod's rendezvous for scripts that call "
                          "hvd.init()) is in use on this node", "pick another --master-port")
-    check_host_name(spec)
-    check_op(spec)
 
 
 def gloo_address() -> str | None:
@@ -144,12 +135,11 @@ def own_address(spec: LaunchSpec) -> str:
 
 
 def check_host_name(spec: LaunchSpec) -> None:
-    """Refuse ``--backend horovod`` on several machines where this host name resolves to
-    loopback: Horovod would bind 127.0.0.1 for every collective and the job would abort in
-    gloo's connect after minutes (see the module's docstring). A ``--master-addr`` of loopback
-    (127.0.0.1, ::1, localhost) says every node runs on this machine, where loopback serves."""
-    if spec.backend != "horovod" or spec.nodes == 1 or spec.master_addr == "localhost" \
-            or is_loopback(spec.master_addr):
+    """Refuse Horovod on several machines where this host name resolves to loopback: Horovod
+    would bind 127.0.0.1 for every collective and the job would abort in gloo's connect after
+    minutes (see the module's docstring). A ``--master-addr`` of loopback (127.0.0.1, ::1,
+    localhost) says every node runs on this machine, where loopback serves."""
+    if spec.nodes == 1 or spec.master_addr == "localhost" or is_loopback(spec.master_addr):
         return
     address = gloo_address()
     if address is None or not is_loopback(address):
@@ -167,7 +157,7 @@ def check_host_name(spec: LaunchSpec) -> None:
 def check_op(spec: LaunchSpec) -> None:
     """``--horovod-op adasum`` is refused: Horovod runs Adasum only over MPI, and the workers of
     `mpt launch` without ``--hosts`` join over gloo (they would fail at the first allreduce)."""
-    if spec.backend == "horovod" and str(spec.run.backend_options.get("op")) == "adasum":
+    if str(spec.run.backend_options.get("op")) == "adasum":
         raise UsageError("--horovod-op", "adasum", "Horovod runs Adasum only over MPI, and the "
                          "workers of `mpt launch` without --hosts join over gloo", ADASUM_HINT)
 
@@ -190,7 +180,7 @@ class HorovodRendezvous:
             return cls(address="")
         port = rendezvous_port(spec)
         if spec.nr != 0:
-            return cls(address=f"{spec.master_addr}:{port}", tuning=tuning_env(spec))
+            return cls(address=f"{spec.master_addr}:{port}")
         server_class, handler, slot = classes
         server = server_class(("", port), handler, False)
         world = spec.world
@@ -204,15 +194,11 @@ class HorovodRendezvous:
                                   name="horovod-rendezvous", daemon=True)
         thread.start()
         return cls(address=f"{spec.master_addr}:{server.server_address[1]}", server=server,
-                   thread=thread, tuning=tuning_env(spec))
-
-    tuning: dict[str, str] = field(default_factory=dict)
-    """Horovod's variables of the run's options (``tuning_env``)."""
+                   thread=thread)
 
     def env(self) -> dict[str, str]:
-        """What the workers inherit: where the rendezvous is, for ``join_env``, and Horovod's
-        cycle time."""
-        return {HOROVOD_RENDEZVOUS: self.address, **self.tuning} if self.address else {}
+        """What the workers inherit: where the rendezvous is, for ``join_env``."""
+        return {HOROVOD_RENDEZVOUS: self.address} if self.address else {}
 
     def stop(self) -> None:
         if self.server is not None:

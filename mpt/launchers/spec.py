@@ -16,7 +16,7 @@ from mpt.backends import get_backend, registered, resolve_precision
 from mpt.elastic import NodeRange, check_elastic, plan_sizes
 from mpt.environments import World
 from mpt.errors import UsageError
-from mpt.launchers.horovod_join import check_port, check_restarts
+from mpt.launchers.horovod_join import check_port
 from mpt.launchers.local_rank import LOCAL_RANK_ARG
 from mpt.launchers.logs import DEFAULT_TEE
 from mpt.parallel import ParallelPlan
@@ -192,8 +192,10 @@ class LaunchSpec:
 
     def worker_env(self) -> dict[str, str]:
         """What every worker inherits, whichever launcher starts it: the run's settings (its
-        ``mpt.Runtime`` reads them) and one thread per process."""
-        return {**self.run.to_env(), **thread_env(self.gpus)}
+        ``mpt.Runtime`` reads them), one thread per process, and what the backend's engine
+        reads from the environment."""
+        return {**self.run.to_env(), **thread_env(self.gpus),
+                **get_backend(self.backend).worker_env(self)}
 
     def worker_args(self) -> list[str]:
         """What each process runs after ``python``: the script through mpt's worker shim."""
@@ -212,7 +214,7 @@ class LaunchSpec:
                              "this node", "pick another port, or stop the job that holds it")
         if not self.elastic:  # an elastic job runs no Horovod rendezvous (Horovod is refused)
             check_port(self)
-        check_restarts(self)
+        get_backend(self.backend).check_launch(self)
 
 
 def thread_env(processes_per_node: int | None) -> dict[str, str]:

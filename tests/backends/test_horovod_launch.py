@@ -289,11 +289,12 @@ def test_a_host_name_of_loopback_is_refused_for_horovod_across_machines(gloo_bin
 ])
 def test_loopback_serves_one_machine_and_other_backends(gloo_binds, backend, nodes,
                                                         master_addr):
-    from mpt.launchers.horovod_join import check_host_name
+    from mpt.backends import get_backend
 
     gloo_binds("127.0.0.1")
-    check_host_name(LaunchSpec(script=Path(SCRIPT), run=RunConfig(backend=backend), nodes=nodes,
-                               master_addr=master_addr))
+    get_backend(backend).check_launch(LaunchSpec(script=Path(SCRIPT), nodes=nodes,
+                                                 run=RunConfig(backend=backend),
+                                                 master_addr=master_addr))
 
 
 def test_launch_options_reach_the_launcher_parsed_and_select_horovodrun(tmp_path):

@@ -13,17 +13,12 @@ from pathlib import Path
 import pytest
 from conftest import find_free_port, worker
 
+from mpt.backends import get_backend
 from mpt.environments import World
 from mpt.environments.settings import HOROVOD_RENDEZVOUS, horovod_rendezvous
 from mpt.errors import UsageError
 from mpt.launchers import LaunchSpec
-from mpt.launchers.horovod_join import (
-    HorovodRendezvous,
-    check_port,
-    check_restarts,
-    join_env,
-    tuning_env,
-)
+from mpt.launchers.horovod_join import HorovodRendezvous, check_port, join_env
 from mpt.run_config import RunConfig
 
 pytest.importorskip("horovod.runner.http.http_server")
@@ -66,19 +61,16 @@ def test_node0_serves_on_master_port_plus_one_and_refuses_it_busy():
 def test_horovods_cycle_time_reaches_the_workers_as_horovodrun_would_set_it():
     spec = LaunchSpec(script=Path(worker("report_world.py")), gpus=2, run=RunConfig(
         backend="horovod", backend_options={"cycle_time_ms": "2.5"}))
-    assert tuning_env(spec) == {"HOROVOD_CYCLE_TIME": "2.5"}
-    rendezvous = HorovodRendezvous.start(spec)
-    rendezvous.stop()
-    assert rendezvous.env()["HOROVOD_CYCLE_TIME"] == "2.5"
-    assert tuning_env(LaunchSpec(script=spec.script, gpus=2)) == {}  # ddp: none
+    assert spec.worker_env()["HOROVOD_CYCLE_TIME"] == "2.5"
+    assert "HOROVOD_CYCLE_TIME" not in LaunchSpec(script=spec.script, gpus=2).worker_env()
 
 
 def test_restarts_under_horovod_are_refused_before_start():
     script = Path(worker("report_world.py"))
     with pytest.raises(UsageError, match=r"--max-restarts=2 is invalid: Horovod's rendezvous"):
-        check_restarts(LaunchSpec(script=script, max_restarts=2, run=RunConfig(
-            backend="horovod")))
-    check_restarts(LaunchSpec(script=script, max_restarts=2))  # ddp restarts
+        get_backend("horovod").check_launch(LaunchSpec(script=script, max_restarts=2,
+                                                       run=RunConfig(backend="horovod")))
+    get_backend("ddp").check_launch(LaunchSpec(script=script, max_restarts=2))  # ddp restarts
 
 
 def test_horovod_under_a_launcher_it_cannot_join_refuses_instead_of_two_separate_jobs(
