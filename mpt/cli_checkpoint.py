@@ -14,19 +14,21 @@ import typer
 from rich.console import Console
 
 app = typer.Typer(name="checkpoint", no_args_is_help=True,
-                  help="Inspect mpt checkpoints, or import DeepSpeed, DCP and torch.save ones "
-                       "into mpt's format.")
+                  help="Inspect mpt checkpoints, import DeepSpeed, DCP, torch.save and Hugging "
+                       "Face safetensors ones into mpt's format, or export mpt's.")
 out = Console(highlight=False, soft_wrap=True)
 
 
 @app.command()
 def inspect(
     path: Annotated[str, typer.Argument(help="A checkpoint directory, its root, or a URL; or "
-                                        "a DeepSpeed, DCP or torch.save checkpoint.")],
+                                        "a DeepSpeed, DCP, torch.save or Hugging Face "
+                                        "safetensors checkpoint.")],
     verify: Annotated[bool, typer.Option(help="Also check every file's sha256.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON.")] = False,
     tag: Annotated[str | None, typer.Option(
-        help="DeepSpeed: the tag folder to inspect (default: the one 'latest' names).")] = None,
+        help="DeepSpeed: the tag folder to inspect (default: the one 'latest' names, else "
+             "'latest_universal').")] = None,
 ) -> None:
     """Print step, backend, world size, precision, loss scale, parameters and bytes; of
     another framework's checkpoint, what `convert` would import from it (read whole, as
@@ -70,7 +72,7 @@ def _export(src: Path, dst: Path, to: str) -> None:
     if io.find_latest(src) is None:
         raise UsageError("SRC", src, f"--to {to} exports an mpt checkpoint and this is none",
                          "convert it to mpt first (leave --to out), then export that")
-    out.print(export.export(src, dst, to))
+    out.print(export.export(src, dst, to), markup=False)
 
 
 def _inspect_foreign(src: Path, tag: str | None, *, as_json: bool) -> bool:
@@ -97,23 +99,30 @@ def _inspect_foreign(src: Path, tag: str | None, *, as_json: bool) -> bool:
 @app.command()
 def convert(
     src: Annotated[Path, typer.Argument(help="A DeepSpeed checkpoint directory (what "
-                                        "engine.save_checkpoint writes), a "
+                                        "engine.save_checkpoint writes, or its universal "
+                                        "layout), a "
                                         "torch.distributed.checkpoint directory (dcp.save of "
                                         "get_state_dict's model and optimizer), or a torch.save "
                                         "file (a state dict, or a dict with model, optimizer, "
-                                        "scheduler, amp, step, epoch).")],
+                                        "scheduler, amp, step, epoch), or Hugging Face "
+                                        "safetensors weights (a .safetensors file, or a "
+                                        "save_pretrained directory); with --to, an mpt "
+                                        "checkpoint.")],
     dst: Annotated[str, typer.Argument(help="Root to write the mpt checkpoint into; with --to "
-                                       "torch|dcp|safetensors, the file or directory to write.")],
+                                       "torch|dcp|safetensors|deepspeed, the file or directory "
+                                       "to write.")],
     step: Annotated[int | None, typer.Option(
         help="Step to record (default: the one the checkpoint holds, else 0).")] = None,
     tag: Annotated[str | None, typer.Option(
-        help="DeepSpeed: the tag folder to import (default: the one 'latest' names).")] = None,
+        help="DeepSpeed: the tag folder to import (default: the one 'latest' names, else "
+             "'latest_universal').")] = None,
     weights_only: Annotated[bool, typer.Option(
         "--weights-only", help="Import the weights alone: the optimizer starts afresh.")] = False,
     to: Annotated[str, typer.Option(
         help="mpt (import SRC), or export the mpt checkpoint SRC for a plain script: torch "
              "(a torch.save file), dcp (a torch.distributed.checkpoint directory), "
-             "safetensors (the weights).")] = "mpt",
+             "safetensors (the weights), deepspeed (a DeepSpeed checkpoint directory in its "
+             "universal layout: engine.load_checkpoint resumes it at any world size).")] = "mpt",
 ) -> None:
     """Import another framework's checkpoint with its training state (weights, optimizer
     moments by parameter name, LR scheduler, loss scale, step) into mpt's format, for

@@ -4,6 +4,7 @@
 state by parameter name, LR scheduler, loss scale, step, epoch); ``write`` commits that as an
 mpt checkpoint, which ``rt.load`` and ``--resume`` restore under any backend and world size.
 ``mpt checkpoint convert`` is the two together. Every read is safe: no pickled code runs.
+Hugging Face safetensors weights come in the same way, as initial weights (``hf``).
 """
 
 from __future__ import annotations
@@ -24,22 +25,26 @@ __all__ = ["KNOWN", "Imported", "detect", "is_foreign", "load", "read", "write"]
 
 KNOWN = ("a DeepSpeed checkpoint directory (engine.save_checkpoint: 'latest' and "
          "*_model_states.pt)", "a torch.distributed.checkpoint directory (dcp.save: .metadata "
-         "and *.distcp)", "a torch.save file (.pt)")
+         "and *.distcp)", "a torch.save file (.pt)", "Hugging Face safetensors weights (a "
+         ".safetensors file, or a save_pretrained directory: model.safetensors.index.json and "
+         "its shards)")
 """The formats ``read`` knows, for messages (mpt's own checkpoints are read by ``rt.load``)."""
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
 
 
 def detect(src: Path) -> str:
-    """``deepspeed``, ``dcp`` or ``torch``: the format of ``src``; a UsageError listing the
-    known ones where it is none of them."""
-    from mpt.checkpoint.foreign import dcp, deepspeed, torchload
+    """``deepspeed``, ``dcp``, ``torch`` or ``hf``: the format of ``src``; a UsageError listing
+    the known ones where it is none of them."""
+    from mpt.checkpoint.foreign import dcp, deepspeed, hf, torchload
 
     if src.is_dir():
         if deepspeed.is_deepspeed(src):
             return "deepspeed"
         if dcp.is_dcp(src):
             return "dcp"
-    elif src.is_file() and (torchload.is_torch_file(src) or src.suffix in _TORCH_SUFFIXES):
+    if hf.is_hf(src):
+        return "hf"
+    if src.is_file() and (torchload.is_torch_file(src) or src.suffix in _TORCH_SUFFIXES):
         return "torch"  # a zip-format file, or one of torch's older format under its usual name
     what = "no such file or directory" if not src.exists() else "it is in no format mpt imports"
     raise UsageError("SRC", src, what, f"pass {'; '.join(KNOWN)}")
@@ -61,6 +66,10 @@ def read(src: Path, *, tag: str | None = None, optimizer: bool = True) -> Import
         from mpt.checkpoint.foreign import dcp
 
         imported = dcp.read(src, optimizer=optimizer)
+    elif kind == "hf":
+        from mpt.checkpoint.foreign import hf
+
+        return hf.read(src)  # weights only, said in its lacks
     else:
         from mpt.checkpoint.foreign import torchfile
 

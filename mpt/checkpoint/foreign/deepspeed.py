@@ -7,7 +7,9 @@ partition of the fp32 master weights and of each optimizer moment. Those partiti
 back together parameter by parameter (``mpt.checkpoint.foreign.zero``), reading one rank's
 file at a time. Any stage (0-3), any world size, fp32 or bf16 (fp16 where DeepSpeed's scaler is
 dynamic; its fused stage-0 optimizer is not read). Pipeline and tensor parallel checkpoints are
-refused.
+refused. A tag folder in DeepSpeed's universal layout (``ds_to_universal.py``'s, or mpt's
+``--to deepspeed``; ``latest_universal`` names it) is read parameter by parameter
+(``mpt.checkpoint.foreign.universal``).
 """
 
 from __future__ import annotations
@@ -20,20 +22,11 @@ from typing import Any
 import torch
 
 from mpt.checkpoint.foreign import optimizer as optim
-from mpt.checkpoint.foreign import torchload, zero
+from mpt.checkpoint.foreign import torchload, universal, zero
 from mpt.checkpoint.foreign.imported import NEVER_HELD, Imported, as_int
 from mpt.checkpoint.io import STEP_PREFIX
 from mpt.errors import UsageError
 from mpt.precision import LossScaleState
-
-_ENGINE_KEYS = frozenset({
-    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes",
-    "shared_params", "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd",
-    "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples",
-    "dp_world_size", "mp_world_size", "ds_config", "ds_version", "checkpoint_parallel_dimensions",
-    "ds_checkpoint_version", "mp_rank"})
-"""What DeepSpeed's engine writes into a model-states file; the rest is the script's
-``client_state``."""
 
 
 def is_deepspeed(src: Path) -> bool:
@@ -55,10 +48,14 @@ def read(src: Path, tag: str | None = None, *, optimizer: bool = True) -> Import
     world = int(states.get("dp_world_size") or 1)
     optim_files = _rank_files(folder, world)
     buffers = {name: states["module"][name] for name in states.get("buffer_names") or []}
+    layout = _stage(states)
     if optim_files:
         trainable, named, loss_scaler = zero.merge(optim_files, states["param_shapes"], world,
                                                    moments=optimizer)
         frozen = _frozen(folder, states, world)
+    elif universal.holds(folder):
+        trainable, named, loss_scaler = universal.merge(folder, states, moments=optimizer)
+        frozen, layout = {}, "universal checkpoint"
     else:
         trainable, named, loss_scaler = _stage0(folder, states, list(buffers), optimizer)
         frozen = {}
@@ -68,14 +65,14 @@ def read(src: Path, tag: str | None = None, *, optimizer: bool = True) -> Import
         named, kind = optim.as_torch(named, str(folder))
         optim.check_shapes(named, {name: t.shape for name, t in trainable.items()},
                            str(folder))
-    client = {k: v for k, v in states.items() if k not in _ENGINE_KEYS}
+    client = {k: v for k, v in states.items() if k not in universal.ENGINE_KEYS}
     step = as_int(client.pop("step", None))
     if step is None:
         step = states.get("global_steps") or _tag_step(tag)
     epoch = as_int(client.pop("epoch", None))
     scale = _loss_scale(loss_scaler)
     return Imported(
-        source=f"DeepSpeed {_stage(states)}, {world} rank(s)",
+        source=f"DeepSpeed {layout}, {world} rank(s)",
         weights={**trainable, **frozen, **buffers}, optimizer=named, optimizer_kind=kind,
         scheduler=states.get("lr_scheduler"), loss_scale=scale,
         precision=_precision(states.get("ds_config") or {}), step=step, epoch=epoch,
@@ -89,10 +86,11 @@ def _tag_folder(src: Path, tag: str | None) -> tuple[Path, str]:
     """The tag folder to read and its name; refused with the tags there are."""
     tags = sorted(p.parent.name for p in src.glob("*/*model_states.pt"))
     if tag is None:
-        if not (src / "latest").is_file():
+        latest = next((src / name for name in universal.LATEST if (src / name).is_file()), None)
+        if latest is None:
             raise UsageError("SRC", src, f"it has no 'latest' file naming the tag to read (its "
                              f"tags: {', '.join(tags) or 'none'})", "pass --tag TAG")
-        tag = (src / "latest").read_text().strip()
+        tag = latest.read_text().strip()
     folder = src / tag
     if not any(folder.glob("*model_states.pt")):
         raise UsageError("SRC", src, f"tag {tag!r} has no model states "
@@ -118,9 +116,7 @@ def _refuse_model_parallel(folder: Path, states: dict[str, Any]) -> None:
         split.append("pipeline stages")
     if split:
         raise UsageError("SRC", folder, f"it was saved with {', '.join(split)}, which this "
-                         "conversion does not merge", "convert it to DeepSpeed's universal "
-                         "checkpoint first (ds_to_universal.py), or save it from a "
-                         "data-parallel run")
+                         "conversion does not merge", "save it from a data-parallel run")
 
 
 def _rank_files(folder: Path, world: int) -> list[Path]:
