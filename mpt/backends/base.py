@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -24,8 +24,20 @@ from mpt.state.named import from_named, to_named
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from mpt.launchers.spec import LaunchSpec
     from mpt.step import TrainStep
+
+
+class Launch(Protocol):
+    """What a backend's launch checks read of the job `mpt launch` starts
+    (``mpt.launchers.LaunchSpec``, which the backends do not import)."""
+
+    run: Any
+    """The run's settings (``RunConfig``): its ``backend_options``."""
+    nodes: int
+    nr: int
+    master_addr: str
+    master_port: int
+    max_restarts: int
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -221,13 +233,13 @@ class Backend(ABC):
         return None
 
     @classmethod
-    def check_launch(cls, spec: LaunchSpec) -> None:
+    def check_launch(cls, spec: Launch) -> None:
         """Refuse, in one line, a job this backend's workers could not run as `mpt launch`
         would start it from this machine (checked before any process starts; nothing by
         default)."""
 
     @classmethod
-    def worker_env(cls, spec: LaunchSpec) -> dict[str, str]:
+    def worker_env(cls, spec: Launch) -> dict[str, str]:
         """Variables this backend's engine reads from the environment only, made from the
         run's options, for every worker `mpt launch` starts (none by default)."""
         return {}

@@ -53,7 +53,7 @@ from mpt.parse import one_of, parse_size
 from mpt.precision import PrecisionSpec
 
 if TYPE_CHECKING:
-    from mpt.launchers.spec import LaunchSpec
+    from mpt.backends.base import Launch
 
 INSTALL = ("run `mpt install horovod` (builds Horovod 0.28.1 patched for C++20 against this "
            "torch, with HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1, and installs it; see "
@@ -223,17 +223,17 @@ class HorovodBackend(Backend):
         return None
 
     @classmethod
-    def check_launch(cls, spec: LaunchSpec) -> None:
-        """What `mpt launch` without ``--hosts`` cannot give Horovod (``horovod_join``): a
+    def check_launch(cls, spec: Launch) -> None:
+        """What `mpt launch` without ``--hosts`` cannot give Horovod (``horovod_launch``): a
         restart of the gang, a host name of loopback across machines, Adasum over gloo."""
-        from mpt.launchers import horovod_join
+        from mpt.backends import horovod_launch
 
-        horovod_join.check_restarts(spec)
-        horovod_join.check_host_name(spec)
-        horovod_join.check_op(spec)
+        horovod_launch.check_restarts(spec)
+        horovod_launch.check_host_name(spec)
+        horovod_launch.check_op(spec)
 
     @classmethod
-    def worker_env(cls, spec: LaunchSpec) -> dict[str, str]:
+    def worker_env(cls, spec: Launch) -> dict[str, str]:
         """Horovod's cycle time, which ``hvd.init()`` reads from the environment only: the
         variable horovodrun makes of its ``--cycle-time-ms`` flag."""
         cycle_time = spec.run.backend_options.get("cycle_time_ms")

@@ -19,9 +19,9 @@ whole job), bind the address this machine's host name resolves to, whatever the 
 to loopback (Debian's ``127.0.1.1 HOST``), each rank offers the others 127.0.0.1 and a job across
 machines fails in gloo's connect, after its timeouts: no variable can give Horovod the node's
 address, and `mpt launch --backend horovod` refuses such a job before any process starts
-(``check_host_name``), while ddp and deepspeed, whose gloo honours ``GLOO_SOCKET_IFNAME``, train.
-Adasum is refused there too (``check_op``): Horovod runs it only over MPI, and these workers
-join over gloo.
+(``mpt.backends.horovod_launch``), while ddp and deepspeed, whose gloo honours
+``GLOO_SOCKET_IFNAME``, train. Adasum is refused there too: Horovod runs it only over MPI, and
+these workers join over gloo.
 
 The server is only started where Horovod imports. On one node it listens on a free port; on
 several, node 0 listens on ``--master-port + 1``, the port every node can work out alone.
@@ -29,13 +29,10 @@ several, node 0 listens on ``--master-port + 1``, the port every node can work o
 
 from __future__ import annotations
 
-import ipaddress
-import socket
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from mpt.backends.horovod import ADASUM_HINT
 from mpt.environments import World
 from mpt.environments.settings import HOROVOD_RENDEZVOUS
 from mpt.errors import UsageError
@@ -62,17 +59,6 @@ def rendezvous_port(spec: LaunchSpec) -> int:
     return 0 if spec.nodes == 1 else spec.master_port + 1
 
 
-def check_restarts(spec: LaunchSpec) -> None:
-    """``--max-restarts`` is refused: the rendezvous server forgets a round's addresses only
-    once every worker finished it, so a gang restarted after a failure half-way through could
-    meet the dead round's addresses."""
-    if spec.max_restarts:
-        raise UsageError("--max-restarts", spec.max_restarts, "Horovod's rendezvous serves one "
-                         "round of workers, and a restarted gang could meet the failed round's "
-                         "addresses", "pass --max-restarts 0 with --backend horovod, or restart "
-                         "the job from its checkpoint (--resume auto)")
-
-
 def check_port(spec: LaunchSpec) -> None:
     """What this node must offer the job's Horovod, checked by `mpt launch` before it claims
     its node rank, so that every node refuses within seconds: node 0 of a multi-node job needs
@@ -88,78 +74,6 @@ def check_port(spec: LaunchSpec) -> None:
         raise UsageError("--master-port", spec.master_port, f"port {port} (--master-port + 1, "
                          "where node 0 hosts Horovod's rendezvous for scripts that call "
                          "hvd.init()) is in use on this node", "pick another --master-port")
-
-
-def gloo_address() -> str | None:
-    """The address Horovod's gloo binds for its collectives on this machine: the first its host
-    name resolves to, as gloo's device takes it without an interface (see the module's
-    docstring); None where the name does not resolve."""
-    try:
-        found = socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM)
-    except OSError:
-        return None
-    return str(found[0][4][0]) if found else None
-
-
-def is_loopback(address: str) -> bool:
-    """Whether ``address`` is an IP address of loopback (127.0.0.0/8, ::1); a name is not."""
-    try:
-        return ipaddress.ip_address(address.partition("%")[0]).is_loopback
-    except ValueError:
-        return False
-
-
-def route_source(host: str, port: int) -> str | None:
-    """This machine's address on the route to ``host``: what ``host`` sees connections come
-    from. A UDP socket's connect picks it and sends nothing. None where there is no route."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((host, port))
-            return str(probe.getsockname()[0])
-    except OSError:
-        return None
-
-
-def own_address(spec: LaunchSpec) -> str:
-    """The address the other nodes reach this one on, for a hint: the source of the route to
-    node 0, else this machine's only IPv4 address beside loopback (node 0, whose
-    ``--master-addr`` may be its own name), else ``ADDRESS``."""
-    import psutil
-
-    routed = route_source(spec.master_addr, spec.master_port)
-    if routed is not None and not is_loopback(routed):
-        return routed
-    found = {a.address for addresses in psutil.net_if_addrs().values() for a in addresses
-             if a.family == socket.AF_INET and not is_loopback(a.address)}
-    return found.pop() if len(found) == 1 else "ADDRESS"
-
-
-def check_host_name(spec: LaunchSpec) -> None:
-    """Refuse Horovod on several machines where this host name resolves to loopback: Horovod
-    would bind 127.0.0.1 for every collective and the job would abort in gloo's connect after
-    minutes (see the module's docstring). A ``--master-addr`` of loopback (127.0.0.1, ::1,
-    localhost) says every node runs on this machine, where loopback serves."""
-    if spec.nodes == 1 or spec.master_addr == "localhost" or is_loopback(spec.master_addr):
-        return
-    address = gloo_address()
-    if address is None or not is_loopback(address):
-        return
-    host = socket.gethostname()
-    raise UsageError("--backend", "horovod", f"this node's host name {host} resolves to "
-                     f"{address}, which Horovod's gloo binds for its collectives whatever "
-                     "HOROVOD_GLOO_IFACE says, so the other nodes cannot reach this one",
-                     f"map {host} to this node's address in /etc/hosts (the line "
-                     f"'{own_address(spec)} {host}'), or train with --backend ddp or deepspeed "
-                     "(on CPUs with GLOO_SOCKET_IFNAME naming the node's interface); with every "
-                     "node on this machine pass --master-addr 127.0.0.1")
-
-
-def check_op(spec: LaunchSpec) -> None:
-    """``--horovod-op adasum`` is refused: Horovod runs Adasum only over MPI, and the workers of
-    `mpt launch` without ``--hosts`` join over gloo (they would fail at the first allreduce)."""
-    if str(spec.run.backend_options.get("op")) == "adasum":
-        raise UsageError("--horovod-op", "adasum", "Horovod runs Adasum only over MPI, and the "
-                         "workers of `mpt launch` without --hosts join over gloo", ADASUM_HINT)
 
 
 @dataclass

@@ -205,7 +205,7 @@ def test_adasum_over_gloo_is_refused_even_where_horovod_has_mpi(monkeypatch):
     """With MPI built, Adasum still needs MPI at run time: horovodrun --gloo and the gloo join of
     `mpt launch` without --hosts have none."""
     from mpt.backends import horovod
-    from mpt.launchers.horovod_join import check_op
+    from mpt.backends.horovod_launch import check_op
 
     monkeypatch.setattr(horovod, "_check_adasum_built", lambda: None)  # an MPI build
     adasum = spec(nodes=2, backend_options={"op": "adasum"})
@@ -246,12 +246,12 @@ def test_a_job_that_reaches_horovod_over_gloo_refuses_adasum_before_its_first_al
 @pytest.fixture
 def gloo_binds(monkeypatch):
     """Make this machine's host name resolve to the address given (what gloo would bind)."""
-    from mpt.launchers import horovod_join
+    from mpt.backends import horovod_launch
 
-    monkeypatch.setattr(horovod_join, "own_address", lambda spec: "10.1.0.2")
+    monkeypatch.setattr(horovod_launch, "own_address", lambda spec: "10.1.0.2")
 
     def resolve(address: str | None) -> None:
-        monkeypatch.setattr(horovod_join, "gloo_address", lambda: address)
+        monkeypatch.setattr(horovod_launch, "gloo_address", lambda: address)
     return resolve
 
 
@@ -262,7 +262,7 @@ def test_a_host_name_of_loopback_is_refused_for_horovod_across_machines(gloo_bin
                                                                         refused):
     import socket
 
-    from mpt.launchers.horovod_join import check_host_name
+    from mpt.backends.horovod_launch import check_host_name
 
     gloo_binds(address)
     across = spec(nodes=2, nr=1, master_addr="node0")
