@@ -18,6 +18,7 @@ import torch
 
 from mpt.backends import Backend, Topology, checked_precision, get_backend
 from mpt.environments import World, detect_world, device_name
+from mpt.environments.host_memory import apply_host_memory
 from mpt.pipeline.backend import PipelineBackend
 from mpt.precision import LossScaleConfig, Precision
 from mpt.run_config import RunConfig
@@ -45,10 +46,15 @@ class Connection:
     """Per-rank micro-batch size to build the DataLoader with (None: the script decides)."""
     precision: Precision
     backend: Backend
+    host_memory_note: str | None = None
+    """Why ``--host-memory`` had no effect in this process (None: it took effect)."""
 
     def notes(self) -> list[str]:
-        """What rank 0 says of the run at start: how the batch splits, how rates scale."""
+        """What rank 0 says of the run at start: how the batch splits, how rates scale, a
+        memory setting this machine cannot apply."""
         lines = [] if self.batch_plan is None else [f"mpt: {self.batch_plan.describe()}"]
+        if self.host_memory_note is not None:
+            lines.append(self.host_memory_note)
         rule, replicas = self.config.lr_scaling, self.topology.dp_size
         if rule is not None:
             lines.append(f"mpt: lr scaling {rule}: rt.scale_lr multiplies learning rates by "
@@ -68,6 +74,8 @@ def connect(env: Mapping[str, str], config: RunConfig | None = None, *,
         timeout=timeout.total_seconds() if isinstance(timeout, timedelta) else timeout,
         **{name: os.fspath(value) if isinstance(value, os.PathLike) else value
            for name, value in settings.items()})
+    # Before the Runtime allocates anything of the model, so the whole run gets it.
+    host_memory_note = apply_host_memory(config.host_memory)
     device = torch.device(device_name(world.local_rank, torch.cuda.is_available()))
     backend_class = get_backend(config.backend)
     layout = config.layout(world.world_size)
@@ -99,4 +107,4 @@ def connect(env: Mapping[str, str], config: RunConfig | None = None, *,
     return Connection(config=config, world=world, device=device, topology=topology,
                       batch_plan=plan, accumulate=accumulate,
                       batch_size=batch_size, precision=precision,
-                      backend=backend)
+                      backend=backend, host_memory_note=host_memory_note)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mpt.comm import COMPRESSIONS, GradComm, parse_bucket_mb, parse_compression
+from mpt.environments.host_memory import HOST_MEMORY, parse_host_memory
 from mpt.errors import UsageError
 from mpt.parallel import ParallelPlan
 from mpt.parse import parse_bool, parse_int, parse_number
@@ -89,6 +90,13 @@ class RunConfig:
     timeout: float | None = _setting(
         None, "A collective that waits longer for its peers fails instead of hanging (default "
         "1800).", parse=parse_number, metavar="SECONDS")
+    host_memory: str = _setting(
+        HOST_MEMORY[0], "How the C allocator (glibc) treats freed host memory: fast (glibc's "
+        "default: freed blocks are kept for reuse, so resident memory can grow to several "
+        "times what the run holds) or lean (freed blocks of 1 MiB and more go back to the OS "
+        "at once: resident memory tracks what the run holds, and each step pays page faults "
+        "again: about 1.7 x the step time of CPU training; docs/parallel.md).",
+        parse=parse_host_memory, metavar="fast|lean")
     checkpoint_dir: str | None = _setting(
         None, "Where rt.save() writes and rt.resume() looks (a path or fsspec URL).",
         metavar="DIR")
@@ -148,6 +156,7 @@ class RunConfig:
             if count is not None and count < 1:
                 raise UsageError(flag, count, "it must be at least 1", f"pass {flag} 1 or more")
         check_lr_scaling(self.lr_scaling)
+        parse_host_memory(flag_of("host_memory"), self.host_memory)
         if self.timeout is not None and not self.timeout > 0:
             raise UsageError("--timeout", self.timeout, "it must be positive",
                              "pass --timeout 30, for example")
