@@ -503,6 +503,9 @@ def estimate_memory(
     pipeline_stages: Annotated[int, typer.Option(
         help="Also show each of P pipeline stages' blocks and bytes (as `mpt launch "
         "--pipeline-stages`).")] = 1,
+    gpus: Annotated[int | None, typer.Option(
+        help="Processes per node, for the snapshot stores' size (default: one node).")
+                    ] = None,
 ) -> None:
     """Per-rank bytes of parameters, gradients, optimizer state and activations under every
     backend and the options that change them, for a model built on the meta device."""
@@ -510,7 +513,13 @@ def estimate_memory(
     from rich.table import Table
 
     from mpt.backends import registered
-    from mpt.estimate import activation_bytes, example_input, load_model, meta_model
+    from mpt.estimate import (
+        activation_bytes,
+        example_input,
+        load_model,
+        meta_model,
+        snapshot_estimate,
+    )
     from mpt.parse import one_of
     from mpt.precision import describe
 
@@ -544,6 +553,21 @@ def estimate_memory(
               "Not counted: communication buffers, the allocator's slack and the process "
               "itself (a few hundred MiB at least); activations as saved for backward in the "
               "model's own dtype (autocast keeps some in 16 bits: fewer bytes).")
+    per_node = world_size if gpus is None else gpus
+    if per_node < 1 or world_size % per_node:
+        raise UsageError("--gpus", gpus, f"it does not divide --world-size {world_size} into "
+                         "nodes", f"pass a divisor of {world_size}")
+    snap = snapshot_estimate(net, weight_bytes=spec.params.itemsize,
+                             master_bytes=4 if spec.master != spec.params else 0,
+                             optimizer_states=states, world_size=world_size, per_node=per_node)
+    copies = " and their copies of the previous node's" if per_node < world_size else ""
+    out.print(f"--snapshot-every: each rank's piece {snap.piece / gib:.2f} GiB (1/{world_size} "
+              f"of the weights and optimizer state, under every backend); a node's store "
+              f"{snap.store / gib:.2f} GiB (the newest two snapshots' pieces of its "
+              f"{per_node} rank(s){copies}); taking one adds {snap.adds / 2**20:.0f} MiB per "
+              "rank (transfer buffers), a "
+              f"restore {snap.restore_adds / 2**20:.0f} MiB (the largest tensor, one at a "
+              "time). A sharded rt.save adds at most one 256 MiB file per rank.")
     if layout.pp > 1:
         _print_stages(net, layout, spec, states)
 

@@ -20,11 +20,14 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mpt.errors import UsageError
 from mpt.parallel import ParallelPlan
 from mpt.scaling import BatchPlan, lr_factor, plan_batch
+
+if TYPE_CHECKING:
+    from mpt.checkpoint.format import Manifest
 
 EXTRA_RESTARTS = 3
 """Restarts an elastic job gets on top of one per node it may lose (transient failures)."""
@@ -236,15 +239,12 @@ def resize(manifest: Mapping[str, Any], *, world_size: int, plan: BatchPlan | No
                   time_lost=lost, global_batch=total, plan=how, lr_ratio=ratio)
 
 
-def report_resize(found: str, *, world_size: int, plan: BatchPlan | None,
+def report_resize(manifest: Manifest, *, world_size: int, plan: BatchPlan | None,
                   samples_per_step: int | None, lr_scaling: str | None, layout: ParallelPlan,
                   say: Callable[[str], None],
                   log: Callable[[dict[str, float]], None]) -> Resize | None:
-    """After ``rt.resume()`` loaded checkpoint ``found``: say and log a resize, if it was one
-    (the caller applies its ``lr_ratio``)."""
-    from mpt.checkpoint import io
-
-    manifest = io.resolve(found).manifest()
+    """After ``rt.resume()`` loaded the checkpoint of ``manifest``: say and log a resize, if
+    it was one (the caller applies its ``lr_ratio``)."""
     done = resize({"world_size": manifest.world_size, "step": manifest.step,
                    "saved_at": manifest.saved_at}, world_size=world_size, plan=plan,
                   samples_per_step=samples_per_step, lr_scaling=lr_scaling, layout=layout)

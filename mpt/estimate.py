@@ -109,3 +109,38 @@ def activation_bytes(model: nn.Module, example: torch.Tensor) -> int:
 
 def example_input(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(tuple(shape), dtype=dtype, device="meta")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SnapshotEstimate:
+    """What ``--snapshot-every`` costs in memory, in bytes, under any backend: every rank keeps
+    1/N of the state (its shards, its stage, or its share of replicated tensors)."""
+
+    piece: int
+    """One rank's piece of one snapshot: weights (and fp32 masters) and optimizer state / N."""
+    store: int
+    """A node's store: the newest ``KEEP`` snapshots' pieces of its own ranks and of the
+    previous node's (their copy)."""
+    adds: int
+    """What taking a snapshot adds to a rank's resident memory: the two transfer buffers (and,
+    from a GPU, a host copy of one tensor at a time, not counted)."""
+    restore_adds: int
+    """What a restore adds to a rank: one stored box at a time, at most the largest tensor."""
+
+
+def snapshot_estimate(model: nn.Module, *, weight_bytes: int, master_bytes: int,
+                      optimizer_states: int, world_size: int, per_node: int
+                      ) -> SnapshotEstimate:
+    """``SnapshotEstimate`` of ``model`` (on the meta device): ``weight_bytes`` per weight,
+    ``master_bytes`` per trained weight for fp32 masters (0: none), ``optimizer_states`` fp32
+    values per trained weight, over ``world_size`` ranks, ``per_node`` on a node."""
+    from mpt.checkpoint.snapshot import CHUNK, KEEP
+
+    weights, trained = parameter_counts(model)
+    state = weights * weight_bytes + trained * (master_bytes + 4 * optimizer_states)
+    piece = -(-state // world_size)
+    copies = 2 if world_size > per_node else 1  # its own, and the previous node's
+    largest = max((p.numel() * max(p.element_size(), 4) for p in model.parameters()),
+                  default=0)
+    return SnapshotEstimate(piece=piece, store=KEEP * copies * piece * per_node,
+                            adds=2 * CHUNK, restore_adds=largest)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mpt.checkpoint import io, tensorfile
@@ -35,19 +35,33 @@ class Contents:
     manifest: Manifest
     """Its manifest."""
     model: dict[str, Any]
-    """Weights by ``<model name>/<key>`` (whole tensors, or the pieces read into)."""
+    """Weights by ``<model name>/<key>`` (whole tensors, or the pieces read into; where a rank
+    read a sharded checkpoint in part, ``sharded.Unread`` for the rest)."""
     tensors: dict[str, Any]
     """The other tensors ``state`` refers to (``mpt.checkpoint.encode``)."""
     state: dict[str, Any]
     """``state.json``: model names, optimizers, precision, schedulers, loaders, RNG, extras."""
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Reads:
+    """What one rank reads of a sharded checkpoint's tensors (by key: ``model/<model>/<name>``,
+    ``optimizer/...``). By default, everything, whole."""
+
+    into: dict[str, Any] = field(default_factory=dict)
+    """Keys read in place into these tensors: ``DTensor`` shards and ``FlatPiece`` ranges are
+    read only where their pieces lie."""
+    whole: Collection[str] | None = None
+    """The other keys read, whole; the rest are left unread (``sharded.Unread`` stands for
+    each). None: every other key."""
+
+
 def read(path: str | os.PathLike[str],
-         pieces: Callable[[], dict[str, Any]] = dict) -> Contents:
+         reads: Callable[[dict[str, Any]], Reads] = lambda state: Reads()) -> Contents:
     """The contents of the checkpoint at ``path`` (a root or one checkpoint directory).
 
-    ``pieces``: where a sharded checkpoint's tensors are read into, by key (a collective where
-    the run's ranks hold pieces: called only for a sharded checkpoint); the rest are read whole.
+    ``reads``: what this rank reads of a sharded checkpoint's tensors, given its ``state.json``
+    (a collective where the run's ranks hold pieces: called only for a sharded checkpoint).
     """
     location = io.resolve(path)
     manifest = location.manifest()
@@ -85,7 +99,8 @@ def read(path: str | os.PathLike[str],
                                               if n.startswith(f"{SHARDED_DIR}/")):
             raise CheckpointError(shards.url, "it holds files the manifest does not list",
                                   "remove them, or load another checkpoint")
-        loaded = dcp_storage.load(shards.path, pieces())
+        wanted = reads(state)
+        loaded = dcp_storage.load(shards.path, wanted.into, whole=wanted.whole)
         model_state = {k.removeprefix("model/"): v for k, v in loaded.items()
                        if k.startswith("model/")}
         tensors.update({k: v for k, v in loaded.items() if not k.startswith("model/")})

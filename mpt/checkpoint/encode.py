@@ -10,6 +10,7 @@ because it could only be stored by pickling.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -63,6 +64,19 @@ def decode(obj: Any, tensors: dict[str, Any]) -> Any:
     if _ITEMS in obj:
         return {_hashable(decode(k, tensors)): decode(v, tensors) for k, v in obj[_ITEMS]}
     return {k: decode(v, tensors) for k, v in obj.items()}
+
+
+def references(obj: Any) -> Iterator[str]:
+    """The keys of the tensors that ``encode``'s output ``obj`` refers to."""
+    if isinstance(obj, list):
+        for value in obj:
+            yield from references(value)
+    elif isinstance(obj, dict):
+        if _TENSOR in obj:
+            yield obj[_TENSOR]
+            return
+        for value in obj.values():
+            yield from references(value)
 
 
 _PLAIN = frozenset({type(None), bool, int, float, str})

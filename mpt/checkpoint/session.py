@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from mpt.checkpoint.background import BackgroundWriter
-from mpt.checkpoint.format import CONVERTED
+from mpt.checkpoint.format import CONVERTED, Manifest
 from mpt.checkpoint.io import find_latest, resolve
 from mpt.checkpoint.snapshot import PeerSnapshots, peer_snapshots
 from mpt.checkpoint.state import (
@@ -45,7 +45,7 @@ class CheckpointSession:
     def __init__(self, *, backend: StateHolder, pairs: Pairs,
                  loaders: Callable[[], Sequence[DistributedLoader]], root: str | None,
                  resume: str, async_save: bool, snapshots: PeerSnapshots | None,
-                 resized: Callable[[str], Resize | None] | None = None,
+                 resized: Callable[[Manifest], Resize | None] | None = None,
                  say: Callable[[str], None] = print) -> None:
         self.backend = backend
         self.pairs = pairs
@@ -77,16 +77,16 @@ class CheckpointSession:
         resize after a resume is said with ``say`` and logged to ``monitor``."""
         config, backend = run.config, run.backend
 
-        def resized(found: str) -> Resize | None:  # an elastic job's new world, or a manual one
+        def resized(saved: Manifest) -> Resize | None:  # an elastic job's new world, or not
             return report_resize(
-                found, world_size=run.world.world_size, plan=run.batch_plan,
+                saved, world_size=run.world.world_size, plan=run.batch_plan,
                 samples_per_step=monitor.samples_per_step, lr_scaling=config.lr_scaling,
                 layout=run.topology.plan, say=say, log=monitor.log)
 
         return cls(backend=backend, pairs=pairs, loaders=loaders, root=config.checkpoint_dir,
                    resume=config.resume or "auto", async_save=config.async_save,
                    snapshots=peer_snapshots(config.snapshot_every, config.snapshot_dir, backend,
-                                            backend.timeout), resized=resized, say=say)
+                                            backend.timeout, say), resized=resized, say=say)
 
     def save(self, path: str | os.PathLike[str] | None, *, step: int, epoch: int | None,
              scheduler: Schedulers, keep: int | None, sharded: bool | None,
@@ -115,9 +115,12 @@ class CheckpointSession:
             self._unsettled = False
 
     def load(self, path: str | os.PathLike[str], scheduler: Schedulers) -> dict[str, Any]:
-        """``rt.load``: restore ``path`` into the run's live objects: an mpt checkpoint, or
-        another framework's (``mpt.checkpoint.foreign``), imported on the way."""
+        """``rt.load``: restore ``path`` into the run's live objects: an mpt checkpoint, the
+        snapshot ``rt.resume`` chose, or another framework's checkpoint
+        (``mpt.checkpoint.foreign``), imported on the way."""
         self.wait()  # a checkpoint being written is committed before anything loads
+        if self.snapshots is not None and self.snapshots.restores(os.fspath(path)):
+            return self.snapshots.load(self._training_state(scheduler))
         if find_latest(path) is None:
             from mpt.checkpoint import foreign
 
@@ -155,9 +158,11 @@ class CheckpointSession:
         self.say(f"mpt: resumed from {found} at step {info['step']}")
         # Another framework's run, imported or converted, had its own learning rates for its
         # own world: they go on as they were, whichever way it came in.
-        saved_by_mpt = find_latest(found) is not None and \
-            resolve(found).manifest().backend != CONVERTED
-        resize = self.resized(found) if self.resized is not None and saved_by_mpt else None
+        saved = (self.snapshots.restored if self.snapshots is not None
+                 and self.snapshots.restores(found) else
+                 resolve(found).manifest() if find_latest(found) is not None else None)
+        saved_by_mpt = saved is not None and saved.backend != CONVERTED
+        resize = self.resized(saved) if self.resized is not None and saved_by_mpt else None
         if resize is not None:
             self.scale_lr(resize.lr_ratio)
         return info

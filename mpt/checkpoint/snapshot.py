@@ -1,54 +1,72 @@
-"""``--snapshot-every K``: the training state kept in memory on two nodes, so that a lost node
-costs at most K optimizer steps instead of the steps since the last checkpoint on disk.
+"""``--snapshot-every K``: the training state kept in the memory of two nodes, every rank keeping
+its own part, so that a lost node costs at most K optimizer steps and no rank ever holds more
+than its share.
 
-Every K training iterations, at the end of ``rt.step``, every rank takes part in gathering what a
-non-sharded checkpoint holds: the full weights and optimizer state of every model under its name,
-the precision's state, the schedulers and the loaders' positions (the collectives of ``rt.save``
-but the RNG's). Rank 0 copies it to host memory, every rank notes its RNG state, and the
-training loop goes on. Each rank's snapshot thread then gathers the RNG states to rank 0 on a
-gloo group of its own (beside the training's collectives, as tensors: nothing is pickled), and
-rank 0's lays the checkpoint's files out in host memory it keeps from one snapshot to the next
-(``pack``: the files one after the other, the manifest last, then an index; each file with its
-crc32 in the manifest), and:
+Every K training iterations, at the end of ``rt.step``:
 
-1. sends that buffer to the first rank of the next node (rank ``gpus``), whose snapshot thread
-   commits it into that node's store as rank 0's commits it into its own (2.);
-2. commits it into this node's store as one file, ``step-N.snapshot``: written under a
-   temporary name, then renamed (the commit), the newest two kept. The store is
-   ``--snapshot-dir``, by default a directory in ``/dev/shm`` (memory) that the node's
-   `mpt launch` makes and removes, so it outlives the workers that a restart replaces, not the
-   node.
+1. Every rank lists the boxes of the state it holds (``mpt.checkpoint.boxes``: its fsdp or
+   ZeRO-3 shards, its pipeline stage's tensors, or whole tensors where every rank holds the
+   whole state) and its RNG state; one gather of these small lists tells every rank which
+   boxes it keeps (a box several ranks hold alike is kept by one of them: under ddp each rank
+   keeps 1/N of the state).
+2. Each rank writes its piece, ``step-N.rank-R-of-W.snapshot``, into its node's store, from
+   the tensors' memory straight into the file (no copy in the process: the store is
+   ``--snapshot-dir``, by default a directory in ``/dev/shm`` that the node's ``mpt launch``
+   makes and removes, so it outlives the workers a restart replaces, not the node): written
+   under a temporary name, then renamed (the commit). The training loop goes on.
+3. The snapshot thread sends that file to the same local rank of the next node and receives the
+   previous node's, in bounded pieces, on a gloo group of its own; each commits what it receives
+   into its own store. A store keeps the newest two snapshots' pieces. The next snapshot waits
+   for the exchange.
 
-The next snapshot waits for both. After a restart (a lost node, a node that joined), ``rt.resume``
-asks every rank for the newest snapshot its node holds. The newest one the survivors hold, where
-it is newer than the newest checkpoint on disk, is sent to every rank (the file's bytes, as one
-tensor), unpacked into a checkpoint directory in memory and loaded like a checkpoint (it
-restores at any world size, under any backend, and its crc32s are checked first); otherwise the
-disk checkpoint is. With one node there is no peer: the snapshot outlives worker restarts only.
+A piece file is its boxes' bytes one after the other, then a JSON header (the step, the ranks,
+the table of every rank's boxes, the state's structure, every rank's RNG state, the manifest's
+fields, where each box's bytes lie and their crc32), the header's crc32 and its length.
+
+After a restart (a lost node, a node that joined), ``rt.resume`` asks every rank which pieces
+its node's store holds intact. The newest step of which the survivors hold every piece, where
+it is newer than the newest checkpoint on disk, is restored: each rank of the new run works out
+which boxes overlap the parts it holds (its new shards, at any world size and under any backend)
+and their holders send just those, one box at a time. Otherwise the disk checkpoint is loaded.
+With one node there is no peer: the snapshot outlives worker restarts only.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import re
-import shutil
 import struct
+import time
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-import fsspec
 import torch
 import torch.distributed as dist
-from safetensors.torch import load as load_tensors
 
-from mpt.checkpoint import io, tensorfile
+from mpt.checkpoint import io
 from mpt.checkpoint.background import BackgroundWriter
+from mpt.checkpoint.boxes import Box, Target, assign, held
+from mpt.checkpoint.contents import Contents, Reads
 from mpt.checkpoint.encode import encode, rng_state
-from mpt.checkpoint.format import MANIFEST, CheckpointError, FileEntry, crc32_hex
-from mpt.checkpoint.state import Snapshot, TrainingState, gather_object, take_snapshot
+from mpt.checkpoint.format import FORMAT_VERSION, CheckpointError, Manifest
+from mpt.checkpoint.sharded import Unread
+from mpt.checkpoint.state import (
+    TrainingState,
+    collect_state,
+    gather_object,
+    manifest_fields,
+    merged_optimizers,
+    mpt_version,
+    rank_reads,
+    restore,
+)
+from mpt.checkpoint.tensorfile import _raw
 from mpt.errors import UsageError
 
 if TYPE_CHECKING:
@@ -57,119 +75,132 @@ if TYPE_CHECKING:
 KEEP = 2
 """Snapshots a store keeps: the newest, and the one before while the newest is written."""
 RESTORED = "memory://mpt-snapshot"
-"""Where a restored snapshot is put for loading: this process's fsspec memory filesystem."""
-SUFFIX = ".snapshot"
-"""A committed snapshot in a store: ``step-N.snapshot``."""
-_COMMITTED = re.compile(r"step-(\d+)\.snapshot")
-_LENGTH = struct.Struct("<q")
-_PIECE = 8 << 20
-"""Bytes per write() (see tensorfile)."""
-_TAIL = 1 << 16
-"""Room kept after the files for the manifest and the index, so that they need no new memory."""
+"""How a restored snapshot is named (``mpt: resumed from memory://mpt-snapshot/step-N``)."""
+_PIECE_NAME = re.compile(r"step-(\d+)\.rank-(\d+)-of-(\d+)\.snapshot")
+_TAIL = struct.Struct("<Iq")  # the header's crc32, its length
+CHUNK = 16 << 20
+"""Bytes per write(), per read and per message between nodes: the transfer buffer."""
 
 
-def pack(files: Mapping[str, bytes]) -> bytes:
-    """Files as one buffer: their contents one after the other, then an index (JSON, name:
-    size, in that order) and its length (8 bytes, little-endian)."""
-    index = json.dumps({name: len(data) for name, data in files.items()}).encode()
-    return b"".join([*files.values(), index, _LENGTH.pack(len(index))])
+def piece_name(step: int, rank: int, world_size: int) -> str:
+    return f"{io.step_dir_name(step)}.rank-{rank:05d}-of-{world_size:05d}.snapshot"
 
 
-def unpack(buffer: bytes | memoryview, where: str = "snapshot") -> dict[str, memoryview]:
-    """``pack``'s files, as views into ``buffer``; a CheckpointError where it is not one whole
-    (torn or damaged)."""
-    view = memoryview(buffer)
-    end = len(view) - _LENGTH.size
+@dataclass(frozen=True, slots=True)
+class PieceId:
+    """One rank's piece of one snapshot."""
+
+    step: int
+    rank: int
+    world_size: int
+
+    @property
+    def name(self) -> str:
+        return piece_name(self.step, self.rank, self.world_size)
+
+
+def _write_all(fd: int, data: memoryview | bytes) -> None:
+    done = 0
+    while done < len(data):
+        done += os.write(fd, data[done:])
+
+
+def write_piece(path: str, boxes: list[tuple[Box, torch.Tensor]], header: dict[str, Any]
+                ) -> None:
+    """Write a piece file at ``path``: the boxes' bytes from their tensors' memory (a GPU box
+    copied to the host one at a time), then ``header`` with where each box lies."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)
     try:
-        (size,) = _LENGTH.unpack_from(view, end)
-        index = json.loads(bytes(view[end - size:end])) if 0 < size <= end else None
-        files, offset = {}, 0
-        for name, length in index.items():
-            files[str(name)] = view[offset:offset + length]
-            offset += length
-    except (struct.error, ValueError, TypeError, AttributeError):
-        offset, files = -1, {}
-    if offset != end - size or offset < 0:
-        raise CheckpointError(where, "its index does not describe its bytes: it is torn or "
-                              "damaged", "resume from another snapshot or the disk checkpoint")
-    return files
+        where, crc, offset = [], 0, 0
+        for box, tensor in boxes:
+            host = tensor.detach().to("cpu").contiguous()
+            raw = _raw(host)
+            for start in range(0, len(raw), CHUNK):
+                chunk = raw[start:start + CHUNK]
+                _write_all(fd, chunk)
+                crc = zlib.crc32(chunk, crc)
+            where.append([box.key, offset, len(raw)])
+            offset += len(raw)
+        text = json.dumps({**header, "data": where, "crc32": crc}).encode()
+        _write_all(fd, text + _TAIL.pack(zlib.crc32(text), len(text)))
+        os.ftruncate(fd, offset + len(text) + _TAIL.size)  # a longer file written over
+    finally:
+        os.close(fd)
 
 
-class HostMemory:
-    """One buffer in host memory, kept from one snapshot to the next and grown as needed:
-    memory fresh from the OS costs a page fault per 4 KiB (see ``BackgroundWriter.stage``)."""
+class Piece:
+    """A piece file in a store, read without loading it: its header, and each box by key."""
 
-    def __init__(self) -> None:
-        self.tensor = torch.empty(0, dtype=torch.uint8)
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(self.fd).st_size
+            if size < _TAIL.size:
+                raise ValueError("shorter than its tail")
+            crc, length = _TAIL.unpack(os.pread(self.fd, _TAIL.size, size - _TAIL.size))
+            if not 0 < length <= size - _TAIL.size:
+                raise ValueError("its header length is out of range")
+            text = os.pread(self.fd, length, size - _TAIL.size - length)
+            if zlib.crc32(text) != crc:
+                raise ValueError("its header's crc32 does not match")
+            self.header: dict[str, Any] = json.loads(text)
+            self.data_bytes = size - _TAIL.size - length
+            self.boxes = {key: (offset, n) for key, offset, n in self.header["data"]}
+        except (ValueError, KeyError, TypeError):
+            os.close(self.fd)
+            raise
 
-    def get(self, size: int, keep: int = 0) -> memoryview:
-        """At least ``size`` bytes, the first ``keep`` as they were."""
-        if self.tensor.numel() < size:
-            grown = torch.empty(size + size // 4, dtype=torch.uint8)
-            grown[:keep].copy_(self.tensor[:keep])
-            self.tensor = grown
-        return memoryview(self.tensor.numpy())
+    def intact(self) -> bool:
+        """Whether the boxes' bytes are those written (crc32, read in bounded pieces)."""
+        crc = 0
+        for start in range(0, self.data_bytes, CHUNK):
+            crc = zlib.crc32(os.pread(self.fd, min(CHUNK, self.data_bytes - start), start), crc)
+        return crc == self.header["crc32"]
 
+    def read(self, box: Box) -> torch.Tensor:
+        offset, n = self.boxes[box.key]
+        data = torch.empty(box.sizes, dtype=box.torch_dtype)
+        raw, done = _raw(data), 0
+        while done < n:
+            got = os.preadv(self.fd, [raw[done:n]], offset + done)
+            if got <= 0:
+                raise CheckpointError(self.path, "it ends inside a box", "resume from another "
+                                      "snapshot or the disk checkpoint")
+            done += got
+        return data
 
-def lay_out(files: Mapping[str, bytes | Mapping[str, torch.Tensor]],
-            manifest: Callable[[dict[str, FileEntry]], bytes], memory: HostMemory) -> int:
-    """``pack`` of ``files`` (bytes, or the tensors of a safetensors file) and then their
-    manifest, made in ``memory``; return its size. ``manifest(entries)`` makes the manifest
-    from each file's size and crc32. The tensors' bytes are copied once, into ``memory``, from
-    which the store's file is written and the peer's copy sent."""
-    plan: list[tuple[str, bytes, dict[str, torch.Tensor]]] = []
-    size = 0
-    for name, content in files.items():
-        if isinstance(content, bytes):
-            plan.append((name, content, {}))
-            size += len(content)
-        else:
-            ordered = {key: t.detach() for key, t in sorted(content.items())}
-            head = tensorfile.header(ordered)
-            plan.append((name, head, ordered))
-            size += len(head) + sum(tensorfile.nbytes(t) for t in ordered.values())
-    view = memory.get(size + _TAIL)
-    entries, offset = {}, 0
-    for name, head, tensors in plan:
-        start = offset
-        view[offset:offset + len(head)] = head
-        offset += len(head)
-        for t in tensors.values():
-            n = tensorfile.nbytes(t)
-            if n:
-                memory.tensor[offset:offset + n].copy_(t.reshape(-1).view(torch.uint8))
-            offset += n
-        entries[name] = FileEntry(bytes=offset - start,
-                                  crc32=crc32_hex(zlib.crc32(view[start:offset])))
-    text = manifest(entries)  # last: the manifest, then the index
-    index = json.dumps({**{name: e.bytes for name, e in entries.items()},
-                        MANIFEST: len(text)}).encode()
-    tail = b"".join([text, index, _LENGTH.pack(len(index))])
-    view = memory.get(offset + len(tail), keep=offset)
-    view[offset:offset + len(tail)] = tail
-    return offset + len(tail)
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 class PeerSnapshots:
     """One rank's part in the run's snapshots (see the module's docstring)."""
 
-    def __init__(self, *, every: int, store: str, backend: StateHolder,
-                 timeout: timedelta) -> None:
+    def __init__(self, *, every: int, store: str, backend: StateHolder, timeout: timedelta,
+                 say: Callable[[str], None] = print) -> None:
         self.every = every
         """Training iterations between two snapshots."""
-        self.store = io.Location.parse(store)
-        """This node's store (node-local memory)."""
+        self.store = store
+        """This node's store (node-local memory), a local directory."""
         self.backend = backend
         world = backend.world
-        # Ranks are numbered node by node: rank `gpus` is the first of the next node.
-        self.peer = world.gpus if world.world_size > world.gpus else None
-        """The rank that keeps the copy on another node (None: a one-node job)."""
+        # Ranks are numbered node by node: rank r + gpus is the same local rank on the next node.
+        several = world.world_size > world.gpus
+        self.peer = (world.rank + world.gpus) % world.world_size if several else None
+        """The rank that keeps a copy of this rank's pieces on another node (None: one node)."""
+        self.source = (world.rank - world.gpus) % world.world_size if several else None
+        """The rank whose pieces this rank keeps a copy of."""
         self.timeout = timeout
         """How long a transfer waits for the other side (the run's collective timeout)."""
+        self.say = say
         self._writer = BackgroundWriter()
-        self._memory = HostMemory()  # rank 0's and the peer's packed snapshot
         self._group: dist.ProcessGroup | None = None
-        self._restored = False  # a restored snapshot waits in the memory filesystem
+        self._chosen: tuple[int, int, list[int]] | None = None  # step, world, holder by rank
+        self._held_by: list[list[Box]] | None = None  # every rank's boxes at the last snapshot
+        self._kept: list[list[Box]] = []  # and the boxes each rank kept of them
+        self.restored: Manifest | None = None
+        """The manifest of the snapshot ``load`` restored."""
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
@@ -177,147 +208,277 @@ class PeerSnapshots:
     def take(self, parts: TrainingState, step: int) -> None:
         """Collective: snapshot the state after training iteration ``step``."""
         self._writer.wait()  # the previous snapshot is kept on both nodes first
-        if self._restored:  # loaded by now: its copy in this process's memory goes
-            _forget_restored()
-            self._restored = False
+        backend, world = self.backend, self.backend.world
         group = self._gloo()
-        mine = rng_state()
-        snapshot = take_snapshot(parts, step=step, stage=self._writer.stage)
-        self._writer.submit(lambda: self._finish(step, mine, snapshot, group))
+        pieces = backend.shards_state
+        model, tensors, state = collect_state(parts, pieces=pieces, extra=None)
+        rng_tensors: dict[str, Any] = {}
+        rng = encode(rng_state(), f"rng/{world.rank}", rng_tensors)
+        found = {key: box for key, value in [*((f"model/{k}", v) for k, v in model.items()),
+                                             *tensors.items(), *rng_tensors.items()]
+                 if (box := held(key, value)) is not None}
+        boxes = [box for box, _ in found.values()]
+        # The boxes a rank holds are the same from one snapshot to the next: sent once.
+        same = self._held_by is not None and boxes == self._held_by[world.rank]
+        # A pipeline's ranks hold their stage's optimizer state: the structure is every rank's.
+        every = gather_object(backend, (None if same else [b.row() for b in boxes], rng,
+                                        state["optimizers"] if pieces else None))
+        if pieces:
+            state["optimizers"] = merged_optimizers([trees for _, _, trees in every])
+        if any(rows is not None for rows, _, _ in every):
+            assert self._held_by is not None or all(rows is not None for rows, _, _ in every)
+            self._held_by = [[Box.from_row(r) for r in rows] if rows is not None else
+                             (self._held_by or [])[rank]
+                             for rank, (rows, _, _) in enumerate(every)]
+            self._kept = assign(self._held_by)
+        kept = [(box, found[box.key][1]) for box in self._kept[world.rank]]
+        header = {"step": step, "rank": world.rank, "world_size": world.world_size,
+                  "table": [[*box.row(), rank] for rank, mine in enumerate(self._kept)
+                            for box in mine],
+                  "state": state, "rngs": [tree for _, tree, _ in every],
+                  "saved_at": time.time(),
+                  "manifest": manifest_fields(parts, step=step, epoch=None, sharded=False)}
+        mine = PieceId(step, world.rank, world.world_size)
+        self._commit(mine, lambda path: write_piece(path, kept, header))
+        self._writer.submit(lambda: self._exchange(mine, group))
 
-    def _gloo(self) -> dist.ProcessGroup:
+    def _gloo(self) -> dist.ProcessGroup | None:
         """The snapshots' own gloo group (a collective: every rank makes it at its first
-        snapshot or restore)."""
-        if self._group is None:
+        snapshot or restore); None in a one-process run, which sends nothing."""
+        if self._group is None and self.backend.world.world_size > 1:
             self._group = dist.new_group(backend="gloo", timeout=self.timeout)
         return self._group
 
-    def _finish(self, step: int, mine: Any, snapshot: Snapshot | None,
-                group: dist.ProcessGroup) -> None:
-        """The snapshot thread's part: gather every rank's RNG state to rank 0, which lays the
-        snapshot out, sends it to its peer and keeps it; the peer keeps it too."""
-        rngs = _gather_rngs(mine, self.backend.world.rank, self.backend.world.world_size,
-                            group)
-        if snapshot is not None:
-            size = lay_out(snapshot.files(*rngs), snapshot.manifest_of, self._memory)
-            if self.peer is not None:  # first: the peer commits while this rank does
-                dist.send(torch.tensor([size]), self.peer, group=group)
-                dist.send(self._memory.tensor[:size], self.peer, group=group)
-            self._keep(step, self._memory.get(size)[:size])
-        elif self.backend.world.rank == self.peer:
-            length = torch.zeros(1, dtype=torch.int64)
-            dist.recv(length, 0, group=group)
-            size = int(length)
-            view = self._memory.get(size)
-            dist.recv(self._memory.tensor[:size], 0, group=group)
-            self._keep(step, view[:size])
+    # -- the store -----------------------------------------------------------------------------
+    def _commit(self, piece: PieceId, write: Callable[[str], None]) -> None:
+        """Write ``piece`` into this node's store under a temporary name (over the file of an
+        old snapshot where there is one: /dev/shm then reuses its memory instead of
+        allocating and zeroing new pages), then rename it."""
+        os.makedirs(self.store, exist_ok=True)
+        staging = os.path.join(self.store, f"{io.staging_name(piece.step)}-{piece.rank}")
+        doomed = self._doomed(piece.step, other_worlds=False)
+        with contextlib.suppress(FileNotFoundError, IndexError):
+            os.rename(os.path.join(self.store, doomed[0]), staging)
+        write(staging)
+        os.rename(staging, os.path.join(self.store, piece.name))
 
-    def _keep(self, step: int, data: memoryview) -> None:
-        """Commit a snapshot into this node's store as ``step-N.snapshot`` (written under a
-        temporary name, then renamed), and drop all but the newest ``KEEP`` (and snapshots of
-        this step or later: an abandoned run's; and what a killed worker left half-written).
+    def _doomed(self, step: int, *, other_worlds: bool) -> list[str]:
+        """The pieces of this rank's and its source's that the store no longer needs once a
+        snapshot of ``step`` is committed (the other local ranks prune their own): those of
+        the ``KEEP - 1`` steps before it stay; an abandoned run's later ones go, and, where
+        ``other_worlds``, those of a run of another size."""
+        world = self.backend.world
+        ours = {world.rank, self.source}
+        held_now = {name: p for name, p in self._held().items()
+                    if p.rank in ours or (other_worlds and p.world_size != world.world_size)}
+        held_steps = sorted({p.step for p in held_now.values()})
+        older = [s for s in held_steps if s < step]
+        stale = set(older[:max(len(older) - (KEEP - 1), 0)]) | {s for s in held_steps
+                                                                if s > step}
+        return sorted(name for name, p in held_now.items()
+                      if p.step in stale or p.world_size != world.world_size)
 
-        The oldest snapshot is not deleted but renamed away and written over: the memory of a
-        file in /dev/shm is then reused, not allocated (and zeroed) anew each time."""
-        store, final = self.store, f"{io.step_dir_name(step)}{SUFFIX}"
-        names = self._names()
-        committed = sorted(_committed(names).items())
-        doomed = [name for s, name in committed if s >= step]
-        older = [name for s, name in committed if s < step]
-        doomed += older[:max(len(older) - (KEEP - 1), 0)]
-        if not store.local:  # an object store: the one put of the final name is the commit
-            store.fs.pipe_file(store.local_path(final), bytes(data))
-            for name in doomed:
-                if name != final:
-                    store.fs.rm_file(store.local_path(name))
-            return
-        os.makedirs(store.path, exist_ok=True)
-        staging = store.local_path(io.staging_name(step))
-        if doomed:  # uncommitted first: a kill from here on leaves only a temporary file
-            os.rename(store.local_path(doomed.pop(0)), staging)
-        fd = os.open(staging, os.O_WRONLY | os.O_CREAT, 0o666)
-        try:
-            done = 0
-            while done < len(data):
-                done += os.write(fd, data[done:done + _PIECE])
-            os.ftruncate(fd, len(data))  # a longer file written over: its end goes
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(staging, store.local_path(final))
-        io.sync_directory(store.path)
-        for name in [*doomed, *filter(io.leftover, names)]:
-            path = store.local_path(name)
-            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.unlink(path)
+    def _prune(self, step: int) -> None:
+        """Remove what ``_doomed`` names, and temporary files a killed worker of this local
+        rank left."""
+        names = os.listdir(self.store) if os.path.isdir(self.store) else []
+        ours = (f"-{self.backend.world.rank}", f"-{self.source}")
+        for name in [*self._doomed(step, other_worlds=True),
+                     *(n for n in names if io.leftover(n) and n.endswith(ours))]:
+            with contextlib.suppress(FileNotFoundError):  # another local rank pruned it first
+                os.unlink(os.path.join(self.store, name))
 
-    def _names(self) -> list[str]:
-        """What this node's store holds."""
-        if not self.store.local:
-            return self.store.listdir()
-        return os.listdir(self.store.path) if os.path.isdir(self.store.path) else []
+    def _held(self) -> dict[str, PieceId]:
+        """The committed pieces in this node's store, by file name."""
+        names = os.listdir(self.store) if os.path.isdir(self.store) else []
+        return {name: PieceId(*map(int, found.groups())) for name in names
+                if (found := _PIECE_NAME.fullmatch(name))}
 
     def newest(self) -> int | None:
-        """The step of the newest snapshot committed in this node's store."""
-        return max(_committed(self._names()), default=None)
+        """The step of the newest snapshot of which this node's store holds a piece."""
+        return max((p.step for p in self._held().values()), default=None)
+
+    def _exchange(self, mine: PieceId, group: dist.ProcessGroup | None) -> None:
+        """The snapshot thread's part: send this rank's piece to its peer while receiving its
+        source's, in ``CHUNK`` pieces, and commit it; then prune the store."""
+        if self.peer is None or self.source is None:
+            self._prune(mine.step)
+            return
+        path = os.path.join(self.store, mine.name)
+        sizes = torch.tensor([os.path.getsize(path)]), torch.zeros(1, dtype=torch.int64)
+        _both(dist.isend(sizes[0], self.peer, group=group),
+              dist.irecv(sizes[1], self.source, group=group))
+        theirs = PieceId(mine.step, self.source, mine.world_size)
+        out, into = torch.empty(CHUNK, dtype=torch.uint8), torch.empty(CHUNK,
+                                                                         dtype=torch.uint8)
+        send, receive = int(sizes[0]), int(sizes[1])
+
+        def write(staging: str) -> None:
+            fd, source = os.open(staging, os.O_WRONLY | os.O_CREAT, 0o666), os.open(path,
+                                                                                  os.O_RDONLY)
+            try:
+                for start in range(0, max(send, receive), CHUNK):
+                    n_out, n_in = (max(0, min(CHUNK, total - start)) for total in (send,
+                                                                                   receive))
+                    if n_out:
+                        os.preadv(source, [memoryview(out.numpy())[:n_out]], start)
+                    _both(dist.isend(out[:n_out], self.peer, group=group) if n_out else None,
+                          dist.irecv(into[:n_in], self.source, group=group) if n_in else None)
+                    _write_all(fd, memoryview(into.numpy())[:n_in])
+                os.ftruncate(fd, receive)
+            finally:
+                os.close(fd)
+                os.close(source)
+
+        self._commit(theirs, write)
+        self._prune(mine.step)
+
+    # -- restoring ----------------------------------------------------------------------------
+    def _checked(self) -> dict[PieceId, bool]:
+        """This store's pieces, each with whether its header and bytes are those written."""
+        found = {}
+        for name, piece in self._held().items():
+            try:
+                opened = Piece(os.path.join(self.store, name))
+            except (OSError, ValueError, KeyError, TypeError):
+                found[piece] = False
+                continue
+            try:
+                found[piece] = opened.intact() and opened.header["step"] == piece.step
+            finally:
+                opened.close()
+        return found
 
     def restore(self, newer_than: int | None) -> str | None:
-        """Collective: the newest snapshot any rank's node holds, put where this process can
-        load it, when it is newer than step ``newer_than`` (the disk's newest); else None."""
-        backend, world = self.backend, self.backend.world
-        steps = gather_object(backend, self.newest())
-        best = max((s for s in steps if s is not None), default=None)
-        if best is None or (newer_than is not None and best <= newer_than):
-            return None
-        holder, group = steps.index(best), self._gloo()
-        name = f"{io.step_dir_name(best)}{SUFFIX}"
-        kept = self.store.read(name) if world.rank == holder else b""
-        length = torch.tensor([len(kept)])
-        dist.broadcast(length, holder, group=group)
-        buffer = torch.empty(int(length), dtype=torch.uint8)
-        if world.rank == holder:
-            memoryview(buffer.numpy())[:] = kept
-        dist.broadcast(buffer, holder, group=group)
-        files = unpack(memoryview(buffer.numpy()), f"{self.store.url}/{name}")
-        self._restored = True
-        target = io.Location.parse(f"{RESTORED}/{io.step_dir_name(best)}")
-        for part in (part for part in files if part != MANIFEST):
-            target.write(part, bytes(files[part]))
-        target.write(MANIFEST, bytes(files[MANIFEST]))
-        return target.url
+        """Collective: choose the newest snapshot of which the ranks' stores hold every piece
+        intact, where it is newer than step ``newer_than`` (the disk's newest); return its
+        name for ``load``, else None. A newer snapshot that lacks pieces is said, with why."""
+        every = gather_object(self.backend, sorted(
+            (p.step, p.rank, p.world_size, ok) for p, ok in self._checked().items()))
+        holders: dict[tuple[int, int], dict[int, int]] = {}  # (step, world) -> rank -> holder
+        damaged: dict[tuple[int, int], set[int]] = {}
+        for rank, pieces in enumerate(every):
+            for step, old, size, ok in pieces:
+                holders.setdefault((step, size), {})
+                if ok:
+                    holders[step, size].setdefault(old, rank)
+                else:
+                    damaged.setdefault((step, size), set()).add(old)
+        for (step, size), have in sorted(holders.items(), reverse=True):
+            if newer_than is not None and step <= newer_than:
+                break
+            if len(have) == size:
+                self._chosen = (step, size, [have[r] for r in range(size)])
+                return f"{RESTORED}/{io.step_dir_name(step)}"
+            lost = sorted(set(range(size)) - set(have))
+            bad = sorted(damaged.get((step, size), set()) - set(have))
+            why = (f"damaged: {bad}" if bad == lost else f"lost with their node and the next "
+                   f"one{f', damaged: {bad}' if bad else ''}")
+            self.say(f"mpt: the snapshot of step {step} lacks the pieces of rank(s) {lost} "
+                     f"({why}): not restored")
+        return None
+
+    def restores(self, path: str) -> bool:
+        """Whether ``path`` is what ``restore`` chose."""
+        return self._chosen is not None and path == \
+            f"{RESTORED}/{io.step_dir_name(self._chosen[0])}"
+
+    def load(self, parts: TrainingState) -> dict[str, Any]:
+        """Collective: restore the chosen snapshot into the run: every rank fills the parts it
+        holds from the boxes that overlap them, which their holders send one at a time."""
+        assert self._chosen is not None
+        step, size, holders = self._chosen
+        backend, rank = self.backend, self.backend.world.rank
+        group = self._gloo()
+        opened: dict[int, Piece] = {}
+
+        def piece(old: int) -> Piece:
+            if old not in opened:
+                opened[old] = Piece(os.path.join(self.store, piece_name(step, old, size)))
+            return opened[old]
+
+        try:
+            header = backend.broadcast_object(
+                piece(0).header if rank == holders[0] else None, src=holders[0])
+            table = [(Box.from_row(row[:5]), row[5]) for row in header["table"]]
+            reads = rank_reads(parts, header["state"]) if backend.shards_state else Reads()
+            targets = {box.key: _target(box, reads, rank) for box, _ in table}
+            wanted = [i for i, (box, _) in enumerate(table)
+                      if (target := targets[box.key]) is not None
+                      and target.overlap(box) is not None]
+            requests = [set(w) for w in gather_object(backend, wanted)]
+            for index, (box, old) in enumerate(table):
+                for requester in (r for r, w in enumerate(requests) if index in w):
+                    _move(box, holders[old], requester, rank,
+                          functools.partial(_read, piece, old, box), targets[box.key], group)
+        finally:
+            for opened_piece in opened.values():
+                opened_piece.close()
+        url = f"{RESTORED}/{io.step_dir_name(step)}"
+        values = {key: Unread(key, url) if target is None else target.value
+                  for key, target in targets.items() if not key.startswith("rng/")
+                  or target is not None}
+        state = {**header["state"], "rng": [tree if old == rank else None
+                                            for old, tree in enumerate(header["rngs"])]}
+        manifest = Manifest(format=FORMAT_VERSION, mpt_version=mpt_version(),
+                            saved_at=header["saved_at"], **header["manifest"])
+        contents = Contents(location=io.Location.parse(url), manifest=manifest,
+                            model={k.removeprefix("model/"): v for k, v in values.items()
+                                   if k.startswith("model/")},
+                            tensors={k: v for k, v in values.items()
+                                     if not k.startswith("model/")}, state=state)
+        self.restored = manifest
+        return restore(url, contents, parts)
 
     def close(self) -> None:
         """Wait for the snapshot in flight; raise its error."""
-        try:
-            self._writer.close()
-        finally:
-            _forget_restored()
+        self._writer.close()
 
 
-def _gather_rngs(mine: Any, rank: int, world_size: int, group: dist.ProcessGroup
-                 ) -> tuple[list[Any], dict[str, torch.Tensor]]:
-    """Collective: every rank's RNG state ``mine`` on rank 0, as ``encode`` makes a list of
-    them under ``rng`` (the JSON of each, its tensors by key); empty elsewhere. Each rank's is
-    sent as bytes (its JSON and a safetensors file, ``pack``ed): no pickle either way."""
-    tensors: dict[str, torch.Tensor] = {}
-    tree = encode(mine, f"rng/{rank}", tensors)
-    blob = pack({"tree": json.dumps(tree).encode(), "tensors": tensorfile.dump(tensors)})
-    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
-    dist.all_gather(lengths, torch.tensor([len(blob)]), group=group)
-    longest = max(int(n) for n in lengths)
-    padded = torch.frombuffer(bytearray(blob.ljust(longest, b"\0")), dtype=torch.uint8)
-    into = [torch.empty(longest, dtype=torch.uint8) for _ in lengths] if rank == 0 else None
-    dist.gather(padded, into, dst=0, group=group)
-    trees: list[Any] = []
-    every: dict[str, torch.Tensor] = {}
-    for received, n in zip(into or [], lengths, strict=False):
-        parts = unpack(memoryview(received.numpy())[:int(n)], "an RNG state")
-        trees.append(json.loads(bytes(parts["tree"])))
-        every.update(load_tensors(bytes(parts["tensors"])))
-    return trees, every
+def _both(*works: Any) -> None:
+    for work in works:
+        if work is not None:
+            work.wait()
 
 
-def peer_snapshots(every: int, store: str | None, backend: StateHolder,
-                   timeout: timedelta) -> PeerSnapshots | None:
+def _target(box: Box, reads: Reads, rank: int) -> Target | None:
+    """Where this rank puts the stored ``box``'s tensor, as a checkpoint's load would read it
+    (``reads``: a sharded checkpoint's model and optimizer tensors), None where it needs none
+    of it: another rank's RNG state, another pipeline stage's state."""
+    if box.key.startswith("rng/"):
+        return Target.of(None, box) if box.key.startswith(f"rng/{rank}/") else None
+    if box.key in reads.into:
+        return Target.of(reads.into[box.key], box)
+    if box.key.startswith(("model/", "optimizer/")) and reads.whole is not None \
+            and box.key not in reads.whole:
+        return None
+    return Target.of(None, box)
+
+
+def _read(piece: Callable[[int], Piece], old: int, box: Box) -> torch.Tensor:
+    return piece(old).read(box)
+
+
+def _move(box: Box, sender: int, requester: int, rank: int, read: Callable[[], torch.Tensor],
+          target: Target | None, group: dist.ProcessGroup | None) -> None:
+    """This rank's part in moving ``box`` from ``sender`` to ``requester`` (all ranks walk the
+    same moves in the same order, so each send meets its receive)."""
+    if rank == sender:
+        data = read()
+        if requester == rank:
+            assert target is not None
+            target.fill(box, data)
+        else:
+            dist.send(data, requester, group=group)
+    elif rank == requester:
+        assert target is not None
+        data = torch.empty(box.sizes, dtype=box.torch_dtype)
+        dist.recv(data, sender, group=group)
+        target.fill(box, data)
+
+
+def peer_snapshots(every: int, store: str | None, backend: StateHolder, timeout: timedelta,
+                   say: Callable[[str], None] = print) -> PeerSnapshots | None:
     """The run's snapshots (``--snapshot-every``, ``--snapshot-dir``), or None (every = 0)."""
     if not every:
         return None
@@ -326,17 +487,8 @@ def peer_snapshots(every: int, store: str | None, backend: StateHolder,
                          "snapshots in (`mpt launch` makes one on each node)", "start the "
                          "script with `mpt launch`, or pass --snapshot-dir DIR on node-local "
                          "memory (/dev/shm)")
-    return PeerSnapshots(every=every, store=store, backend=backend, timeout=timeout)
-
-
-def _committed(names: list[str]) -> dict[int, str]:
-    """The committed snapshots among a store's ``names``, by step."""
-    return {int(found[1]): name for name in names if (found := _COMMITTED.fullmatch(name))}
-
-
-def _forget_restored() -> None:
-    """Free the copy a restore left in this process's memory filesystem."""
-    memory = fsspec.filesystem("memory")
-    path = RESTORED.removeprefix("memory://")
-    if memory.exists(path):
-        memory.rm(path, recursive=True)
+    if not io.Location.parse(store).local:
+        raise UsageError("--snapshot-dir", store, "a snapshot store is a node's own memory",
+                         "pass a directory on node-local memory (/dev/shm), or leave it out")
+    return PeerSnapshots(every=every, store=io.Location.parse(store).path, backend=backend,
+                         timeout=timeout, say=say)

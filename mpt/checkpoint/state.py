@@ -4,7 +4,10 @@ Nothing here knows which backend runs: full weights come from ``backend.model_st
 optimizer state keyed by parameter name from ``backend.optimizer_state_dict`` (both collectives
 every rank calls), so a checkpoint written under one backend and world size loads under any
 other. Rank 0 writes (every rank writes its own shard in the sharded variant); every rank reads,
-so the path must be one every rank sees: a shared filesystem or an fsspec URL.
+so the path must be one every rank sees: a shared filesystem or an fsspec URL. A backend whose
+ranks hold pieces of the state (``shards_state``: shards, or a pipeline's stages) gathers
+nothing for a sharded checkpoint: each rank writes the pieces it holds and reads back only the
+pieces it holds; the optimizers' structure in ``state.json`` is the union of every rank's.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -20,9 +23,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from mpt.checkpoint import io, tensorfile
-from mpt.checkpoint.contents import Contents
+from mpt.checkpoint.contents import Contents, Reads
 from mpt.checkpoint.contents import read as read_contents
-from mpt.checkpoint.encode import decode, encode, rng_state, set_rng_state
+from mpt.checkpoint.encode import decode, encode, references, rng_state, set_rng_state
 from mpt.checkpoint.format import (
     FORMAT_VERSION,
     MANIFEST,
@@ -120,9 +123,13 @@ def save_checkpoint(path: str | os.PathLike[str], parts: TrainingState, *, step:
     pieces = backend.shards_state and sharded is not False and root.local
     if pieces:
         sharded = True
-    model_tensors, tensors, state = _collect(parts, pieces=pieces, extra=extra)
-    # every rank's RNG, so that each rank of a resumed run draws what it would have drawn
-    state["rng"] = encode(gather_object(backend, rng_state()), "rng", tensors)
+    model_tensors, tensors, state = collect_state(parts, pieces=pieces, extra=extra)
+    # every rank's RNG, so that each rank of a resumed run draws what it would have drawn; with
+    # pieces, every rank's optimizer structure too (its own parameters': a pipeline's stage's)
+    every = gather_object(backend, (rng_state(), state["optimizers"] if pieces else None))
+    state["rng"] = encode([rng for rng, _ in every], "rng", tensors)
+    if pieces:
+        state["optimizers"] = merged_optimizers([trees for _, trees in every])
     if sharded is None:
         size = sum(t.numel() * t.element_size() for t in [*model_tensors.values(),
                                                             *tensors.values()])
@@ -154,7 +161,7 @@ def save_checkpoint(path: str | os.PathLike[str], parts: TrainingState, *, step:
         if background is not None:  # the next steps change weights and moments in place
             blobs = {name: blob if isinstance(blob, bytes) else background.stage(name, blob)
                      for name, blob in blobs.items()}
-        manifest = _manifest_fields(parts, step=step, epoch=epoch, sharded=sharded)
+        manifest = manifest_fields(parts, step=step, epoch=epoch, sharded=sharded)
         if background is None:
             write_directory(root, staging, final, blobs, keep=keep, manifest=manifest)
         else:
@@ -165,7 +172,7 @@ def save_checkpoint(path: str | os.PathLike[str], parts: TrainingState, *, step:
     return root.child(final).url
 
 
-def _collect(parts: TrainingState, *, pieces: bool, extra: dict[str, Any] | None
+def collect_state(parts: TrainingState, *, pieces: bool, extra: dict[str, Any] | None
              ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """Collective: the state every rank hands to the writer: model tensors by
     ``<model>/<key>`` (each rank's own piece where ``pieces``, else the full weights), the
@@ -194,6 +201,26 @@ def _collect(parts: TrainingState, *, pieces: bool, extra: dict[str, Any] | None
     return model_tensors, tensors, state
 
 
+def merged_optimizers(every: list[dict[str, Any]]) -> dict[str, Any]:
+    """``state.json``'s ``optimizers`` from every rank's, each the encoded state (``encode``) of
+    the parameters that rank holds, keyed by name (``mpt.state.named``): per optimizer, the
+    per-parameter state united by name and each param group's names united in order. Ranks
+    that hold the same parameters (shards of them) give the same trees, whose union is any
+    one of them; the stages of a pipeline give theirs, whose union is the whole model's."""
+    merged: dict[str, Any] = {}
+    for trees in every:
+        for name, tree in trees.items():
+            if name not in merged:
+                merged[name] = {**tree, "state": dict(tree["state"]),
+                                "param_groups": [dict(g) for g in tree["param_groups"]]}
+                continue
+            into = merged[name]
+            into["state"].update(tree["state"])
+            for group, other in zip(into["param_groups"], tree["param_groups"], strict=True):
+                group["params"] = list(dict.fromkeys([*group["params"], *other["params"]]))
+    return merged
+
+
 def gather_object(backend: StateHolder, obj: Any) -> list[Any]:
     """Collective: every rank's ``obj``, by rank, on every rank."""
     world = backend.world
@@ -201,7 +228,7 @@ def gather_object(backend: StateHolder, obj: Any) -> list[Any]:
             for r in range(world.world_size)]
 
 
-def _manifest_fields(parts: TrainingState, *, step: int, epoch: int | None,
+def manifest_fields(parts: TrainingState, *, step: int, epoch: int | None,
                      sharded: bool) -> dict[str, Any]:
     """The manifest's fields that describe the run (``write_directory`` adds the rest)."""
     backend, loaders = parts.backend, parts.loaders
@@ -213,46 +240,6 @@ def _manifest_fields(parts: TrainingState, *, step: int, epoch: int | None,
                 parameters=sum(p.numel() for pair in parts.pairs
                                for p in backend.unwrap(pair.model).parameters()))
 
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Snapshot:
-    """Rank 0's copy of what a non-sharded checkpoint holds, in host memory, but for the RNG
-    states (gathered later, off the training loop)."""
-
-    model: dict[str, torch.Tensor]
-    """The full weights by ``<model>/<key>``."""
-    tensors: dict[str, torch.Tensor]
-    """The other tensors ``state`` refers to."""
-    state: dict[str, Any]
-    """``state.json``'s content without ``rng``."""
-    manifest: dict[str, Any]
-    """The manifest's fields, as ``write_directory`` takes them."""
-
-    def files(self, rngs: list[Any], rng_tensors: dict[str, torch.Tensor]
-              ) -> dict[str, bytes | dict[str, torch.Tensor]]:
-        """The checkpoint directory's files but the manifest: bytes, or the tensors of a
-        safetensors file. ``rngs``: every rank's RNG state by rank, as ``encode`` made the list
-        under ``rng`` (its tensors in ``rng_tensors``)."""
-        state = {**self.state, "rng": rngs}
-        return {MODEL_FILE: self.model, STATE_TENSORS: {**self.tensors, **rng_tensors},
-                STATE_JSON: json.dumps(state).encode()}
-
-    def manifest_of(self, files: dict[str, FileEntry]) -> bytes:
-        """``manifest.json`` of the snapshot whose other files are ``files``."""
-        return _manifest(files, self.manifest)
-
-
-def take_snapshot(parts: TrainingState, *, step: int,
-                  stage: Callable[[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
-                  ) -> Snapshot | None:
-    """Collective: the state after ``step`` with its tensors ``stage``d to host memory, on rank
-    0 (None elsewhere). The full state, so that it restores at any world size and backend."""
-    model_tensors, tensors, state = _collect(parts, pieces=False, extra=None)
-    if parts.backend.world.rank != 0:
-        return None
-    return Snapshot(model=stage(MODEL_FILE, model_tensors), tensors=stage(STATE_TENSORS, tensors),
-                    state=state, manifest=_manifest_fields(parts, step=step, epoch=None,
-                                                           sharded=False))
 
 def write_directory(root: io.Location, staging: str, final: str,
                     blobs: dict[str, bytes | dict[str, torch.Tensor]], *,
@@ -291,7 +278,7 @@ def write_directory(root: io.Location, staging: str, final: str,
 
 def _manifest(files: dict[str, FileEntry], fields: dict[str, Any]) -> bytes:
     """manifest.json of a checkpoint of ``files`` whose other fields are ``fields``."""
-    return Manifest(format=FORMAT_VERSION, mpt_version=_mpt_version(), saved_at=time.time(),
+    return Manifest(format=FORMAT_VERSION, mpt_version=mpt_version(), saved_at=time.time(),
                     files=files, **fields).to_json().encode()
 
 
@@ -301,7 +288,8 @@ def load_checkpoint(path: str | os.PathLike[str], parts: TrainingState) -> dict[
     Returns ``{"step": ..., "epoch": ... (when saved), **extra}``.
     """
     backend = parts.backend
-    contents = read_contents(path, lambda: _pieces(parts) if backend.shards_state else {})
+    contents = read_contents(path, lambda saved: rank_reads(parts, saved) if backend.shards_state
+                             else Reads())
     return restore(contents.location.url, contents, parts)
 
 
@@ -345,20 +333,48 @@ def restore(where: str, contents: Contents, parts: TrainingState) -> dict[str, A
     return {"step": manifest.step, **epoch, **decode(state["extra"], tensors)}
 
 
-def _pieces(parts: TrainingState) -> dict[str, Any]:
-    """Where a rank that holds pieces of the state reads a sharded checkpoint: into those
-    pieces (``DTensor`` shards or ``FlatPiece`` ranges, by checkpoint key), so that it reads no
-    more than its share."""
-    from torch.distributed.tensor import DTensor
+def rank_reads(parts: TrainingState, saved: dict[str, Any]) -> Reads:
+    """Collective: what a rank that holds pieces of the state reads of a sharded checkpoint
+    whose ``state.json`` is ``saved``: its pieces in place (``_pieces``) and, whole, the rest of
+    its own state (the tensors it holds whole: a pipeline stage's under ddp) and every tensor
+    of the saved optimizers but the state of parameters it does not hold. Another pipeline
+    stage's weights and moments stay unread: their own ranks read them."""
+    found, held = _local_state(parts)
+    into = {key: t for key, t in found.items() if _is_piece(t)}
+    if "optimizers" not in saved:  # an older layout: read the rest whole
+        return Reads(into=into)
+    whole = {key for key, t in found.items() if not _is_piece(t)}
+    for name, tree in saved["optimizers"].items():
+        if name not in held or not isinstance(tree.get("state"), dict):
+            whole.update(references(tree))  # nothing to tell this rank's state by
+            continue
+        theirs = {param: state for param, state in tree["state"].items()
+                  if param not in held[name]}
+        whole.update(set(references(tree)) - set(references(theirs)))
+    return Reads(into=into, whole=whole - set(into))
 
-    backend, found = parts.backend, {}
+
+def _local_state(parts: TrainingState) -> tuple[dict[str, Any], dict[str, set[str]]]:
+    """Collective: this rank's state by checkpoint key, as ``local_model_state_dict`` and
+    ``local_optimizer_state_dict(create=True)`` give it, and, by model name, the names of the
+    parameters its optimizer holds."""
+    backend, found, held = parts.backend, {}, {}
     for pair in parts.pairs:
         found.update({f"model/{pair.name}/{key}": t
                       for key, t in backend.local_model_state_dict(pair.model).items()})
         if pair.optimizer is not None:
-            encode(backend.local_optimizer_state_dict(pair.model, pair.optimizer, create=True),
-                   f"optimizer/{pair.name}", found)
-    return {key: t for key, t in found.items() if isinstance(t, DTensor | FlatPiece)}
+            local = backend.local_optimizer_state_dict(pair.model, pair.optimizer, create=True)
+            encode(local, f"optimizer/{pair.name}", found)
+            held[pair.name] = {param for group in local["param_groups"]
+                               for param in group["params"]}
+    return found, held
+
+
+def _is_piece(tensor: Any) -> bool:
+    """Whether ``tensor`` is a piece of a tensor this rank holds, read in place."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor | FlatPiece)
 
 
 def _check_names(where: str, what: str, saved: list[str], wanted: list[str]) -> None:
@@ -403,7 +419,7 @@ def _check_imported(where: str, parts: TrainingState, model_state: dict[str, Any
                                   "again with --weights-only to start the optimizer afresh")
 
 
-def _mpt_version() -> str:
+def mpt_version() -> str:
     from mpt import __version__
 
     return __version__

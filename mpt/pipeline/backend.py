@@ -15,7 +15,7 @@ run's precision and offers the collectives.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -223,6 +223,8 @@ class PipelineBackend(Backend):
         return merged
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """This stage's keys of ``state`` (the whole model's, or a sharded checkpoint's read in
+        part: the other stages' left unread) into the stage."""
         own = model.state_dict().keys()
         missing = sorted(set(own) - set(state))
         if missing:
@@ -230,6 +232,25 @@ class PipelineBackend(Backend):
                              "these parameters of this stage", "load it into the model it was "
                              "saved from")
         self.inner.load_model_state_dict(model, {k: state[k] for k in own})
+
+    # -- state for sharded checkpoints: this rank's stage, as the inner backend holds it ------
+    shards_state: ClassVar[bool] = True
+    """Each rank holds its stage only (under fsdp, its shards of it): a sharded checkpoint
+    takes every stage's pieces from the ranks holding them and gathers nothing."""
+
+    def local_model_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """The inner backend's state of this rank's stage: its ``DTensor`` shards under fsdp,
+        its whole tensors under ddp (which the stage's replicas hold alike), under the whole
+        model's names (a ``Stage`` keeps them)."""
+        return self.inner.local_model_state_dict(model)
+
+    def local_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                                   *, create: bool = False) -> dict[str, Any]:
+        """The inner backend's optimizer state of this rank's stage, named as
+        ``optimizer_state_dict`` names it: a parameter that stages share by its owner's name,
+        on every stage that holds it."""
+        local = self.inner.local_optimizer_state_dict(model, optimizer, create=create)
+        return _renamed(local, self._aliases)
 
     def parameter_names(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
         """As one process names them: a shared parameter by its owner's name on every stage."""
@@ -250,6 +271,8 @@ class PipelineBackend(Backend):
 
     def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                                   state: dict[str, Any]) -> None:
+        """The state of this stage's parameters in ``state`` (the whole model's), the others'
+        dropped."""
         own = set(self.parameter_names(model, optimizer))
         mine = {"state": {k: v for k, v in state["state"].items() if k in own},
                 "param_groups": [{**group, "params": [n for n in group["params"] if n in own]}

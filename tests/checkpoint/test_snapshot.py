@@ -1,31 +1,34 @@
-"""``--snapshot-every``: in-memory snapshots kept on two nodes, and what a resume takes from them.
+"""``--snapshot-every``: each rank's piece of the state kept on two nodes, and what a resume
+takes from them.
 
 Real `mpt launch` jobs of tests/workers/elastic_train.py (gloo, CPU); the resumes run in
 `make conformance`:
 
 - two one-process nodes on 127.0.0.1 take a snapshot after each of 4 steps (a checkpoint on
-  disk at step 3 only): each node's store then holds the same newest two, byte for byte;
-- a snapshot laid out in memory is a checkpoint whose files carry crc32s, and one changed bit
-  in any of them is refused at load; a store commits one file per snapshot, keeps two;
+  disk at step 3 only): each rank writes its piece (ddp: about half of the state each, no box
+  twice) and each node's store holds both ranks' pieces of the newest two, byte for byte;
+- a one-process run keeps the newest two snapshots and resumes the newest; one flipped bit in a
+  piece's bytes or header makes it count as missing, and the step before is restored, said;
+- boxes held alike by several ranks are kept once, spread evenly, and fill a rank of any other
+  cut (another fsdp world size, a ZeRO-3 range);
 - a 2-process job on the second node's store alone (the first node's memory is gone) resumes
   from the snapshot of step 4, not from the disk's step 3, and trains on as the uninterrupted
   run would have;
 - with neither copy left (an empty store), the same job resumes from the disk's step 3;
-- a two-stage pipeline's snapshot resumes with two stages and with none, on its curve.
+- a two-stage pipeline's snapshot (each stage's pieces) resumes with two stages and with none,
+  on its curve.
 
-The elastic cases (a lost node, at most one step redone) are in tests/launchers/test_elastic.py.
+The elastic cases (a lost node, at most one step redone, ddp, fsdp and ZeRO-3) are in
+tests/launchers/test_elastic.py.
 """
 
 from __future__ import annotations
 
 import filecmp
-import json
+import math
 import shutil
 import subprocess
-import zlib
-from datetime import timedelta
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -33,11 +36,10 @@ from conftest import find_free_port, mpt_command, run_mpt, worker
 from torch import nn
 
 import mpt
-from mpt.checkpoint import CheckpointError, io
-from mpt.checkpoint.encode import encode, rng_state
-from mpt.checkpoint.snapshot import HostMemory, PeerSnapshots, lay_out, pack, unpack
-from mpt.checkpoint.state import TrainingState, take_snapshot
+from mpt.checkpoint.boxes import Box, Target, assign
+from mpt.checkpoint.snapshot import Piece
 from mpt.errors import UsageError
+from mpt.state.flat import FlatPiece
 
 FLAGS = ("--global-batch-size", "12")
 
@@ -78,17 +80,31 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp
 
 
-def test_each_snapshot_is_kept_on_the_next_node_too(two_nodes):
+def test_each_rank_keeps_its_piece_and_the_next_node_a_copy(two_nodes):
     first, second = two_nodes / "memory0", two_nodes / "memory1"
-    assert sorted(p.name for p in first.iterdir()) == ["step-000000003.snapshot",
-                                                       "step-000000004.snapshot"]
+    names = [f"step-00000000{step}.rank-0000{rank}-of-00002.snapshot" for step in (3, 4)
+             for rank in (0, 1)]
+    assert sorted(p.name for p in first.iterdir()) == names
     same = filecmp.dircmp(first, second)
     assert not same.left_only and not same.right_only and not same.diff_files
-    assert sorted(same.same_files) == sorted(p.name for p in first.iterdir())
-    files = unpack((first / "step-000000004.snapshot").read_bytes())
-    assert list(files) == ["model.safetensors", "state.safetensors", "state.json",
-                           "manifest.json"]
-    assert json.loads(bytes(files["manifest.json"]))["step"] == 4
+    assert sorted(same.same_files) == names
+    pieces = [Piece(str(first / f"step-000000004.rank-0000{rank}-of-00002.snapshot"))
+              for rank in (0, 1)]
+    try:
+        assert all(piece.intact() and piece.header["step"] == 4 for piece in pieces)
+        # ddp: every rank holds the whole state, and each keeps about half of it
+        kept = [sum(n for _, n in piece.boxes.values()) for piece in pieces]
+        table = pieces[0].header["table"]
+        assert table == pieces[1].header["table"]
+        whole = {row[0] for row in table if not row[0].startswith("rng/")}
+        assert {row[0] for row in table if row[5] == 0} & {
+            row[0] for row in table if row[5] == 1} == set()
+        assert {key for key in whole if key.startswith("model/")} and min(kept) > 0
+        largest = max(math.prod(row[4]) * 4 for row in table)
+        assert abs(kept[0] - kept[1]) <= largest
+    finally:
+        for piece in pieces:
+            piece.close()
 
 
 @pytest.mark.slow
@@ -137,111 +153,87 @@ def test_a_pipelines_snapshot_resumes_at_two_stages_and_at_one(tmp_path):
         assert max(abs(got[s] - want[s]) for s in got) <= 1e-6, case
 
 
-def test_pack_and_unpack_keep_every_file():
-    files = {"manifest.json": b"{}", "state.safetensors": bytes(range(256)) * 3, "empty": b""}
-    assert unpack(pack(files)) == files
-
-
-@pytest.mark.parametrize("damage", ["torn", "index", "length"])
-def test_unpack_refuses_a_torn_or_damaged_buffer(damage):
-    packed = bytearray(pack({"model.safetensors": b"x" * 100, "manifest.json": b"{}"}))
-    if damage == "torn":
-        packed = packed[:60] + packed[-40:]
-    elif damage == "index":
-        packed[-12] ^= 0xFF  # a byte of the index's JSON
-    else:
-        packed[-8:] = (10**6).to_bytes(8, "little")
-    with pytest.raises(CheckpointError, match="torn or damaged"):
-        unpack(bytes(packed))
-
-
-def laid_out_snapshot(tmp_path: Path) -> tuple[mpt.Runtime, nn.Module, Path]:
-    """A one-process run's snapshot after 3 steps, laid out as ``lay_out`` sends and keeps it,
-    unpacked into a checkpoint directory; the run's weights spoiled afterwards."""
+def train_with_snapshots(tmp_path: Path, steps: int) -> tuple[mpt.Runtime, nn.Module]:
+    """A one-process run with a snapshot after each of ``steps`` steps (no checkpoint on
+    disk)."""
     torch.manual_seed(0)
-    rt = mpt.Runtime(env={}, quiet=True)
+    rt = mpt.Runtime(env={}, quiet=True, snapshot_every=1, snapshot_dir=str(tmp_path / "store"),
+                     checkpoint_dir=str(tmp_path / "ck"))
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     model, _ = rt.setup(model, torch.optim.Adam(model.parameters(), lr=0.1))
-    for _ in range(3):
+    assert rt.resume()["step"] == 0
+    for _ in range(steps):
         rt.backward(model(torch.randn(5, 4)).pow(2).mean())
         rt.step()
-    parts = TrainingState(backend=rt.backend, pairs=rt.pairs.pairs)
-    snapshot = take_snapshot(parts, step=3, stage=lambda _, tensors: {
-        key: t.clone() for key, t in tensors.items()})
-    tensors: dict[str, torch.Tensor] = {}
-    rngs = [encode(rng_state(), "rng/0", tensors)]
-    memory = HostMemory()
-    size = lay_out(snapshot.files(rngs, tensors), snapshot.manifest_of, memory)
-    files = unpack(memory.get(size)[:size])
-    assert list(files)[-1] == "manifest.json"  # written last
-    where = tmp_path / "step-000000003"
-    where.mkdir()
-    for name, data in files.items():
-        (where / name).write_bytes(bytes(data))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(7.0)
-    return rt, model, where
+    return rt, model
 
 
-def test_a_snapshot_is_a_checkpoint_checked_by_crc32(tmp_path):
-    rt, model, where = laid_out_snapshot(tmp_path)
-    manifest = json.loads((where / "manifest.json").read_text())
-    assert manifest["step"] == 3 and sorted(manifest["files"]) == [
-        "model.safetensors", "state.json", "state.safetensors"]
-    for name, entry in manifest["files"].items():
-        assert set(entry) == {"bytes", "crc32"}
-        assert int(entry["crc32"], 16) == zlib.crc32((where / name).read_bytes())
-    assert rt.load(where)["step"] == 3
-    assert all(not torch.all(p == 7.0) for p in model.parameters())
+def resumed(tmp_path: Path) -> tuple[int, nn.Module]:
+    rt = mpt.Runtime(env={}, quiet=True, snapshot_every=1, snapshot_dir=str(tmp_path / "store"),
+                     checkpoint_dir=str(tmp_path / "ck"))
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model, _ = rt.setup(model, torch.optim.Adam(model.parameters(), lr=0.1))
+    step = rt.resume()["step"]
+    rt.close()
+    return step, model
 
 
-@pytest.mark.parametrize("name", ["model.safetensors", "state.safetensors", "state.json"])
-@pytest.mark.parametrize("place", ["local", "memory"])
-def test_a_damaged_snapshot_file_is_refused_by_its_crc32(tmp_path, name, place):
-    rt, model, where = laid_out_snapshot(tmp_path)
-    data = bytearray((where / name).read_bytes())
-    data[-3] ^= 0x01  # one bit, in the last tensor's bytes (or the JSON's end)
-    (where / name).write_bytes(bytes(data))
-    url = str(where)
-    if place == "memory":
-        url = f"memory://damaged-{name}/step-000000003"
-        for path in where.iterdir():
-            io.Location.parse(url).write(path.name, path.read_bytes())
-    with pytest.raises(CheckpointError, match=f"{name}: crc32 [0-9a-f]{{8}} does not match"):
-        rt.load(url)
-    assert all(torch.all(p == 7.0) for p in model.parameters())
-
-
-def test_a_manifest_entry_without_a_checksum_is_refused(tmp_path):
-    rt, _, where = laid_out_snapshot(tmp_path)
-    manifest = json.loads((where / "manifest.json").read_text())
-    del manifest["files"]["state.json"]["crc32"]
-    (where / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(CheckpointError, match=r"state\.json: the manifest records no checksum"):
-        rt.load(where)
-
-
-def test_a_store_commits_one_file_per_snapshot_and_keeps_the_newest_two(tmp_path):
-    world = SimpleNamespace(gpus=1, world_size=1, rank=0)
+def test_a_store_keeps_the_newest_two_and_a_resume_restores_the_newest(tmp_path, capsys):
+    rt, model = train_with_snapshots(tmp_path, 3)
+    rt.close()
     store = tmp_path / "store"
-    snapshots = PeerSnapshots(every=1, store=str(store), backend=SimpleNamespace(world=world),
-                              timeout=timedelta(seconds=10))
-    assert snapshots.newest() is None
-    for step in (1, 2, 3):
-        snapshots._keep(step, memoryview(bytes([step]) * (1000 * step)))
-    (store / ".tmp-step-000000004-killed").write_bytes(b"half")  # a worker killed mid-write
     assert sorted(p.name for p in store.iterdir()) == [
-        ".tmp-step-000000004-killed", "step-000000002.snapshot", "step-000000003.snapshot"]
-    assert snapshots.newest() == 3
-    snapshots._keep(4, memoryview(b"\x04" * 10))
-    assert sorted(p.name for p in store.iterdir()) == ["step-000000003.snapshot",
-                                                       "step-000000004.snapshot"]
-    assert (store / "step-000000004.snapshot").read_bytes() == b"\x04" * 10  # written over
-    # a run resumed from an earlier step: the abandoned run's later snapshots go
-    snapshots._keep(2, memoryview(b"\x02"))
-    assert sorted(p.name for p in store.iterdir()) == ["step-000000002.snapshot"]
-    assert snapshots.newest() == 2
+        "step-000000002.rank-00000-of-00001.snapshot",
+        "step-000000003.rank-00000-of-00001.snapshot"]
+    step, again = resumed(tmp_path)
+    assert step == 3
+    assert "mpt: resumed from memory://mpt-snapshot/step-000000003 at step 3" in \
+        capsys.readouterr().out
+    for want, got in zip(model.state_dict().values(), again.state_dict().values(),
+                         strict=True):
+        assert torch.equal(want, got)
+
+
+@pytest.mark.parametrize("where", ["data", "header"])
+def test_a_damaged_piece_is_not_restored_and_the_step_before_is(tmp_path, capsys, where):
+    rt, _ = train_with_snapshots(tmp_path, 3)
+    rt.close()
+    newest = tmp_path / "store" / "step-000000003.rank-00000-of-00001.snapshot"
+    data = bytearray(newest.read_bytes())
+    data[3 if where == "data" else -20] ^= 0x01  # one bit
+    newest.write_bytes(bytes(data))
+    piece = Piece(str(tmp_path / "store" / "step-000000002.rank-00000-of-00001.snapshot"))
+    assert piece.intact()
+    piece.close()
+    step, _ = resumed(tmp_path)
+    out = capsys.readouterr().out
+    assert step == 2
+    assert "mpt: the snapshot of step 3 lacks the pieces of rank(s) [0]" in out
+    assert "resumed from memory://mpt-snapshot/step-000000002 at step 2" in out
+
+
+def test_boxes_are_kept_once_and_evenly_and_refill_any_other_cut():
+    whole = torch.arange(48.0).reshape(8, 6)
+    rows = [(0, 3), (3, 6), (6, 8)]  # a cut over 3 ranks, as fsdp's Shard(0)
+    stored = [Box("w", "float32", (8, 6), (a, 0), (b - a, 6)) for a, b in rows]
+    # replicas: every rank holds every box; each is kept once, the bytes spread
+    kept = assign([stored, stored, stored])
+    assert sorted(b.offsets for k in kept for b in k) == [(0, 0), (3, 0), (6, 0)]
+    assert all(len(k) == 1 for k in kept)
+    # a rank of another cut (rows 2 to 6, columns 1 to 4) takes its part of each box
+    target = Target(box=((2, 1), (4, 3)), tensor=torch.zeros(4, 3))
+    assert target.overlap(stored[2]) is None
+    for box in stored:
+        if target.overlap(box) is not None:
+            target.fill(box, whole[box.offsets[0]:box.offsets[0] + box.sizes[0]])
+    assert torch.equal(target.tensor, whole[2:6, 1:4])
+    # a ZeRO-3 range of the flattened tensor (elements 10 to 29) takes its elements
+    flat = FlatPiece(shape=torch.Size([8, 6]), flat=torch.zeros(20), start=10)
+    ranged = Target.of(flat, stored[0])
+    for box in stored:
+        if ranged.overlap(box) is not None:
+            ranged.fill(box, whole[box.offsets[0]:box.offsets[0] + box.sizes[0]])
+    assert torch.equal(flat.flat, whole.reshape(-1)[10:30])
 
 
 def test_snapshots_need_a_store_and_a_backend_that_can_copy_them(run_cli, tmp_path):
