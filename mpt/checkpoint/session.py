@@ -98,7 +98,7 @@ class CheckpointSession:
         where = save_checkpoint(
             self._root(path, "save"), self._training_state(scheduler), step=step, epoch=epoch,
             extra=extra, keep=keep, sharded=sharded,
-            background=self._writer if in_background else None)
+            background=self._writer if in_background else None, say=self.say)
         self._unsettled = self._unsettled or in_background
         return where
 

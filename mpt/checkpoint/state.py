@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -106,12 +106,14 @@ class TrainingState:
 def save_checkpoint(path: str | os.PathLike[str], parts: TrainingState, *, step: int,
                     epoch: int | None = None, extra: dict[str, Any] | None = None,
                     keep: int | None = None, sharded: bool | None = None,
-                    background: BackgroundWriter | None = None) -> str:
+                    background: BackgroundWriter | None = None,
+                    say: Callable[[str], None] | None = None) -> str:
     """Collective: write a checkpoint under root ``path``; return its directory's URL.
 
     ``background``: return once every tensor is copied to host memory (and, ``sharded``, each
     rank's shard is written) and let this writer write, commit and prune rank 0's files while
-    training goes on; the URL is the checkpoint's once it is committed.
+    training goes on; the URL is the checkpoint's once it is committed. ``say``: where a save
+    of a backend that holds pieces gathers the whole state anyway, the line that says so.
     """
     backend, world = parts.backend, parts.backend.world
     if keep is not None and keep < 1:
@@ -123,6 +125,9 @@ def save_checkpoint(path: str | os.PathLike[str], parts: TrainingState, *, step:
     pieces = backend.shards_state and sharded is not False and root.local
     if pieces:
         sharded = True
+    elif backend.shards_state:
+        _check_gather(parts, "sharded=False" if sharded is False else f"a root at {root.url}",
+                      say)
     model_tensors, tensors, state = collect_state(parts, pieces=pieces, extra=extra)
     # every rank's RNG, so that each rank of a resumed run draws what it would have drawn; with
     # pieces, every rank's optimizer structure too (its own parameters': a pipeline's stage's)
@@ -199,6 +204,28 @@ def collect_state(parts: TrainingState, *, pieces: bool, extra: dict[str, Any] |
         "extra": encode(dict(extra or {}), "extra", tensors),
     }
     return model_tensors, tensors, state
+
+
+def _check_gather(parts: TrainingState, why: str, say: Callable[[str], None] | None) -> None:
+    """Collective: a save of whole tensors under a backend whose ranks hold pieces gathers the
+    whole state: refused where this host lacks the memory for it, else said with its size."""
+    import psutil
+
+    sizes: dict[str, int] = {}
+    for key, t in _local_state(parts)[0].items():  # a DTensor's or FlatPiece's whole size
+        sizes[key] = t.numel() * t.element_size()
+    whole = sum({k: n for every in gather_object(parts.backend, sizes)
+                 for k, n in every.items()}.values())
+    available = psutil.virtual_memory().available
+    gib = 2**30
+    if whole > available:
+        raise UsageError("sharded", False, f"{why} gathers the whole state, {whole / gib:.2f} "
+                         f"GiB, and this host has {available / gib:.2f} GiB available",
+                         "save to a local path every rank writes to, leaving sharded out: "
+                         "each rank writes its own pieces")
+    if say is not None:
+        say(f"mpt: this save ({why}) gathers the whole state, {whole / gib:.2f} GiB, where "
+            "each rank could write its own pieces (a local path, sharded left out)")
 
 
 def merged_optimizers(every: list[dict[str, Any]]) -> dict[str, Any]:

@@ -3,16 +3,22 @@ ranks: each rank writes and reads back only its own pieces, and an optimizer sav
 first step comes back fresh. Below them, the storage of flat ranges (ZeRO-3's partitions):
 written by 3 ranks as whole rows, read back at 2 and 1 ranks into ranges of another cut, whole,
 and into DTensor shards, for shapes whose rows straddle the ranks (and a scalar, leading and
-inner ones, a row longer than a rank's range)."""
+inner ones, a row longer than a rank's range). A save of whole tensors under such a backend
+says what it gathers, and is refused where the host lacks the memory."""
 
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
+
+import mpt
+from mpt.errors import UsageError
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 sys.path.insert(0, str(Path(__file__).parents[1]))
@@ -94,3 +100,30 @@ def test_reads_back_at_another_world_size_in_every_layout(saved, tmp_path, free_
                 want = chunks[rank] if rank < len(chunks) else torch.empty(0, *shape[1:])
                 assert torch.tensor(rows).reshape(want.shape).tolist() == want.tolist(), name
                 assert full == list(shape)
+
+
+def test_a_whole_save_of_pieces_says_what_it_gathers_and_is_refused_without_the_memory(
+        tmp_path, capsys, monkeypatch):
+    """fsdp holds pieces: sharded=False gathers the whole state (Adam's moments included) and
+    says so; where the host lacks that memory, it is refused before anything is written."""
+    import psutil
+
+    rt = mpt.Runtime(env={}, backend="fsdp")
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+    model, _ = rt.setup(model, torch.optim.Adam(model.parameters()))
+    rt.backward(model(torch.randn(2, 64)).sum())
+    rt.step()
+    rt.save(tmp_path / "whole", step=1, sharded=False)
+    state = (64 * 64 + 64 + 64 * 8 + 8) * 4 * 3  # weights and two moments, fp32
+    said = capsys.readouterr().out
+    assert "mpt: this save (sharded=False) gathers the whole state, 0.00 GiB" in said
+    rt.save(tmp_path / "pieces", step=1)
+    assert "gathers" not in capsys.readouterr().out
+
+    monkeypatch.setattr(psutil, "virtual_memory",
+                        lambda: SimpleNamespace(available=state // 2))
+    with pytest.raises(UsageError, match=r"sharded=False is invalid: sharded=False gathers the "
+                       r"whole state.*Fix: save to a local path"):
+        rt.save(tmp_path / "refused", step=1, sharded=False)
+    assert not (tmp_path / "refused").exists()
+    rt.close()

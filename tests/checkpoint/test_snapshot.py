@@ -262,3 +262,4 @@ def test_the_default_store_lives_in_memory_as_long_as_the_launch(tmp_path):
                       if line.startswith("STORE")))
     assert store.parent == Path("/dev/shm") and store.name.startswith("mpt-snapshots-")
     assert not store.exists()
+
