@@ -372,8 +372,8 @@ class PeerSnapshots:
                 return f"{RESTORED}/{io.step_dir_name(step)}"
             lost = sorted(set(range(size)) - set(have))
             bad = sorted(damaged.get((step, size), set()) - set(have))
-            why = (f"damaged: {bad}" if bad == lost else f"lost with their node and the next "
-                   f"one{f', damaged: {bad}' if bad else ''}")
+            why = (f"damaged: {bad}" if bad == lost else "their node is lost, and no "
+                   "complete copy reached the next node" + (f"; damaged: {bad}" if bad else ""))
             self.say(f"mpt: the snapshot of step {step} lacks the pieces of rank(s) {lost} "
                      f"({why}): not restored")
         return None
