@@ -152,6 +152,8 @@ def harness(args: argparse.Namespace) -> None:
     store = subprocess.Popen([sys.executable, "-c", STORE, str(port)])
     time.sleep(2)
     layout = ["--pipeline-stages", "2", "--microbatches", "2"] if args.layout == "pp2" else []
+    if args.reshard_after_forward:
+        layout += ["--fsdp-reshard-after-forward", "yes"]
     nodes_range = "4:4" if layout else "3:4"
     model = ["--embed", str(args.embed), "--layers", str(args.layers), "--heads",
              str(args.heads), "--block", str(args.block), "--batch", str(args.batch)]
@@ -229,6 +231,9 @@ def main() -> None:
                         "rank (12 divides over 4, 3 and 2 replicas)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--kill-after", type=int, default=2)
+    parser.add_argument("--reshard-after-forward", action="store_true",
+                        help="--fsdp-reshard-after-forward yes (under a pipeline its default "
+                        "is no: each stage's weights stay gathered across micro-batches)")
     parser.add_argument("--no-snapshots", dest="snapshots", action="store_false",
                         help="no --snapshot-every: the survivors resume from the disk")
     args = parser.parse_args()
