@@ -55,15 +55,13 @@ from mpt.checkpoint.boxes import Box, Target, assign, held
 from mpt.checkpoint.contents import Contents, Reads
 from mpt.checkpoint.encode import encode, rng_state
 from mpt.checkpoint.format import FORMAT_VERSION, CheckpointError, Manifest
+from mpt.checkpoint.held import gather_object, merged_optimizers, rank_reads
 from mpt.checkpoint.sharded import Unread
 from mpt.checkpoint.state import (
     TrainingState,
     collect_state,
-    gather_object,
     manifest_fields,
-    merged_optimizers,
     mpt_version,
-    rank_reads,
     restore,
 )
 from mpt.checkpoint.tensorfile import _raw

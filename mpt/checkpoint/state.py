@@ -25,7 +25,7 @@ import torch
 from mpt.checkpoint import io, tensorfile
 from mpt.checkpoint.contents import Contents, Reads
 from mpt.checkpoint.contents import read as read_contents
-from mpt.checkpoint.encode import decode, encode, references, rng_state, set_rng_state
+from mpt.checkpoint.encode import decode, encode, rng_state, set_rng_state
 from mpt.checkpoint.format import (
     FORMAT_VERSION,
     MANIFEST,
@@ -38,8 +38,8 @@ from mpt.checkpoint.format import (
     Manifest,
     entry_for,
 )
+from mpt.checkpoint.held import check_gather, gather_object, merged_optimizers, rank_reads
 from mpt.errors import UsageError
-from mpt.state.flat import FlatPiece
 
 if TYPE_CHECKING:
     from torch import nn
@@ -126,7 +126,7 @@ def save_checkpoint(path: str | os.PathLike[str], parts: TrainingState, *, step:
     if pieces:
         sharded = True
     elif backend.shards_state:
-        _check_gather(parts, "sharded=False" if sharded is False else f"a root at {root.url}",
+        check_gather(parts, "sharded=False" if sharded is False else f"a root at {root.url}",
                       say)
     model_tensors, tensors, state = collect_state(parts, pieces=pieces, extra=extra)
     # every rank's RNG, so that each rank of a resumed run draws what it would have drawn; with
@@ -204,55 +204,6 @@ def collect_state(parts: TrainingState, *, pieces: bool, extra: dict[str, Any] |
         "extra": encode(dict(extra or {}), "extra", tensors),
     }
     return model_tensors, tensors, state
-
-
-def _check_gather(parts: TrainingState, why: str, say: Callable[[str], None] | None) -> None:
-    """Collective: a save of whole tensors under a backend whose ranks hold pieces gathers the
-    whole state: refused where this host lacks the memory for it, else said with its size."""
-    import psutil
-
-    sizes: dict[str, int] = {}
-    for key, t in _local_state(parts)[0].items():  # a DTensor's or FlatPiece's whole size
-        sizes[key] = t.numel() * t.element_size()
-    whole = sum({k: n for every in gather_object(parts.backend, sizes)
-                 for k, n in every.items()}.values())
-    available = psutil.virtual_memory().available
-    gib = 2**30
-    if whole > available:
-        raise UsageError("sharded", False, f"{why} gathers the whole state, {whole / gib:.2f} "
-                         f"GiB, and this host has {available / gib:.2f} GiB available",
-                         "save to a local path every rank writes to, leaving sharded out: "
-                         "each rank writes its own pieces")
-    if say is not None:
-        say(f"mpt: this save ({why}) gathers the whole state, {whole / gib:.2f} GiB, where "
-            "each rank could write its own pieces (a local path, sharded left out)")
-
-
-def merged_optimizers(every: list[dict[str, Any]]) -> dict[str, Any]:
-    """``state.json``'s ``optimizers`` from every rank's, each the encoded state (``encode``) of
-    the parameters that rank holds, keyed by name (``mpt.state.named``): per optimizer, the
-    per-parameter state united by name and each param group's names united in order. Ranks
-    that hold the same parameters (shards of them) give the same trees, whose union is any
-    one of them; the stages of a pipeline give theirs, whose union is the whole model's."""
-    merged: dict[str, Any] = {}
-    for trees in every:
-        for name, tree in trees.items():
-            if name not in merged:
-                merged[name] = {**tree, "state": dict(tree["state"]),
-                                "param_groups": [dict(g) for g in tree["param_groups"]]}
-                continue
-            into = merged[name]
-            into["state"].update(tree["state"])
-            for group, other in zip(into["param_groups"], tree["param_groups"], strict=True):
-                group["params"] = list(dict.fromkeys([*group["params"], *other["params"]]))
-    return merged
-
-
-def gather_object(backend: StateHolder, obj: Any) -> list[Any]:
-    """Collective: every rank's ``obj``, by rank, on every rank."""
-    world = backend.world
-    return [backend.broadcast_object(obj if world.rank == r else None, src=r)
-            for r in range(world.world_size)]
 
 
 def manifest_fields(parts: TrainingState, *, step: int, epoch: int | None,
@@ -358,50 +309,6 @@ def restore(where: str, contents: Contents, parts: TrainingState) -> dict[str, A
         set_rng_state(rngs[world.rank])
     epoch = {} if manifest.epoch is None else {"epoch": manifest.epoch}
     return {"step": manifest.step, **epoch, **decode(state["extra"], tensors)}
-
-
-def rank_reads(parts: TrainingState, saved: dict[str, Any]) -> Reads:
-    """Collective: what a rank that holds pieces of the state reads of a sharded checkpoint
-    whose ``state.json`` is ``saved``: its pieces in place (``_pieces``) and, whole, the rest of
-    its own state (the tensors it holds whole: a pipeline stage's under ddp) and every tensor
-    of the saved optimizers but the state of parameters it does not hold. Another pipeline
-    stage's weights and moments stay unread: their own ranks read them."""
-    found, held = _local_state(parts)
-    into = {key: t for key, t in found.items() if _is_piece(t)}
-    if "optimizers" not in saved:  # an older layout: read the rest whole
-        return Reads(into=into)
-    whole = {key for key, t in found.items() if not _is_piece(t)}
-    for name, tree in saved["optimizers"].items():
-        if name not in held or not isinstance(tree.get("state"), dict):
-            whole.update(references(tree))  # nothing to tell this rank's state by
-            continue
-        theirs = {param: state for param, state in tree["state"].items()
-                  if param not in held[name]}
-        whole.update(set(references(tree)) - set(references(theirs)))
-    return Reads(into=into, whole=whole - set(into))
-
-
-def _local_state(parts: TrainingState) -> tuple[dict[str, Any], dict[str, set[str]]]:
-    """Collective: this rank's state by checkpoint key, as ``local_model_state_dict`` and
-    ``local_optimizer_state_dict(create=True)`` give it, and, by model name, the names of the
-    parameters its optimizer holds."""
-    backend, found, held = parts.backend, {}, {}
-    for pair in parts.pairs:
-        found.update({f"model/{pair.name}/{key}": t
-                      for key, t in backend.local_model_state_dict(pair.model).items()})
-        if pair.optimizer is not None:
-            local = backend.local_optimizer_state_dict(pair.model, pair.optimizer, create=True)
-            encode(local, f"optimizer/{pair.name}", found)
-            held[pair.name] = {param for group in local["param_groups"]
-                               for param in group["params"]}
-    return found, held
-
-
-def _is_piece(tensor: Any) -> bool:
-    """Whether ``tensor`` is a piece of a tensor this rank holds, read in place."""
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor | FlatPiece)
 
 
 def _check_names(where: str, what: str, saved: list[str], wanted: list[str]) -> None:

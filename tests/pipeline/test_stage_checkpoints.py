@@ -25,7 +25,7 @@ from pipeline_train import make_model
 
 from mpt.checkpoint import CheckpointError
 from mpt.checkpoint.encode import encode, references
-from mpt.checkpoint.state import merged_optimizers
+from mpt.checkpoint.held import merged_optimizers
 from mpt.pipeline.split import stage_blocks
 
 STAGES = {f"{block}.{leaf}": stage
