@@ -30,13 +30,16 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
+
+import psutil
+from sharded_memory import RssSampler
+
+from mpt.launchers.spec import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -47,32 +50,9 @@ time.sleep(36000)
 """
 
 
-class Peak:
-    """This process's peak RSS since ``reset``, sampled in a thread."""
-
-    def __init__(self) -> None:
-        self.peak = self.now()
-        threading.Thread(target=self._run, daemon=True).start()
-
-    @staticmethod
-    def now() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def _run(self) -> None:
-        while True:
-            time.sleep(0.005)
-            self.peak = max(self.peak, self.now())
-
-    def take(self) -> int:
-        """The peak since the last ``take``; the next starts from now."""
-        peak, self.peak = max(self.peak, self.now()), self.now()
-        return peak
-
-
 def worker(args: argparse.Namespace) -> None:
     """One rank: train, save after step 1, snapshots every step (`mpt launch`'s flags)."""
-    sampler = Peak()
+    sampler = RssSampler()
     import torch
     from torch import nn
 
@@ -88,15 +68,21 @@ def worker(args: argparse.Namespace) -> None:
     with torch.device("meta"):
         model = GPT(config)
         model.out.head.weight = nn.Parameter(torch.empty(config.vocab, config.embed))
-    before = sampler.now()
-    sampler.take()
+    before = sampler.reset()
     phases: dict[str, int] = {}
+
+    def take() -> int:
+        """The peak above ``before`` since the last phase; the next starts from now."""
+        peak = sampler.peak
+        sampler.reset()
+        return peak - before
+
     began = time.perf_counter()
     model, _optimizer = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     setup = time.perf_counter()
     step = rt.resume()["step"]
     seconds = {"setup": setup - began, "resume": time.perf_counter() - setup}
-    phases["setup and resume"] = sampler.take() - before
+    phases["setup and resume"] = take()
     held = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                for p in model.parameters())
     out = Path(args.out)
@@ -115,10 +101,10 @@ def worker(args: argparse.Namespace) -> None:
             logits.flatten(0, 1), y.flatten()))
         rt.step()  # and the snapshot of this step
         step += 1
-        phases[f"step {step} (snapshot)"] = sampler.take() - before
+        phases[f"step {step} (snapshot)"] = take()
         if step == 1:
             rt.save(step=step)
-            phases["save"] = sampler.take() - before
+            phases["save"] = take()
         write()
         if rt.rank == 0:
             with open(out / "curve.txt", "a") as f:
@@ -127,20 +113,8 @@ def worker(args: argparse.Namespace) -> None:
     rt.close()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def children(pid: int) -> list[int]:
-    found = []
-    for line in subprocess.run(["ps", "-o", "pid=,ppid=", "-e"], capture_output=True,
-                               text=True).stdout.splitlines():
-        child, parent = map(int, line.split())
-        if parent == pid:
-            found += [child, *children(child)]
-    return found
+    return [child.pid for child in psutil.Process(pid).children(recursive=True)]
 
 
 def harness(args: argparse.Namespace) -> None:

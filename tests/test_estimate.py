@@ -102,15 +102,17 @@ def test_the_snapshot_estimate_is_the_piece_a_run_writes(tmp_path):
     rt = mpt.Runtime(env={}, quiet=True, snapshot_every=1, snapshot_dir=str(tmp_path))
     model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(3)])
     model, _ = rt.setup(model, torch.optim.Adam(model.parameters()))
-    rt.backward(model(torch.randn(2, 256)).sum())
-    rt.step()
+    for _ in range(2):  # the store then holds the newest two snapshots
+        rt.backward(model(torch.randn(2, 256)).sum())
+        rt.step()
     rt.close()
-    [path] = tmp_path.iterdir()
-    piece = Piece(str(path))
+    paths = sorted(tmp_path.iterdir())
+    piece = Piece(str(paths[-1]))
     written = sum(n for _, n in piece.boxes.values())
     piece.close()
+    store = sum(path.stat().st_size for path in paths)
     guess = snapshot_estimate(meta_model(lambda: nn.Sequential(
         *[nn.Linear(256, 256) for _ in range(3)])), weight_bytes=4, master_bytes=0,
         optimizer_states=2, world_size=1, per_node=1)
     assert guess.piece <= written <= guess.piece + 16 * 1024  # steps, RNG state
-    assert guess.store == 2 * guess.piece
+    assert len(paths) == 2 and guess.store <= store <= guess.store + 2 * 64 * 1024  # headers

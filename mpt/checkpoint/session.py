@@ -158,9 +158,10 @@ class CheckpointSession:
         self.say(f"mpt: resumed from {found} at step {info['step']}")
         # Another framework's run, imported or converted, had its own learning rates for its
         # own world: they go on as they were, whichever way it came in.
-        saved = (self.snapshots.restored if self.snapshots is not None
-                 and self.snapshots.restores(found) else
-                 resolve(found).manifest() if find_latest(found) is not None else None)
+        if self.snapshots is not None and self.snapshots.restores(found):
+            saved = self.snapshots.restored
+        else:
+            saved = resolve(found).manifest() if find_latest(found) is not None else None
         saved_by_mpt = saved is not None and saved.backend != CONVERTED
         resize = self.resized(saved) if self.resized is not None and saved_by_mpt else None
         if resize is not None:

@@ -64,7 +64,7 @@ from mpt.checkpoint.state import (
     mpt_version,
     restore,
 )
-from mpt.checkpoint.tensorfile import _raw
+from mpt.checkpoint.tensorfile import raw_bytes
 from mpt.errors import UsageError
 
 if TYPE_CHECKING:
@@ -80,10 +80,6 @@ CHUNK = 16 << 20
 """Bytes per write(), per read and per message between nodes: the transfer buffer."""
 
 
-def piece_name(step: int, rank: int, world_size: int) -> str:
-    return f"{io.step_dir_name(step)}.rank-{rank:05d}-of-{world_size:05d}.snapshot"
-
-
 @dataclass(frozen=True, slots=True)
 class PieceId:
     """One rank's piece of one snapshot."""
@@ -94,7 +90,8 @@ class PieceId:
 
     @property
     def name(self) -> str:
-        return piece_name(self.step, self.rank, self.world_size)
+        return f"{io.step_dir_name(self.step)}.rank-{self.rank:05d}-of-{self.world_size:05d}" \
+            ".snapshot"
 
 
 def _write_all(fd: int, data: memoryview | bytes) -> None:
@@ -112,7 +109,7 @@ def write_piece(path: str, boxes: list[tuple[Box, torch.Tensor]], header: dict[s
         where, crc, offset = [], 0, 0
         for box, tensor in boxes:
             host = tensor.detach().to("cpu").contiguous()
-            raw = _raw(host)
+            raw = raw_bytes(host)
             for start in range(0, len(raw), CHUNK):
                 chunk = raw[start:start + CHUNK]
                 _write_all(fd, chunk)
@@ -159,7 +156,7 @@ class Piece:
     def read(self, box: Box) -> torch.Tensor:
         offset, n = self.boxes[box.key]
         data = torch.empty(box.sizes, dtype=box.torch_dtype)
-        raw, done = _raw(data), 0
+        raw, done = raw_bytes(data), 0
         while done < n:
             got = os.preadv(self.fd, [raw[done:n]], offset + done)
             if got <= 0:
@@ -195,8 +192,6 @@ class PeerSnapshots:
         self._writer = BackgroundWriter()
         self._group: dist.ProcessGroup | None = None
         self._chosen: tuple[int, int, list[int]] | None = None  # step, world, holder by rank
-        self._held_by: list[list[Box]] | None = None  # every rank's boxes at the last snapshot
-        self._kept: list[list[Box]] = []  # and the boxes each rank kept of them
         self.restored: Manifest | None = None
         """The manifest of the snapshot ``load`` restored."""
 
@@ -212,26 +207,18 @@ class PeerSnapshots:
         model, tensors, state = collect_state(parts, pieces=pieces, extra=None)
         rng_tensors: dict[str, Any] = {}
         rng = encode(rng_state(), f"rng/{world.rank}", rng_tensors)
-        found = {key: box for key, value in [*((f"model/{k}", v) for k, v in model.items()),
-                                             *tensors.items(), *rng_tensors.items()]
-                 if (box := held(key, value)) is not None}
-        boxes = [box for box, _ in found.values()]
-        # The boxes a rank holds are the same from one snapshot to the next: sent once.
-        same = self._held_by is not None and boxes == self._held_by[world.rank]
+        held_now = {key: found for key, value in
+                    [*((f"model/{k}", v) for k, v in model.items()), *tensors.items(),
+                     *rng_tensors.items()] if (found := held(key, value)) is not None}
         # A pipeline's ranks hold their stage's optimizer state: the structure is every rank's.
-        every = gather_object(backend, (None if same else [b.row() for b in boxes], rng,
+        every = gather_object(backend, ([box.row() for box, _ in held_now.values()], rng,
                                         state["optimizers"] if pieces else None))
         if pieces:
             state["optimizers"] = merged_optimizers([trees for _, _, trees in every])
-        if any(rows is not None for rows, _, _ in every):
-            assert self._held_by is not None or all(rows is not None for rows, _, _ in every)
-            self._held_by = [[Box.from_row(r) for r in rows] if rows is not None else
-                             (self._held_by or [])[rank]
-                             for rank, (rows, _, _) in enumerate(every)]
-            self._kept = assign(self._held_by)
-        kept = [(box, found[box.key][1]) for box in self._kept[world.rank]]
+        table = assign([[Box.from_row(row) for row in rows] for rows, _, _ in every])
+        kept = [(box, held_now[box.key][1]) for box in table[world.rank]]
         header = {"step": step, "rank": world.rank, "world_size": world.world_size,
-                  "table": [[*box.row(), rank] for rank, mine in enumerate(self._kept)
+                  "table": [[*box.row(), rank] for rank, mine in enumerate(table)
                             for box in mine],
                   "state": state, "rngs": [tree for _, tree, _ in every],
                   "saved_at": time.time(),
@@ -392,7 +379,7 @@ class PeerSnapshots:
 
         def piece(old: int) -> Piece:
             if old not in opened:
-                opened[old] = Piece(os.path.join(self.store, piece_name(step, old, size)))
+                opened[old] = Piece(os.path.join(self.store, PieceId(step, old, size).name))
             return opened[old]
 
         try:
