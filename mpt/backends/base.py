@@ -442,6 +442,12 @@ class Backend(ABC):
         the step's last schedule (``setup_stage``'s ``mesh``)."""
         raise NotImplementedError(f"--backend {self.name} does not pipeline")
 
+    def stage_module(self, chunk: nn.Module) -> nn.Module:
+        """What torch's ``PipelineStage`` runs for ``chunk`` (one of ``setup_stage``'s
+        ``chunks``): the chunk itself, unless the backend wants the stage's own handling of
+        its wrapper bypassed."""
+        return chunk
+
     # -- state for checkpoints ----------------------------------------------------------------
     @abstractmethod
     def unwrap(self, model: nn.Module) -> nn.Module:

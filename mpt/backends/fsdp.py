@@ -126,7 +126,9 @@ class FSDPBackend(DDPBackend):
                               parse=parse_class_names, flag="--fsdp-wrap"),
         "reshard_after_forward": BackendOption(
             help="yes: free gathered parameters after each unit's forward and gather them "
-                 "again for its backward; no: keep them, one all-gather less per unit "
+                 "again for its backward (under --pipeline-stages also after each "
+                 "micro-batch's backward, reduce-scattering its gradients: nothing unsharded "
+                 "is kept between micro-batches); no: keep them, one all-gather less per unit "
                  "(default: yes, and no under --pipeline-stages, where a stage runs a forward "
                  "per micro-batch)",
             # a value, not a switch; None: the default, which depends on the pipeline
@@ -302,17 +304,28 @@ class FSDPBackend(DDPBackend):
     def setup_stage(self, stage: nn.Module, chunks: Sequence[nn.Module],
                     optimizer: torch.optim.Optimizer, mesh: DeviceMesh) -> None:
         """Each chunk sharded over the stage's replicas (``mesh``), as its own root with its
-        units: the schedule calls each chunk's forward, never the stage's. torch's
-        PipelineStage drives the rest: it holds gradients unsharded over the micro-batches
-        and reduce-scatters them after the last."""
+        units: the schedule calls each chunk's forward, never the stage's. By default torch's
+        PipelineStage drives the rest: it keeps the gathered weights and unsharded gradients
+        over the micro-batches and reduce-scatters after the last (one all-gather and one
+        reduce-scatter per unit and schedule, not M, as torchtitan does under a pipeline).
+        ``--fsdp-reshard-after-forward yes`` trades those collectives for memory: see
+        ``stage_module``."""
         super().setup_stage(stage, chunks, optimizer, mesh)  # replicas start equal
         self._mesh = mesh
-        # Kept gathered from each micro-batch's forward to the schedule's last backward, as
-        # torchtitan does under a pipeline: one all-gather per unit and schedule, not M.
         self._shard(stage, chunks, optimizer, reshard=False)
 
+    def stage_module(self, chunk: nn.Module) -> nn.Module:
+        # PipelineStage, seeing an FSDP module, turns off its resharding after backward and
+        # its reduce-scatter until the schedule's last micro-batch: every rank then holds its
+        # whole stage's weights and gradients, 2 x its share of them more. Asked to reshard,
+        # hide the FSDP root from it: FSDP's own hooks reshard and reduce-scatter into the
+        # sharded gradients after every micro-batch's backward (M x the collectives).
+        if self.option_values["reshard_after_forward"]:
+            return _Sharded(chunk)
+        return chunk
+
     def reduce_stage(self, stage: nn.Module, mesh: DeviceMesh) -> None:
-        pass  # reduce-scattered by each schedule (PipelineStage.perform_reduce_grad)
+        pass  # reduce-scattered by each schedule (or each micro-batch's backward)
 
     def place(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
               ) -> nn.Module:
@@ -355,3 +368,15 @@ class FSDPBackend(DDPBackend):
     def local_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                                    *, create: bool = False) -> dict[str, Any]:
         return dtensor_state.optimizer_state(model, optimizer, full=False, create=create)
+
+
+class _Sharded(nn.Module):
+    """An FSDP chunk as torch's PipelineStage runs it when nothing may stay gathered between
+    micro-batches: a plain module around it, so the stage leaves FSDP's hooks as they are."""
+
+    def __init__(self, chunk: nn.Module) -> None:
+        super().__init__()
+        self.chunk = chunk
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.chunk(*args, **kwargs)

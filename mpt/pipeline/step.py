@@ -55,7 +55,8 @@ class PipelineStep(TrainStep):
 
         backend, plan = self.backend, self.backend.plan
         indices = plan.chunks_of(backend.topology.stage)
-        stages = [PipelineStage(chunk, stage_index=index, num_stages=plan.chunks,
+        stages = [PipelineStage(backend.inner.stage_module(chunk), stage_index=index,
+                                num_stages=plan.chunks,
                                 device=backend.device, group=backend.pp_group)
                   for index, chunk in zip(indices, pair.model.chunks,  # type: ignore[union-attr]
                                           strict=True)]
