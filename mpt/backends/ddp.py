@@ -274,6 +274,23 @@ class DDPBackend(Backend):
         (``mpt.backends.dtensor_state``), whole tensors gathered over the ranks that split them."""
         return self.layout.tp > 1
 
+    @property
+    def shards_state(self) -> bool:  # type: ignore[override]
+        """Where the parameters are DTensors each rank holds its shards of them (the replicas
+        alike): checkpoints and snapshots take those, and gather nothing."""
+        return self.holds_dtensors
+
+    def local_model_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        if self.holds_dtensors:
+            return dtensor_state.model_state(model, full=False)
+        return super().local_model_state_dict(model)
+
+    def local_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                                   *, create: bool = False) -> dict[str, Any]:
+        if self.holds_dtensors:
+            return dtensor_state.optimizer_state(model, optimizer, full=False, create=create)
+        return super().local_optimizer_state_dict(model, optimizer, create=create)
+
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         if self.holds_dtensors:
             return dtensor_state.model_state(model, full=True)

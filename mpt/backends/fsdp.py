@@ -19,7 +19,6 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from mpt.backends import dtensor_state
 from mpt.backends.base import Availability, BackendOption, on_meta
 from mpt.backends.ddp import CAST_DTYPES, DDPBackend
 from mpt.backends.meta import check_materialisable, materialise, rank0_random_state
@@ -355,19 +354,10 @@ class FSDPBackend(DDPBackend):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model  # fully_shard changes the module in place; names stay the user's
 
-    # -- state for checkpoints: the DTensor shards themselves (mpt.backends.dtensor_state) ----
-    shards_state = True
-
+    # -- state for checkpoints: the DTensor shards themselves (DDPBackend's local_*) ---------
     @property
     def holds_dtensors(self) -> bool:
         return True  # every parameter is a shard
-
-    def local_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return dtensor_state.model_state(model, full=False)
-
-    def local_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                                   *, create: bool = False) -> dict[str, Any]:
-        return dtensor_state.optimizer_state(model, optimizer, full=False, create=create)
 
 
 class _Sharded(nn.Module):

@@ -52,6 +52,9 @@ def test_tp2_matches_one_process_holds_half_and_resumes_at_one_process(tmp_path,
     assert share <= 0.55 * found["whole"]
     # tp ranks keep the weights they both hold (embeddings, output norm) equal
     assert found["held"][0]["whole_sum"] == found["held"][1]["whole_sum"]
+    # saved in pieces: each rank wrote its shards of the split layers, none gathered them all
+    sizes = [shard.stat().st_size for shard in ckpt.rglob("shard-*.safetensors")]
+    assert len(sizes) == 2 and max(sizes) < 0.8 * sum(sizes), sizes
     # saved at tp 2, resumed by one process without tensor parallelism: the same curve
     resumed = train(tmp_path, free_port, 1, args=("--resume", str(ckpt)), name="resumed.json")
     assert sorted(resumed["losses"]) == [3, 4]
