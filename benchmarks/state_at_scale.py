@@ -82,6 +82,9 @@ def worker(args: argparse.Namespace) -> None:
     setup = time.perf_counter()
     step = rt.resume()["step"]
     seconds = {"setup": setup - began, "resume": time.perf_counter() - setup}
+    # What a restore from the peers filled in (mpt's own record of it; none from the disk)
+    snapshots = rt._checkpoints.snapshots
+    moved = dict(snapshots.moved) if snapshots is not None else {}
     phases["setup and resume"] = take()
     held = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                for p in model.parameters())
@@ -91,7 +94,7 @@ def worker(args: argparse.Namespace) -> None:
     def write() -> None:  # after every phase: a killed worker's figures stay
         record.write_text(json.dumps({"rank": rt.rank, "world": rt.world_size, "held": held,
                                       "before": before, "phases": phases,
-                                      "seconds": seconds}))
+                                      "seconds": seconds, "moved": moved}))
 
     write()
     generator = torch.Generator().manual_seed(1)
@@ -188,6 +191,10 @@ def harness(args: argparse.Namespace) -> None:
               f"{bound / MiB:.0f} MiB, RSS before setup {row['before'] / MiB:.0f} MiB, peak "
               f"above it {peak / MiB:.0f} MiB = {peak / share:.2f} x share "
               f"({'within' if peak <= bound else 'OVER'} the bound)")
+        if row["moved"]:
+            print(f"    restored from the peers: {row['moved']['read'] / MiB:.0f} MiB from its "
+                  f"own store, {row['moved']['received'] / MiB:.0f} MiB received "
+                  f"({sum(row['moved'].values()) / share:.2f} x share in all)")
         for name, value in row["phases"].items():
             print(f"    {name:22s} +{value / MiB:6.0f} MiB")
     shutil.rmtree(tmp, ignore_errors=True)

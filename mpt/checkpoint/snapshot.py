@@ -194,6 +194,9 @@ class PeerSnapshots:
         self._chosen: tuple[int, int, list[int]] | None = None  # step, world, holder by rank
         self.restored: Manifest | None = None
         """The manifest of the snapshot ``load`` restored."""
+        self.moved: dict[str, int] = {}
+        """Bytes ``load`` filled into this rank: ``read`` from its own store, ``received``
+        from other ranks (only the parts of their boxes this rank holds)."""
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
@@ -388,14 +391,22 @@ class PeerSnapshots:
             table = [(Box.from_row(row[:5]), row[5]) for row in header["table"]]
             reads = rank_reads(parts, header["state"]) if backend.shards_state else Reads()
             targets = {box.key: _target(box, reads, rank) for box, _ in table}
-            wanted = [i for i, (box, _) in enumerate(table)
+            # Per stored box, the part of it this rank needs: only that part travels.
+            wanted = {i: spans for i, (box, _) in enumerate(table)
                       if (target := targets[box.key]) is not None
-                      and target.overlap(box) is not None]
-            requests = [set(w) for w in gather_object(backend, wanted)]
+                      and (spans := target.overlap(box)) is not None}
+            requests = gather_object(backend, wanted)
+            self.moved = {"read": 0, "received": 0}
             for index, (box, old) in enumerate(table):
-                for requester in (r for r, w in enumerate(requests) if index in w):
-                    _move(box, holders[old], requester, rank,
-                          functools.partial(_read, piece, old, box), targets[box.key], group)
+                for requester, spans in ((r, w[index]) for r, w in enumerate(requests)
+                                         if index in w):
+                    part = Box(box.key, box.dtype, box.shape, tuple(b for b, _ in spans),
+                               tuple(e - b for b, e in spans))
+                    moved = _move(box, part, holders[old], requester, rank,
+                                  functools.partial(_read, piece, old, box), targets[box.key],
+                                  group)
+                    if moved:
+                        self.moved[moved] += part.nbytes
         finally:
             for opened_piece in opened.values():
                 opened_piece.close()
@@ -444,22 +455,29 @@ def _read(piece: Callable[[int], Piece], old: int, box: Box) -> torch.Tensor:
     return piece(old).read(box)
 
 
-def _move(box: Box, sender: int, requester: int, rank: int, read: Callable[[], torch.Tensor],
-          target: Target | None, group: dist.ProcessGroup | None) -> None:
-    """This rank's part in moving ``box`` from ``sender`` to ``requester`` (all ranks walk the
-    same moves in the same order, so each send meets its receive)."""
+def _move(box: Box, part: Box, sender: int, requester: int, rank: int,
+          read: Callable[[], torch.Tensor], target: Target | None,
+          group: dist.ProcessGroup | None) -> str | None:
+    """This rank's part in moving ``part`` of the stored ``box`` from ``sender`` to
+    ``requester`` (all ranks walk the same moves in the same order, so each send meets its
+    receive). Returns how the requester got it (``read`` from its own store, or
+    ``received``), None on any other rank."""
     if rank == sender:
         data = read()
         if requester == rank:
             assert target is not None
             target.fill(box, data)
-        else:
-            dist.send(data, requester, group=group)
+            return "read"
+        for dim, (at, size) in enumerate(zip(part.offsets, part.sizes, strict=True)):
+            data = data.narrow(dim, at - box.offsets[dim], size)
+        dist.send(data.contiguous(), requester, group=group)
     elif rank == requester:
         assert target is not None
-        data = torch.empty(box.sizes, dtype=box.torch_dtype)
+        data = torch.empty(part.sizes, dtype=part.torch_dtype)
         dist.recv(data, sender, group=group)
-        target.fill(box, data)
+        target.fill(part, data)
+        return "received"
+    return None
 
 
 def peer_snapshots(every: int, store: str | None, backend: StateHolder, timeout: timedelta,

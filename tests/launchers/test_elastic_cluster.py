@@ -1,18 +1,26 @@
-"""An elastic job on the emulated cluster (mpt.cluster) loses a node by a cut link, not a kill.
+"""Elastic jobs on the emulated cluster (mpt.cluster): a node lost by a cut link, and a node
+killed with its snapshot store.
 
-Three namespaces, each running `mpt launch --nodes 2:3` of tests/workers/elastic_train.py with
-node 0's address as ``--master-addr`` and ``--timeout 10``. Node 2's link is taken down mid-run:
-no socket closes, so the survivors' workers learn of it only when their collective times out;
-their agents then meet again without node 2 (its keep-alives stop arriving) and finish at 2
-processes. Node 2, cut off, ends by itself once the rendezvous host has been unreachable for
-``--rdzv-timeout`` (its agent, blocked in a store request that never returns, could not):
-one line, exit code 1, no process left.
+Cut link: three namespaces, each running `mpt launch --nodes 2:3` of
+tests/workers/elastic_train.py with node 0's address as ``--master-addr`` and ``--timeout 10``.
+Node 2's link is taken down mid-run: no socket closes, so the survivors' workers learn of it
+only when their collective times out; their agents then meet again without node 2 (its keep-
+alives stop arriving) and finish at 2 processes. Node 2, cut off, ends by itself once the
+rendezvous host has been unreachable for ``--rdzv-timeout`` (its agent, blocked in a store
+request that never returns, could not): one line, exit code 1, no process left.
+
+Killed node: four nodes at 10 Gbit/s under fsdp, a snapshot every step in each node's own store,
+the rendezvous on a store of a fifth namespace (any node may be lost). Rank 0's node is
+SIGKILLed and its store deleted: the three survivors resume from the copy its peer node holds,
+at most one step back, and finish on the curve of a run that never lost a node.
+
 Marked slow (make conformance): namespaces need root, and the timeouts take about a minute.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -20,12 +28,22 @@ from pathlib import Path
 
 import pytest
 from conftest import mpt_command, wait_for, worker
-from test_elastic import GLOBAL_BATCH, STEPS, assert_every_sample_once_per_epoch, read_curve
+from test_elastic import (
+    BACKENDS,
+    GLOBAL_BATCH,
+    STEPS,
+    STORE,
+    assert_every_sample_once_per_epoch,
+    last_values,
+    read_curve,
+    reference_curve,
+)
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "cluster"))
 from cluster_support import needs_cluster
 
-from mpt.cluster import EmulatedCluster
+from mpt.cluster import EmulatedCluster, LinkShape
+from mpt.cluster.netns import kill_namespace
 
 PORT = 29611  # inside the cluster's own namespaces: no port of this machine is touched
 COLLECTIVE_TIMEOUT = 10
@@ -77,3 +95,55 @@ def test_a_cut_link_shrinks_the_job_after_the_collective_timeout(tmp_path):
     print(f"\nelastic, cut link: 3 -> 2 nodes, cut to next completed step "
           f"{first_after - cut_at:.1f} s (--timeout {COLLECTIVE_TIMEOUT}); the cut-off node "
           f"ended after {cut_off_after:.1f} s (--rdzv-timeout {RDZV_TIMEOUT})")
+
+
+@pytest.mark.slow
+@needs_cluster
+def test_a_killed_node_costs_at_most_one_step_from_its_peers_snapshot(tmp_path):
+    out, ck, run_dir = tmp_path / "out", tmp_path / "ck", tmp_path / "run"
+    out.mkdir()
+    memory = [tmp_path / f"memory{nr}" for nr in range(4)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with EmulatedCluster(nodes=5, shape=LinkShape(rate="10gbit")) as cluster:
+        *nodes, host = cluster.members
+        logs = [(tmp_path / f"node{i}.log").open("w") for i in range(5)]
+        procs = [host.popen([sys.executable, "-c", STORE, str(PORT)], env=env, output=logs[4])]
+        procs += [node.popen(mpt_command(
+            "launch", "--nodes", "3:4", "--master-addr", host.address, "--master-port",
+            str(PORT), "--local-addr", node.address, *BACKENDS["fsdp"], "--global-batch-size",
+            str(GLOBAL_BATCH), "--checkpoint-dir", str(ck), "--run-dir", str(run_dir),
+            "--snapshot-every", "1", "--snapshot-dir", str(store), worker("elastic_train.py"),
+            str(out), "--steps", str(STEPS), "--sleep", "0.2", "--save-every", str(STEPS)),
+            env=env, output=log) for node, store, log in zip(nodes, memory, logs[:4], strict=True)]
+        try:
+            assert wait_for(lambda: sum(w == 4 for _, w, _, _ in read_curve(out)) >= 3, 180), \
+                "the 4-node world never trained"
+            rank0 = {int(p.name) for p in (out / "pids").iterdir() if p.read_text() == "0"}
+            lost = next(i for i, node in enumerate(nodes) if rank0 & set(node.pids()))
+            kill_namespace(nodes[lost].namespace)
+            killed_at = time.time()
+            shutil.rmtree(memory[lost])  # its memory is gone with it
+            codes = [proc.wait(240) for i, proc in enumerate(procs[1:]) if i != lost]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+            for log in logs:
+                log.close()
+    output = "\n".join((tmp_path / f"node{i}.log").read_text()[-3000:] for i in range(4))
+    assert codes == [0, 0, 0], output
+    assert "resumed from memory://mpt-snapshot/step-" in output, output
+    curve = read_curve(out)
+    assert curve[-1][:2] == (STEPS, 3), output
+    before = [step for step, world, _, t in curve if world == 4 and t <= killed_at]
+    restored = int((out / "resumed.txt").read_text().splitlines()[-1].split()[2])
+    assert 0 < restored <= max(before) and max(before) - restored <= 1, (restored, before)
+    assert_every_sample_once_per_epoch(out)
+    reference = reference_curve(tmp_path / "reference", "fsdp", ((4, restored), (3, 0)))
+    got = last_values(curve)
+    assert sorted(got) == sorted(reference) == list(range(1, STEPS + 1))
+    worst = max(abs(got[s] - reference[s]) for s in got)
+    assert worst <= 1e-5, {s: (got[s], reference[s]) for s in got}
+    print(f"\nelastic on the cluster (fsdp, 10 Gbit/s): 4 -> 3 nodes, rank 0's node killed "
+          f"with its store; restored step {restored}, steps redone {max(before) - restored}, "
+          f"worst loss difference {worst:.1e}")
