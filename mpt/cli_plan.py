@@ -31,7 +31,8 @@ def plan_command(
         help="Each node's link to the others: 100gbit, 200gbit, 400gbit, ..., or a rate "
         "such as 25gbit.")] = "100gbit",
     device: Annotated[str, typer.Option(
-        help="Datasheet device profile: h100-sxm, h200, a100-sxm-80gb, a100-sxm-40gb.")
+        help="Datasheet device profile: h100-sxm, h200, a100-sxm-80gb, a100-sxm-40gb, "
+        "p100-pcie.")
     ] = "h100-sxm",
     calibration: Annotated[Path | None, typer.Option(
         metavar="FILE", help="Use this machine's figures measured by --calibrate instead of "

@@ -16,11 +16,14 @@ The step, for a rank of the slowest pipeline stage:
 - data parallelism: ``mpt.plan.traffic``'s collectives, less the part that hides behind its
   window (the backward, the whole step, or none) times the device's ``overlap``.
 
-Memory per rank: ``Backend.estimate_memory`` of the stage's blocks at the shard size, its
-tp-split parameters over T, and the activations ``mpt.estimate`` counts, times the micro-batches
-1F1B keeps in flight on the first stage (min(M, P)); under tp, the activations of split ops over
-T (by their share of the forward's bytes). Not counted: communication buffers, the allocator's
-slack, the process.
+Memory per rank, at the higher of two peaks: ``Backend.estimate_memory`` of the stage's blocks
+at the shard size, its tp-split parameters over T, and the backend's buffers (DDP's buckets,
+fsdp's prefetched unit); then either the backward's activations (what autograd saves, a tensor
+two blocks save counted once, times the micro-batches 1F1B keeps in flight on the first stage,
+min(M, P); under tp, the activations of split ops over T by their share of the forward's bytes;
+16-bit under a cast model) or the optimizer step's temporaries, less what the backward frees
+before the step (fsdp's gathered units). Not counted: the allocator's slack, the process,
+horovod's and DeepSpeed's buffers.
 """
 
 from __future__ import annotations
@@ -72,6 +75,13 @@ class Prediction:
     """Per rank of the fullest stage: parameters, gradients, optimizer state."""
     activations: int
     """Per rank of the fullest stage: what autograd keeps for the backward."""
+    buffers: int
+    """Per rank of the fullest stage: what the backend holds beyond its row (``_buffers``)."""
+    transient: int
+    """Per rank of the fullest stage: the optimizer step's temporaries (``_step_transient``)."""
+    released: int
+    """Per rank of the fullest stage: what the backward holds and frees before the step (fsdp's
+    gathered units)."""
     capacity: float
     """Bytes one rank may fill."""
     compute: float
@@ -93,7 +103,10 @@ class Prediction:
 
     @property
     def total_memory(self) -> int:
-        return self.memory.device + self.activations
+        """The per-rank peak: in the backward (with its activations) or in the optimizer step
+        (with its temporaries, without what the backward released), whichever is higher."""
+        return peak_of(self.memory.device + self.buffers, self.activations, self.transient,
+                       self.released)
 
     @property
     def short(self) -> int:
@@ -121,11 +134,18 @@ class Model:
     """fp32 values the optimizer keeps per parameter."""
 
 
+def activation_width(spec: PrecisionSpec) -> float:
+    """Bytes of an activation in ``spec`` over its fp32 bytes (what meta records): a model
+    cast to 16 bits (O2, O3) runs every op in 16 bits; under autocast only the matmuls are,
+    and the rest is counted in fp32 (norms and softmax are; the rest varies: an upper bound)."""
+    return 1.0 if spec.autocast else spec.compute.itemsize / 4
+
+
 def op_seconds(op: Op, cluster: Cluster, spec: PrecisionSpec, tp: int) -> float:
     """One op's time: its roofline, split ops over the tp ranks, plus the op's overhead."""
     device = cluster.device
     matmul = op.flops > 0
-    width = spec.compute.itemsize / 4 if matmul else 1.0  # measured in fp32 on meta
+    width = spec.compute.itemsize / 4 if matmul else activation_width(spec)
     dtype = str(spec.compute).removeprefix("torch.") if matmul else "float32"
     seconds = max(op.flops / device.matmul_flops(dtype),
                   op.bytes * width / device.memory_bandwidth)
@@ -178,7 +198,8 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
     cut = max((by_name[names[-1]].output_bytes for names in stages[:-1]), default=0)
     p2p = send(cut, plan, cluster)
     terms["pipeline sends"] = 2 * m * p2p.seconds
-    memory, activations, trained = _memory(layout, model, stages, work, spec, slowest)
+    held, trained = _memory(layout, model, stages, work, spec, slowest,
+                            cluster.device.device_type)
     flow = traffic(layout.backend, layout.options, plan, spec, trained)
     dp_seconds, dp_link, dp_rank, crosses = _data_parallel(flow, plan, cluster)
     window = {"backward": terms["backward"], "step": terms["forward"] + terms["backward"],
@@ -194,8 +215,9 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
     kinds = "/".join(dict.fromkeys(c.kind.replace("_", "-") for c in flow.collectives))
     where = f"{cluster.link.name} node link" if crosses else "in-node link"
     prediction = Prediction(
-        layout=layout, memory=memory, activations=activations,
-        capacity=cluster.device.memory, compute=compute, exposed=exposed,
+        layout=layout, memory=held.row, activations=held.activations, buffers=held.buffers,
+        transient=held.transient, released=held.released, capacity=cluster.device.memory,
+        compute=compute, exposed=exposed,
         hidden=dp_seconds - terms["data-parallel communication"], bubble=bubble,
         link_bytes=dp_link + 2 * m * p2p.link_bytes + m * tp_time.link_bytes,
         rank_bytes=dp_rank + 2 * m * p2p.per_rank + m * tp_time.per_rank,
@@ -230,15 +252,43 @@ def _with_limiter(p: Prediction, stage: int, dp_words: str) -> Prediction:
     return replace(p, limiter=name + suffix)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Held:
+    """What one rank of a stage holds at its peak."""
+
+    row: MemoryEstimate
+    """Parameters, gradients and optimizer state (the backend's ``estimate_memory`` row)."""
+    activations: int
+    """What autograd keeps for the backward, over the micro-batches in flight."""
+    buffers: int
+    """What the backend holds beyond its row."""
+    transient: int
+    """The optimizer step's temporaries."""
+    released: int
+    """What the backward holds (in the row and the buffers) and frees before the step."""
+
+    @property
+    def peak(self) -> int:
+        return peak_of(self.row.device + self.buffers, self.activations, self.transient,
+                       self.released)
+
+
+def peak_of(held: int, activations: int, transient: int, released: int) -> int:
+    """The higher of the backward's peak (``held`` and the activations) and the optimizer
+    step's (``held`` less what the backward released, and the step's temporaries)."""
+    return held + max(activations, transient - released)
+
+
 def _memory(layout: Layout, model: Model, stages: list[list[str]], work: Workload,
-            spec: PrecisionSpec, slowest: int) -> tuple[MemoryEstimate, int, float]:
-    """The fullest stage's per-rank memory row and activations, and the parameters a rank of
-    stage ``slowest`` (the one whose time the step is) trains: its tp share."""
+            spec: PrecisionSpec, slowest: int, device_type: str) -> tuple[Held, float]:
+    """What a rank of the fullest stage holds, and the parameters a rank of stage ``slowest``
+    (the one whose time the step is) trains: its tp share."""
     plan = layout.plan
     modules = dict(model.net.named_modules())
     by_name = {block.name: block for block in work.blocks}
     cls = get_backend(layout.backend)
-    best: tuple[MemoryEstimate, int] | None = None
+    sharded = traffic(layout.backend, layout.options, plan, spec, 0.0).shards_optimizer
+    best: Held | None = None
     trained = 0.0
     for index, names in enumerate(stages):
         stage = nn.ModuleList(modules.get(n, model.net) for n in names)
@@ -247,15 +297,59 @@ def _memory(layout: Layout, model: Model, stages: list[list[str]], work: Workloa
                                    dict(layout.options))
         row = _scaled(_row(rows, layout), share)
         in_flight = min(layout.microbatches, plan.pp - index) if plan.pp > 1 else 1
-        saved = sum(b.activations * (1 - _split_share(b) + _split_share(b) / plan.tp)
-                    for b in (by_name[n] for n in names))
-        found = (row, int(saved * in_flight))
-        if best is None or found[0].device + found[1] > best[0].device + best[1]:
+        blocks = [by_name[n] for n in names]
+        # A stage's first block receives its input: the previous block's copy is elsewhere.
+        saved = activation_width(spec) * sum(
+            (b.activations - (b.shared_input if i else 0))
+            * (1 - _split_share(b) + _split_share(b) / plan.tp) for i, b in enumerate(blocks))
+        buffers, released = _buffers(layout, stage, spec, row, share)
+        found = Held(row=row, activations=int(saved * in_flight), buffers=buffers,
+                     transient=_step_transient(stage, model.optimizer_states, share,
+                                               plan.dp_shard if sharded else 1, device_type),
+                     released=released)
+        if best is None or found.peak > best.peak:
             best = found
         if index == slowest:
             trained = params * share
     assert best is not None  # at least one stage
-    return (*best, trained)
+    return best, trained
+
+
+def _buffers(layout: Layout, stage: nn.Module, spec: PrecisionSpec, row: MemoryEstimate,
+             share: float) -> tuple[int, int]:
+    """What the backend holds beyond its ``estimate_memory`` row, from its code, and what of
+    the row and these buffers the backward frees before the optimizer steps:
+
+    - ddp, apex (torch's DDP, ``gradient_as_bucket_view`` off): its buckets, a copy of the
+      gradients (under P or T, mpt's one flat bucket instead: the same size).
+    - fsdp: the unit fully_shard gathers ahead (it prefetches the next one) beside the one that
+      runs, which the row counts with its unsharded gradients; all three are freed after the
+      backward.
+    - horovod, deepspeed: their fusion and bucket buffers are not modelled (0).
+    """
+    if layout.backend in ("ddp", "apex"):
+        return row.gradients, 0
+    if layout.backend == "fsdp":
+        from mpt.backends.fsdp import largest_unit
+
+        wrap = get_backend("fsdp").check_options(dict(layout.options))["wrap"]
+        gathered = int(spec.params.itemsize * largest_unit(stage, wrap) * share)
+        return gathered, 3 * gathered  # the row's unit is its weights and their gradients
+    return 0, 0
+
+
+def _step_transient(stage: nn.Module, states: int, share: float, shards: int,
+                    device_type: str) -> int:
+    """Adam's temporaries while it steps the ``shards``-th part of each parameter it holds,
+    from torch.optim.adam: on CUDA (its foreach path) sqrt(v) of every stepped tensor at once;
+    elsewhere (its single-tensor path) sqrt(v) and its quotient of one tensor at a time, in
+    fp32. Other optimizers step in place: none counted."""
+    if states != 2:
+        return 0
+    sizes = [p.numel() for p in stage.parameters() if p.requires_grad]
+    if device_type == "cuda":
+        return int(4 * sum(sizes) * share / shards)
+    return int(2 * 4 * max(sizes, default=0) * share / shards)
 
 
 def _tp_share(stage: nn.Module, model: Model, tp: int) -> tuple[float, int]:

@@ -83,19 +83,23 @@ def layouts(net: nn.Module, *, nodes: int, gpus: int, precision: str, batch: int
                     flags = _flags(backend, options, pp, tp)
                     try:
                         cls.check_precision(spec, device_type, options)
-                        found.append(_layout(net, backend, options, pp, tp, flags,
-                                             world=world, precision=precision, batch=batch))
+                        found.append(layout(net, backend, options, pp, tp, world=world,
+                                            precision=precision, batch=batch))
                     except MptError as exc:
                         refused.append(Refused(flags=flags, reason=str(exc)))
     return found, refused
 
 
-def _layout(net: nn.Module, backend: str, options: dict[str, Any], pp: int, tp: int,
-            flags: tuple[str, ...], *, world: int, precision: str, batch: int) -> Layout:
-    """The layout of one combination; a UsageError where mpt refuses it."""
-    config = RunConfig.parse({"backend": backend, "backend_options": options,
-                              "pipeline_stages": pp, "tensor_parallel": tp,
-                              "precision": precision})
+def layout(net: nn.Module, backend: str, options: Mapping[str, Any], pp: int, tp: int, *,
+           world: int, precision: str, batch: int, microbatches: int | None = None) -> Layout:
+    """The layout of one combination (``microbatches``: `mpt launch --microbatches`, mpt's
+    default 2P where None); a UsageError where mpt refuses it."""
+    settings: dict[str, Any] = {"backend": backend, "backend_options": dict(options),
+                                "pipeline_stages": pp, "tensor_parallel": tp,
+                                "precision": precision}
+    if microbatches is not None:
+        settings["microbatches"] = microbatches
+    config = RunConfig.parse(settings)
     plan = config.layout(world)
     if pp > 1:
         stage_blocks(net, pp)
@@ -108,4 +112,5 @@ def _layout(net: nn.Module, backend: str, options: dict[str, Any], pp: int, tp: 
                          f"x {microbatches} micro-batch(es)",
                          f"pass a multiple of {plan.dp_size * microbatches}")
     return Layout(backend=backend, options=options, plan=plan, microbatches=microbatches,
-                  micro_batch=per_replica // microbatches, flags=flags)
+                  micro_batch=per_replica // microbatches,
+                  flags=_flags(backend, options, pp, tp))

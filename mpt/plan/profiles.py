@@ -11,6 +11,9 @@ peaks (dense, no sparsity), set before any comparison:
 - NVIDIA A100 SXM4 80 GB / 40 GB ("NVIDIA A100 Tensor Core GPU" datasheet, nvidia.com/a100):
   bf16/fp16 312 TFLOP/s dense, fp32 19.5 TFLOP/s, HBM2e 2.04 TB/s (80 GB) / 1.56 TB/s (40 GB),
   NVLink 3 600 GB/s per GPU (300 GB/s each way).
+- NVIDIA Tesla P100 PCIe 16 GB ("NVIDIA Tesla P100" datasheet, nvidia.com/p100): fp32 9.3
+  TFLOP/s, fp16 18.7 TFLOP/s (no bf16: bf16 takes the fp32 figure), HBM2 732 GB/s; its GPUs
+  talk over PCIe 3.0 x16: 8 GT/s x 16 lanes x 128/130 = 15.75 GB/s each way.
 - Ethernet / InfiniBand links by their line rate (1, 10, 100, 200, 400 Gbit/s, each way).
 
 A datasheet peak is never reached by a whole training step (kernel launches, memory-bound ops,
@@ -99,6 +102,7 @@ def _gpu(name: str, bf16: float, fp32: float, hbm: float, memory_gb: float, nvli
 LINKS: dict[str, Link] = {
     "nvlink4": Link(name="nvlink4", bandwidth=450 * GB),  # 900 GB/s both ways together
     "nvlink3": Link(name="nvlink3", bandwidth=300 * GB),  # 600 GB/s both ways together
+    "pcie3": Link(name="pcie3", bandwidth=15.75 * GB),  # x16, each way
     **{f"{rate}gbit": Link(name=f"{rate}gbit", bandwidth=rate * 1e9 / 8)
        for rate in (1, 10, 25, 100, 200, 400)},
 }
@@ -109,6 +113,8 @@ DEVICES: dict[str, Device] = {
     "h200": _gpu("h200", 989.0, 67.0, 4.8, 141, "nvlink4"),
     "a100-sxm-80gb": _gpu("a100-sxm-80gb", 312.0, 19.5, 2.039, 80, "nvlink3"),
     "a100-sxm-40gb": _gpu("a100-sxm-40gb", 312.0, 19.5, 1.555, 40, "nvlink3"),
+    "p100-pcie": Device(name="p100-pcie", flops={"float16": 18.7e12, "float32": 9.3e12},
+                        memory_bandwidth=0.732e12, memory=16 * GB, intra_node=LINKS["pcie3"]),
 }
 """Named devices with their datasheet figures (sources in the module docstring)."""
 

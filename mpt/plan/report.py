@@ -42,6 +42,7 @@ def _entry(p: Prediction) -> dict[str, Any]:
             "microbatches": p.layout.microbatches, "micro_batch": p.layout.micro_batch,
             "memory": {"parameters": p.memory.parameters, "gradients": p.memory.gradients,
                        "optimizer": p.memory.optimizer, "activations": p.activations,
+                       "buffers": p.buffers, "optimizer_step_temporaries": p.transient,
                        "total": p.total_memory, "capacity": p.capacity, "short": p.short},
             "step_s": p.step, "compute_s": p.compute, "exposed_comm_s": p.exposed,
             "hidden_comm_s": p.hidden, "bubble_s": p.bubble, "terms_s": dict(p.terms),
@@ -78,8 +79,8 @@ def print_tables(result: Plan, script: str, console: Console) -> None:
                             f"{p.short / GIB:.2f}")
         console.print(lacking)
     console.print(f"{len(result.refused)} other combinations are refused by mpt (--json lists "
-                  "each with its reason). Not counted in memory: communication buffers, the "
-                  "allocator's slack, the process (a few hundred MiB).")
+                  "each with its reason). Not counted in memory: the allocator's slack, the "
+                  "process (a few hundred MiB), horovod's and DeepSpeed's buffers.")
     if result.fitting:
         console.print("best: " + launch_line(result.best, cluster, script, result.batch,
                                              result.precision), markup=False)

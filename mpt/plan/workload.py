@@ -9,7 +9,10 @@ their real cost instead of their FLOPs.
 
 It runs block by block (``mpt.pipeline.split.ordered_blocks``: what a pipeline cuts between) so
 that every pipeline split the enumeration tries is priced from the same records, and records
-what crosses each cut (the block's output) and what autograd saves (``mpt.estimate``'s count).
+what crosses each cut (the block's output) and what autograd saves (``mpt.estimate``'s count,
+with the block's input marked where the previous block saves it too, so that a stage counts
+that tensor once). A fused attention kernel's causal mask halves its FLOPs, which torch's
+formulas count whole.
 Under tensor parallelism (``tensor_parallel_plan()``), the ops inside the modules the plan
 splits are marked: they divide over the tp ranks; a ``rowwise`` module's output is summed over
 them in the forward, a ``colwise`` module's input gradient in the backward (Megatron's four
@@ -29,7 +32,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from mpt.errors import UsageError
-from mpt.estimate import activation_bytes, example_input
+from mpt.estimate import example_input
 from mpt.pipeline.split import ordered_blocks
 
 FREE = {torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default}
@@ -60,7 +63,10 @@ class BlockCost:
     backward: tuple[Op, ...]
     """The backward's ops (input and weight gradients); split in the forward's proportion."""
     activations: int
-    """Bytes autograd saves for the backward (``mpt.estimate.activation_bytes``)."""
+    """Bytes autograd saves for the backward (as ``mpt.estimate.activation_bytes`` counts)."""
+    shared_input: int
+    """Bytes of the block's input that the previous block saves too (as its output: a ReLU's
+    result that the next Linear saves as its input): one tensor, where both share a stage."""
     output_bytes: int
     """Bytes of the block's output: what a pipeline sends to the next stage, and the size of
     its gradient coming back."""
@@ -82,6 +88,27 @@ class Workload:
     """Whether the model can be cut into pipeline stages (``ordered_blocks`` found blocks)."""
 
 
+FUSED_ATTENTION = {torch.ops.aten._scaled_dot_product_flash_attention,
+                   torch.ops.aten._scaled_dot_product_flash_attention_backward,
+                   torch.ops.aten._scaled_dot_product_efficient_attention,
+                   torch.ops.aten._scaled_dot_product_efficient_attention_backward,
+                   torch.ops.aten._scaled_dot_product_cudnn_attention,
+                   torch.ops.aten._scaled_dot_product_cudnn_attention_backward}
+"""Attention kernels that compute only the unmasked blocks of a causal mask (FlashAttention and
+its kin): half the scores of a long sequence."""
+
+
+def _argument(func: Any, args: Any, kwargs: dict[str, Any], name: str) -> Any:
+    """The value an op was called with for its argument ``name`` (by its schema), or its
+    default; None where the op has no such argument."""
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.name == name:
+            if name in kwargs:
+                return kwargs[name]
+            return args[index] if index < len(args) else argument.default_value
+    return None
+
+
 class _Recorder(TorchDispatchMode):
     """Records each op's FLOPs and bytes; ``split`` is set while a planned module runs."""
 
@@ -99,6 +126,9 @@ class _Recorder(TorchDispatchMode):
         packet = func.overloadpacket
         flops = float(flop_registry[packet](*args, **kwargs, out_val=out)) \
             if packet in flop_registry else 0.0
+        if packet in FUSED_ATTENTION and _argument(func, args, kwargs, "is_causal"):
+            # torch's formula counts every score; a fused kernel skips the masked half.
+            flops /= 2
         moved = sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
                     if isinstance(t, torch.Tensor))
         self.ops.append(Op(flops=flops, bytes=float(moved), split=self.split))
@@ -138,16 +168,20 @@ def profile(model: nn.Module, input_shape: Sequence[int], input_dtype: torch.dty
     plan = tp_plan_of(model)
     x = example_input([micro_batch, *input_shape], input_dtype)
     costs = []
+    kept = False  # whether the previous block saved its output
     for index, (name, block) in enumerate(blocks):
         # The data needs no gradient; every later block's input does (its backward makes it).
-        cost, x = _block_cost(model, name, block, x, plan, input_grad=index > 0)
+        cost, x, kept = _block_cost(model, name, block, x, plan, input_grad=index > 0,
+                                    previous_kept=kept)
         costs.append(cost)
     return Workload(micro_batch=micro_batch, blocks=tuple(costs), splittable=splittable)
 
 
 def _block_cost(model: nn.Module, name: str, block: nn.Module, x: torch.Tensor,
-                plan: dict[str, str], *, input_grad: bool) -> tuple[BlockCost, torch.Tensor]:
-    """One block's records, and its output (the next block's input, detached)."""
+                plan: dict[str, str], *, input_grad: bool, previous_kept: bool
+                ) -> tuple[BlockCost, torch.Tensor, bool]:
+    """One block's records, its output (the next block's input, detached), and whether the
+    block saves its output for its backward."""
     recorder = _Recorder()
     sums = {"rowwise": 0, "colwise": 0}
     handles = _mark_planned(model, block, plan, recorder, sums)
@@ -164,11 +198,33 @@ def _block_cost(model: nn.Module, name: str, block: nn.Module, x: torch.Tensor,
     finally:
         for handle in handles:
             handle.remove()
-    saved = activation_bytes(block, x)
+    saved, input_kept, output_kept = _saved(block, x)
+    size = x.numel() * x.element_size()
     cost = BlockCost(name=name, forward=forward, backward=backward, activations=saved,
+                     shared_input=size if previous_kept and input_kept else 0,
                      output_bytes=out.numel() * out.element_size(),
                      tp_forward_bytes=sums["rowwise"], tp_backward_bytes=sums["colwise"])
-    return cost, out.detach()
+    return cost, out.detach(), output_kept
+
+
+def _saved(block: nn.Module, x: torch.Tensor) -> tuple[int, bool, bool]:
+    """Bytes autograd saves in one forward of ``block`` (its weights, and views of them, are
+    not activations), and whether its input and its output are among them."""
+    parameters = {id(p) for p in block.parameters()}
+    saved: dict[int, int] = {}
+    roots: set[int] = set()  # the saved tensors, and the tensors they are views of
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        base = tensor if tensor._base is None else tensor._base
+        if id(base) not in parameters:
+            saved[id(tensor)] = tensor.numel() * tensor.element_size()
+            roots.update((id(tensor), id(base)))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = block(x)  # alive until the ids are read: they stay unique
+        found = sum(saved.values()), id(x) in roots, id(out) in roots
+    return found
 
 
 def _mark_planned(model: nn.Module, block: nn.Module, plan: dict[str, str],

@@ -1,0 +1,50 @@
+"""The per-rank peak `mpt plan` predicts, term by term, for the MLP benchmarks/plan_memory.py
+measures (docs/benchmarks.md: within 10 % of the peak RSS of 2 CPU processes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from plan_models import mlp
+
+from mpt.estimate import activation_bytes, example_input, meta_model
+from mpt.plan.cost import Prediction, predict
+from mpt.plan.layouts import layout
+from mpt.plan.network import Cluster
+from mpt.plan.planner import model_of
+from mpt.plan.profiles import Device, link_profile
+from mpt.precision import describe
+
+LARGEST = 4096 * 4096 * 4  # the MLP's largest weight, fp32
+UNIT = LARGEST + 4096 * 4  # its Linear: fsdp's largest unit
+
+
+def _predict(backend: str, batch: int, device_type: str = "cpu") -> Prediction:
+    net = meta_model(mlp)
+    host = Device(name="host", flops={"float32": 1e11}, memory_bandwidth=1e10, memory=64e9,
+                  intra_node=link_profile("10gbit"), device_type=device_type)
+    cluster = Cluster(nodes=1, gpus=2, device=host, link=link_profile("1gbit"))
+    chosen = layout(net, backend, {}, 1, 1, world=2, precision="fp32", batch=2 * batch)
+    return predict(chosen, model_of(net, [1024], torch.float32, "adam"), cluster,
+                   describe("fp32"))
+
+
+def test_ddp_adds_its_buckets_and_adams_temporaries() -> None:
+    p = _predict("ddp", 64)
+    assert p.buffers == p.memory.gradients  # the buckets: a copy of the gradients
+    assert p.transient == 2 * LARGEST  # sqrt(v) and its quotient of the largest weight
+    assert p.total_memory == p.memory.device + p.buffers + p.transient
+    assert _predict("ddp", 64, "cuda").transient == 4 * 25_175_040  # foreach: all at once
+
+
+def test_fsdp_peaks_in_the_backward_with_a_prefetched_unit() -> None:
+    p = _predict("fsdp", 64)
+    assert p.buffers == UNIT and p.released == 3 * UNIT
+    assert p.transient == LARGEST  # its shard of the largest weight, twice
+    assert p.total_memory == p.memory.device + p.buffers + p.activations
+
+
+def test_a_tensor_two_blocks_save_counts_once() -> None:
+    """A ReLU saves its result, which the next Linear saves as its input."""
+    whole = activation_bytes(meta_model(mlp), example_input([2048, 1024], torch.float32))
+    assert _predict("ddp", 2048).activations == pytest.approx(whole)
