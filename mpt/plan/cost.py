@@ -200,7 +200,7 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
     terms["pipeline sends"] = 2 * m * p2p.seconds
     held, trained = _memory(layout, model, stages, work, spec, slowest,
                             cluster.device.device_type)
-    flow = traffic(layout.backend, layout.options, plan, spec, trained)
+    flow = traffic(layout.backend, layout.options, plan, spec, trained, m)
     dp_seconds, dp_link, dp_rank, crosses = _data_parallel(flow, plan, cluster)
     window = {"backward": terms["backward"], "step": terms["forward"] + terms["backward"],
               "none": 0.0}[flow.window] * cluster.device.overlap

@@ -14,7 +14,9 @@ ring's 2(N-1)/N; DeepSpeed's default ZeRO-1 1.5x, fsdp 2x on gloo):
   stages 0-2, on for stage 3 (which then prefetches over the whole step).
 - fsdp: each unit's parameters all-gathered in the forward and, resharded after it (the
   default, not under a pipeline), again in the backward; gradients reduce-scattered; all of it
-  prefetched or overlapped over the whole step. HSDP (``--fsdp-replicate R``) does this within
+  prefetched or overlapped over the whole step. Under a pipeline that once per schedule, or,
+  with ``--fsdp-reshard-after-forward yes``, once per micro-batch (nothing is kept gathered
+  between them). HSDP (``--fsdp-replicate R``) does this within
   each shard group and then allreduces the gradient shard across the R replicas.
 """
 
@@ -66,15 +68,16 @@ def stage_of(options: Mapping[str, Any]) -> int:
 
 
 def traffic(backend: str, options: Mapping[str, Any], plan: ParallelPlan, spec: PrecisionSpec,
-            parameters: float) -> Traffic:
+            parameters: float, microbatches: int = 1) -> Traffic:
     """What ``backend`` with ``options`` sends per step in ``plan`` for a rank that holds
-    ``parameters`` parameters (its stage's, its tp share) trained in ``spec``."""
+    ``parameters`` parameters (its stage's, its tp share) trained in ``spec``, with
+    ``microbatches`` per step under a pipeline."""
     grads = parameters * spec.reduce.itemsize
     weights = parameters * spec.params.itemsize
     if backend == "deepspeed":
         return _deepspeed(stage_of(options), parameters, spec)
     if backend == "fsdp":
-        return _fsdp(options, plan, grads, weights)
+        return _fsdp(options, plan, grads, weights, microbatches)
     window: Window = "none" if plan.model_size > 1 else "backward"
     return Traffic(collectives=(Collective(kind="all_reduce", axis="dp_replicate", size=grads,
                                            what="gradients"),),
@@ -104,17 +107,22 @@ def _deepspeed(stage: int, parameters: float, spec: PrecisionSpec) -> Traffic:
                    shards_optimizer=stage > 0)
 
 
-def _fsdp(options: Mapping[str, Any], plan: ParallelPlan, grads: float, weights: float
-          ) -> Traffic:
+def _fsdp(options: Mapping[str, Any], plan: ParallelPlan, grads: float, weights: float,
+          microbatches: int) -> Traffic:
     """fully_shard: the gathers and the reduce-scatter within dp_shard, HSDP's allreduce of the
     shard across dp_replicate."""
     reshard = options.get("reshard_after_forward")
     if reshard is None:
         reshard = plan.pp == 1  # mpt's default: no under a pipeline
-    gather = Collective(kind="all_gather", axis="dp_shard", size=weights, what="parameters")
+    # A pipeline that reshards runs fsdp's gathers and reduce-scatter for every micro-batch.
+    times = microbatches if plan.pp > 1 and reshard else 1
+    gather = Collective(kind="all_gather", axis="dp_shard", size=weights * times,
+                        what="parameters")
     found = [gather, *([gather] if reshard else []),
-             Collective(kind="reduce_scatter", axis="dp_shard", size=grads, what="gradients")]
+             Collective(kind="reduce_scatter", axis="dp_shard", size=grads * times,
+                        what="gradients")]
     if plan.dp_replicate > 1:
         found.append(Collective(kind="all_reduce", axis="dp_replicate",
-                                size=grads / plan.dp_shard, what="gradient shard"))
+                                size=grads / plan.dp_shard * times,
+                                what="gradient shard"))
     return Traffic(collectives=tuple(found), window="step", shards_optimizer=True)

@@ -13,6 +13,8 @@ from mpt.parallel import ParallelPlan
 from mpt.plan.network import Cluster, collective
 from mpt.plan.planner import plan
 from mpt.plan.profiles import device_profile, link_profile
+from mpt.plan.traffic import traffic
+from mpt.precision import describe
 
 GRADIENTS = 25_175_040 * 4  # the MLP's fp32 gradients, 100.7 MB
 
@@ -73,3 +75,19 @@ def test_unknown_profiles_list_the_known() -> None:
     with pytest.raises(UsageError, match="400gbit"):
         link_profile("carrier-pigeon")
     assert link_profile("25gbit").bandwidth == pytest.approx(25e9 / 8)
+
+
+def test_a_pipeline_that_reshards_sends_fsdps_collectives_per_micro_batch() -> None:
+    """Under a pipeline fsdp gathers and reduce-scatters once per schedule, or, resharding
+    (--fsdp-reshard-after-forward yes), in every micro-batch: M x the reduce-scatter and two
+    all-gathers instead of one."""
+    spec = describe("fp32")
+    layout = ParallelPlan(pp=2, dp_shard=2)
+    kept = traffic("fsdp", {}, layout, spec, 1e6, microbatches=4)
+    resharded = traffic("fsdp", {"reshard_after_forward": True}, layout, spec, 1e6,
+                        microbatches=4)
+    assert [c.kind for c in kept.collectives] == ["all_gather", "reduce_scatter"]
+    assert [c.kind for c in resharded.collectives] == ["all_gather", "all_gather",
+                                                        "reduce_scatter"]
+    assert [c.size for c in resharded.collectives] == [16e6, 16e6, 16e6]
+    assert [c.size for c in kept.collectives] == [4e6, 4e6]
