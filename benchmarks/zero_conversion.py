@@ -34,12 +34,14 @@ Memory: a sampler reads VmRSS, RssAnon and RssFile from /proc/PID/status of the 
 every descendant (re-listed every 100 ms) every 10 ms and keeps the peak of their sums; the
 subprocess's own ``ru_maxrss`` (``os.wait4``: its peak RSS, exact, kernel-kept; the largest
 of it and its waited-for children) is printed beside it. RSS counts the pages of memory-mapped
-checkpoint files a tool has touched (RssFile) as well as its own allocations (RssAnon); both
-tools map the rank files (``torch.load(mmap=True)``). Before each measured run the tag folder is
-read once (untimed) so both tools find it in the page cache, the previous output is deleted, and
-the run waits (up to ``--wait`` s) for the 1-minute load average to fall below ``--max-load``;
-a run that had to start above it is marked. Wall time is the subprocess's start to its exit
-(interpreter start and imports included); CPU time is its user + system time.
+checkpoint files a tool has touched (RssFile) as well as its own allocations (RssAnon):
+DeepSpeed maps the rank files whole (``torch.load(mmap=True)``); mpt reads only their pickled
+structure and maps each piece it copies (8 MiB) until it is written and hashed. Before each
+measured run the tag folder is read once (untimed) so both tools find it in the page cache, the
+previous output is deleted, and the run waits (up to ``--wait`` s) for the 1-minute load
+average to fall below ``--max-load``; a run that had to start above it is marked. Wall time
+is the subprocess's start to its exit (interpreter start and imports included); CPU time is its
+user + system time.
 
 Prints per tool the median (and each round's) peak RSS, wall and CPU time, and the ratios
 mpt/deepspeed and mpt-weights/deepspeed against issue 35's goal (peak RSS <= 0.5 x, time <=

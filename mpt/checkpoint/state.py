@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 import torch
 
@@ -221,9 +221,11 @@ def manifest_fields(parts: TrainingState, *, step: int, epoch: int | None,
 
 def write_directory(root: io.Location, staging: str, final: str,
                     blobs: dict[str, bytes | dict[str, torch.Tensor]], *,
-                    manifest: dict[str, Any], keep: int | None = None) -> None:
-    """Write ``blobs`` (bytes, or tensors for a safetensors file) and the manifest into
-    ``root/staging``, commit it as ``final``, prune.
+                    manifest: dict[str, Any], keep: int | None = None,
+                    tensors: Callable[[BinaryIO, dict[str, torch.Tensor]], FileEntry]
+                    = tensorfile.write) -> None:
+    """Write ``blobs`` (bytes, or tensors for a safetensors file, written by ``tensors``) and
+    the manifest into ``root/staging``, commit it as ``final``, prune.
 
     ``manifest``: the Manifest's fields but the version, time and file list, filled in here.
     Shards other ranks already wrote under ``staging/sharded`` are listed too.
@@ -235,7 +237,7 @@ def write_directory(root: io.Location, staging: str, final: str,
             target.write(name, data)
             return entry_for(data)
         with target.open_write(name) as f:
-            return tensorfile.write(f, data)
+            return tensors(f, data)
 
     # The files are written at once, as they are read (see load_checkpoint): each is hashed
     # while written, and one file's hashing and fsync need not wait for the other's.

@@ -5,20 +5,37 @@ Every reader (DeepSpeed, torch.distributed.checkpoint, a torch.save file) return
 checkpoints hold (``mpt.state.named``), the LR scheduler's state, the loss scale, the step and
 epoch, and what the format does not hold. ``write`` commits it as an mpt checkpoint that
 ``rt.load``/``--resume`` restore under any backend and world size.
+
+A reader may leave large tensors in the source's files (``OnDisk``: where their bytes lie):
+``write`` streams each safetensors file, header first, then every tensor's bytes in key order,
+a source's ranges copied a bounded piece at a time through short-lived read-only mappings, so
+that what a conversion holds does not grow with the model (ZeRO's files, ``zero``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import mmap
 import os
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Any
+from queue import Queue
+from typing import Any, BinaryIO, cast
 
 import torch
 
-from mpt.checkpoint import io
+from mpt.checkpoint import io, tensorfile
 from mpt.checkpoint.encode import encode
-from mpt.checkpoint.format import CONVERTED, MODEL_FILE, STATE_JSON, STATE_TENSORS
+from mpt.checkpoint.format import (
+    CONVERTED,
+    MODEL_FILE,
+    STATE_JSON,
+    STATE_TENSORS,
+    FileEntry,
+)
 from mpt.checkpoint.state import write_directory
 from mpt.precision import LossScaleState
 
@@ -29,6 +46,44 @@ SCHEDULER = "scheduler"
 """The name ``rt.load(..., scheduler=sched)`` gives a single LR scheduler."""
 NEVER_HELD = ("the data loader's position", "the RNG states")
 """What none of the imported formats holds in a form mpt can restore."""
+Range = tuple[str, int, int]
+"""A file, a byte offset in it and a byte count."""
+_PIECE = 8 << 20
+"""Bytes per mapping, write() and hash update (as ``tensorfile`` writes)."""
+_DROP = 64 << 20
+"""Bytes written between two ``POSIX_FADV_DONTNEED`` of what the file holds so far: the first
+starts writing a range back to disk, a later one drops its pages, once clean, from the page
+cache, so the next pieces reuse those pages. Taking ever more fresh pages (4 GiB of them for a
+350 M-parameter state) cost most of a conversion's system time in a virtual machine."""
+_AHEAD = 4
+"""Pieces written but not yet hashed, at most, per file: with the one being written and the
+one being hashed, what a file's writing holds of its sources."""
+
+
+class OnDisk(torch.Tensor):
+    """A tensor whose elements, in order, are the bytes of ``ranges`` (pieces of other files,
+    e.g. every ZeRO rank's share of one parameter). It is a meta tensor (shape and dtype, no
+    data), so every check of shapes and every step that only names tensors (``encode``, a
+    safetensors header) takes it as it is; ``write`` copies its bytes from those files. Any
+    other use of its values fails, as a meta tensor's does, rather than read them silently."""
+
+    ranges: tuple[Range, ...]
+    __torch_function__ = torch._C._disabled_torch_function_impl  # ops give plain meta tensors
+
+    @staticmethod
+    def of(shape: torch.Size, dtype: torch.dtype, ranges: Sequence[Range]) -> OnDisk:
+        """The tensor of ``shape`` and ``dtype`` whose bytes are ``ranges``, which must add up
+        to its size."""
+        tensor = cast(OnDisk, torch.Tensor._make_subclass(
+            OnDisk, torch.empty(shape, dtype=dtype, device="meta")))
+        if sum(n for _, _, n in ranges) != tensor.numel() * dtype.itemsize:
+            raise ValueError(f"{len(ranges)} ranges do not make a {dtype} tensor of {shape}")
+        tensor.ranges = tuple(ranges)
+        return tensor
+
+    def detach(self) -> OnDisk:  # type: ignore[override]
+        """Itself: ``encode`` keeps a tensor's ``detach()``, and this has nothing to detach."""
+        return self
 
 
 @dataclass(kw_only=True)
@@ -122,9 +177,98 @@ def write(imported: Imported, dst: str | os.PathLike[str], *, step: int,
     root.makedirs()
     final = io.step_dir_name(step)
     staging = io.staging_name(step) if root.local else final
-    write_directory(root, staging, final, blobs, manifest=dict(
+    write_directory(root, staging, final, blobs, tensors=_stream, manifest=dict(
         backend=CONVERTED, world_size=imported.world_size, step=step, epoch=imported.epoch,
         sharded=False, precision=imported.precision,
         loss_scale=1.0 if imported.loss_scale is None else imported.loss_scale.scale,
         parameters=sum(t.numel() for t in imported.weights.values())))
     return root.child(final).url
+
+
+def _stream(f: BinaryIO, tensors: dict[str, torch.Tensor]) -> FileEntry:
+    """Write ``tensors`` to ``f`` as ``tensorfile.write`` does (the same safetensors bytes),
+    an ``OnDisk`` tensor's bytes copied from its files; return the size and sha256. A second
+    thread hashes each piece once it is written, up to ``_AHEAD`` pieces behind."""
+    ordered = {name: t if isinstance(t, OnDisk) else t.detach().to("cpu").contiguous()
+               for name, t in sorted(tensors.items())}
+    sha = hashlib.sha256()
+    written: Queue[_Piece | None] = Queue(maxsize=_AHEAD)
+
+    def hash_all() -> None:
+        while (piece := written.get()) is not None:
+            sha.update(piece.view)
+            piece.close()
+
+    size = dropped = 0
+    fd = _fileno(f)
+    hasher = threading.Thread(target=hash_all)
+    hasher.start()
+    try:
+        with ExitStack() as files:
+            for piece in _pieces(ordered, files):
+                f.write(piece.view)
+                size += len(piece.view)
+                written.put(piece)
+                if fd is not None and size - dropped >= _DROP:
+                    f.flush()
+                    os.posix_fadvise(fd, 0, size, os.POSIX_FADV_DONTNEED)
+                    dropped = size
+    finally:
+        written.put(None)
+        hasher.join()
+    return FileEntry(sha256=sha.hexdigest(), bytes=size)
+
+
+def _fileno(f: BinaryIO) -> int | None:
+    """The descriptor of a local file, for ``posix_fadvise``; None for a remote one."""
+    try:
+        return f.fileno()
+    except (OSError, AttributeError, ValueError):  # io.UnsupportedOperation is an OSError
+        return None
+
+
+class _Piece:
+    """Bytes to write and hash: a tensor's memory, or a read-only mapping of a source's range,
+    unmapped once hashed so that its pages leave the process's memory."""
+
+    def __init__(self, view: memoryview, mapping: mmap.mmap | None = None, *,
+                 whole: memoryview | None = None) -> None:
+        self.view = view
+        self.mapping = mapping
+        self.whole = whole
+        """The view of the whole mapping ``view`` is cut from: released too before unmapping."""
+
+    def close(self) -> None:
+        self.view.release()
+        if self.whole is not None:
+            self.whole.release()
+        if self.mapping is not None:
+            self.mapping.close()
+
+
+def _pieces(ordered: dict[str, torch.Tensor], files: ExitStack) -> Iterator[_Piece]:
+    """The safetensors file of ``ordered`` (CPU or ``OnDisk`` tensors, in key order), piece
+    by piece; the sources' files are opened once, on ``files``."""
+    yield _Piece(memoryview(tensorfile.header(ordered)))
+    opened: dict[str, int] = {}
+    for tensor in ordered.values():
+        if not isinstance(tensor, OnDisk):
+            raw = tensorfile.raw_bytes(tensor)
+            for at in range(0, len(raw), _PIECE):
+                yield _Piece(raw[at:at + _PIECE])
+            continue
+        for path, offset, count in tensor.ranges:
+            if path not in opened:
+                opened[path] = files.enter_context(open(path, "rb")).fileno()  # noqa: SIM115
+            for at in range(offset, offset + count, _PIECE):
+                yield _mapped(opened[path], at, min(_PIECE, offset + count - at))
+
+
+def _mapped(fd: int, offset: int, count: int) -> _Piece:
+    """``count`` bytes of the file ``fd`` from ``offset``, mapped read-only (its pages, in the
+    page cache already after a save, are shared, not copied)."""
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    mapping = mmap.mmap(fd, offset + count - start, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                        prot=mmap.PROT_READ, offset=start)
+    whole = memoryview(mapping)
+    return _Piece(whole[offset - start:], mapping, whole=whole)
