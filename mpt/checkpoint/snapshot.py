@@ -27,8 +27,9 @@ After a restart (a lost node, a node that joined), ``rt.resume`` asks every rank
 its node's store holds intact. The newest step of which the survivors hold every piece, where
 it is newer than the newest checkpoint on disk, is restored: each rank of the new run works out
 which boxes overlap the parts it holds (its new shards, at any world size and under any backend)
-and their holders send just those, one box at a time. Otherwise the disk checkpoint is loaded.
-With one node there is no peer: the snapshot outlives worker restarts only.
+and their holders read and send just the overlapping parts, one at a time. Otherwise the disk
+checkpoint is loaded. With one node there is no peer: the snapshot outlives worker restarts
+only.
 """
 
 from __future__ import annotations
@@ -153,9 +154,25 @@ class Piece:
             crc = zlib.crc32(os.pread(self.fd, min(CHUNK, self.data_bytes - start), start), crc)
         return crc == self.header["crc32"]
 
-    def read(self, box: Box) -> torch.Tensor:
+    def read(self, box: Box, part: Box | None = None) -> torch.Tensor:
+        """The stored ``box``'s tensor, or only ``part`` of it: read alone where it is whole
+        rows (every dim but the first whole, as fsdp's and ZeRO's pieces are), else cut from
+        the box."""
         offset, n = self.boxes[box.key]
-        data = torch.empty(box.sizes, dtype=box.torch_dtype)
+        part = box if part is None else part
+        rows = box.sizes[0] if box.sizes else 1
+        if rows and part.sizes[1:] == box.sizes[1:]:
+            first = part.offsets[0] - box.offsets[0] if box.sizes else 0
+            return self._bytes(offset + first * (n // rows), n // rows * (
+                part.sizes[0] if box.sizes else 1), part)
+        data = self._bytes(offset, n, box)
+        for dim, (at, size) in enumerate(zip(part.offsets, part.sizes, strict=True)):
+            data = data.narrow(dim, at - box.offsets[dim], size)
+        return data.contiguous()
+
+    def _bytes(self, offset: int, n: int, shape: Box) -> torch.Tensor:
+        """``n`` bytes from ``offset``, as a tensor of ``shape``'s sizes and dtype."""
+        data = torch.empty(shape.sizes, dtype=shape.torch_dtype)
         raw, done = raw_bytes(data), 0
         while done < n:
             got = os.preadv(self.fd, [raw[done:n]], offset + done)
@@ -402,9 +419,9 @@ class PeerSnapshots:
                                          if index in w):
                     part = Box(box.key, box.dtype, box.shape, tuple(b for b, _ in spans),
                                tuple(e - b for b, e in spans))
-                    moved = _move(box, part, holders[old], requester, rank,
-                                  functools.partial(_read, piece, old, box), targets[box.key],
-                                  group)
+                    moved = _move(part, holders[old], requester, rank,
+                                  functools.partial(_read, piece, old, box, part),
+                                  targets[box.key], group)
                     if moved:
                         self.moved[moved] += part.nbytes
         finally:
@@ -451,26 +468,24 @@ def _target(box: Box, reads: Reads, rank: int) -> Target | None:
     return Target.of(None, box)
 
 
-def _read(piece: Callable[[int], Piece], old: int, box: Box) -> torch.Tensor:
-    return piece(old).read(box)
+def _read(piece: Callable[[int], Piece], old: int, box: Box, part: Box) -> torch.Tensor:
+    return piece(old).read(box, part)
 
 
-def _move(box: Box, part: Box, sender: int, requester: int, rank: int,
+def _move(part: Box, sender: int, requester: int, rank: int,
           read: Callable[[], torch.Tensor], target: Target | None,
           group: dist.ProcessGroup | None) -> str | None:
-    """This rank's part in moving ``part`` of the stored ``box`` from ``sender`` to
-    ``requester`` (all ranks walk the same moves in the same order, so each send meets its
-    receive). Returns how the requester got it (``read`` from its own store, or
-    ``received``), None on any other rank."""
+    """This rank's part in moving ``part`` of a stored box from ``sender`` to ``requester``
+    (all ranks walk the same moves in the same order, so each send meets its receive).
+    Returns how the requester got it (``read`` from its own store, or ``received``), None on
+    any other rank."""
     if rank == sender:
         data = read()
         if requester == rank:
             assert target is not None
-            target.fill(box, data)
+            target.fill(part, data)
             return "read"
-        for dim, (at, size) in enumerate(zip(part.offsets, part.sizes, strict=True)):
-            data = data.narrow(dim, at - box.offsets[dim], size)
-        dist.send(data.contiguous(), requester, group=group)
+        dist.send(data, requester, group=group)
     elif rank == requester:
         assert target is not None
         data = torch.empty(part.sizes, dtype=part.torch_dtype)

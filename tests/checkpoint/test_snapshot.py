@@ -37,7 +37,7 @@ from torch import nn
 
 import mpt
 from mpt.checkpoint.boxes import Box, Target, assign
-from mpt.checkpoint.snapshot import Piece
+from mpt.checkpoint.snapshot import Piece, write_piece
 from mpt.errors import UsageError
 from mpt.state.flat import FlatPiece
 
@@ -234,6 +234,24 @@ def test_boxes_are_kept_once_and_evenly_and_refill_any_other_cut():
         if ranged.overlap(box) is not None:
             ranged.fill(box, whole[box.offsets[0]:box.offsets[0] + box.sizes[0]])
     assert torch.equal(flat.flat, whole.reshape(-1)[10:30])
+
+
+def test_a_piece_reads_only_the_part_of_a_box_a_rank_needs(tmp_path):
+    whole = torch.arange(48.0).reshape(8, 6)
+    box = Box("w", "float32", (10, 6), (2, 0), (8, 6))  # rows 2 to 9 of a 10 x 6 tensor
+    scalar = Box("step", "float32", (), (), ())
+    path = str(tmp_path / "piece")
+    write_piece(path, [(box, whole), (scalar, torch.tensor(7.0))], {"step": 1})
+    piece = Piece(path)
+    try:
+        rows = Box("w", "float32", (10, 6), (4, 0), (3, 6))  # whole rows: read alone
+        block = Box("w", "float32", (10, 6), (5, 1), (2, 3))  # columns too: cut from the box
+        assert torch.equal(piece.read(box, rows), whole[2:5])
+        assert torch.equal(piece.read(box, block), whole[3:5, 1:4])
+        assert torch.equal(piece.read(box), whole)
+        assert piece.read(scalar, scalar).item() == 7.0
+    finally:
+        piece.close()
 
 
 def test_snapshots_need_a_store_and_a_backend_that_can_copy_them(run_cli, tmp_path):

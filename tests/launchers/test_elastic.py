@@ -424,33 +424,35 @@ def shrink(tmp_path: Path, backend: str) -> None:
     assert codes == [0, 0], output[-6000:]
     job.assert_no_process_left()
 
-    check_shrunk(tmp_path, job, backend, killed_at, output, "")
+    check_shrunk(tmp_path, job.out, job.run_dir, backend, killed_at, output, "")
 
 
-def check_shrunk(tmp_path: Path, job: Job, backend: str, killed_at: float, output: str,
-                 how: str) -> int:
-    """What every shrink from 3 to 2 processes must show; returns the restored step."""
-    curve = job.curve()
-    assert curve[-1][:2] == (STEPS, 2), "the job did not finish at 2 processes"
-    before = [step for step, world, _, t in curve if world == 3 and t <= killed_at]
-    restored = int((job.out / "resumed.txt").read_text().splitlines()[-1].split()[2])
+def check_shrunk(tmp_path: Path, out: Path, run_dir: Path, backend: str, killed_at: float,
+                 output: str, how: str, worlds: tuple[int, int] = (3, 2)) -> int:
+    """What every shrink from ``worlds[0]`` to ``worlds[1]`` processes must show (``out``, the
+    worker's records; ``run_dir``, the launches'); returns the restored step."""
+    old, new = worlds
+    curve = read_curve(out)
+    assert curve[-1][:2] == (STEPS, new), f"the job did not finish at {new} processes"
+    before = [step for step, world, _, t in curve if world == old and t <= killed_at]
+    restored = int((out / "resumed.txt").read_text().splitlines()[-1].split()[2])
     assert 0 < restored <= max(before)
     assert max(before) - restored <= 1, "more steps redone than the interval (1)"
-    assert f"resized from 3 to 2 process(es) at step {restored}" in output
-    records = [json.loads(line) for line in (job.run_dir / "metrics.jsonl").read_text()
+    assert f"resized from {old} to {new} process(es) at step {restored}" in output
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text()
                .splitlines()]
-    assert any(r.get("resize_world") == 2 and r.get("resize_from") == 3 for r in records)
+    assert any(r.get("resize_world") == new and r.get("resize_from") == old for r in records)
 
-    assert_every_sample_once_per_epoch(job.out)
-    reference = reference_curve(tmp_path / "reference", backend, ((3, restored), (2, 0)))
+    assert_every_sample_once_per_epoch(out)
+    reference = reference_curve(tmp_path / "reference", backend, ((old, restored), (new, 0)))
     got = last_values(curve)
     assert sorted(got) == sorted(reference) == list(range(1, STEPS + 1))
     worst = max(abs(got[s] - reference[s]) for s in got)
     assert worst <= 1e-5, {s: (got[s], reference[s]) for s in got}
 
-    first_after = min(t for step, world, _, t in curve if world == 2 and t > killed_at)
-    print(f"\nelastic shrink{how} ({backend}): 3 -> 2 nodes, kill to next completed step "
-          f"{first_after - killed_at:.1f} s; steps redone {max(before) - restored}; worst "
+    first_after = min(t for step, world, _, t in curve if world == new and t > killed_at)
+    print(f"\nelastic shrink{how} ({backend}): {old} -> {new} nodes, kill to next completed "
+          f"step {first_after - killed_at:.1f} s; steps redone {max(before) - restored}; worst "
           f"loss difference {worst:.1e}")
     return restored
 
@@ -480,7 +482,7 @@ def snapshot_shrink(tmp_path: Path, backend: str) -> None:
     assert codes == [0, 0], output[-6000:]
     job.assert_no_process_left()
 
-    restored = check_shrunk(tmp_path, job, backend, killed_at, output,
+    restored = check_shrunk(tmp_path, job.out, job.run_dir, backend, killed_at, output,
                             " from snapshots, rank 0's node lost")
     assert f"resumed from memory://mpt-snapshot/step-{restored:09d}" in output
     assert not any(path.name.startswith("step-") and path.name != "step-000000010"
