@@ -12,17 +12,23 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mpt.backends import Backend, Topology, checked_precision, get_backend
 from mpt.environments import World, detect_world, device_name
 from mpt.environments.host_memory import apply_host_memory
-from mpt.pipeline.backend import PipelineBackend
+from mpt.pipeline.stages import Stages
+from mpt.pipeline.state import StagedState
+from mpt.pipeline.step import PipelineStep
 from mpt.precision import LossScaleConfig, Precision
 from mpt.run_config import RunConfig
 from mpt.scaling import BatchPlan, lr_factor, plan_batch
+from mpt.step import TrainStep
+
+if TYPE_CHECKING:
+    from mpt.checkpoint.state import StateHolder
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -46,8 +52,24 @@ class Connection:
     """Per-rank micro-batch size to build the DataLoader with (None: the script decides)."""
     precision: Precision
     backend: Backend
+    """Joins the processes and keeps the replicas equal: the whole job's, or, under a
+    pipeline, each stage's over its replicas."""
+    stages: Stages | None = None
+    """This rank's pipeline stage of the model (None: no pipeline)."""
     host_memory_note: str | None = None
     """Why ``--host-memory`` had no effect in this process (None: it took effect)."""
+
+    @property
+    def state(self) -> StateHolder:
+        """What checkpoints save and restore the training state through."""
+        return self.backend if self.stages is None else StagedState(self.stages)
+
+    def make_step(self, **parts: Any) -> TrainStep:
+        """What runs ``rt.backward``/``rt.forward_backward``/``rt.clip_grad_norm_``/``rt.step``
+        (``parts``: ``TrainStep``'s arguments): a pipeline's schedule where there is one."""
+        if self.stages is None:
+            return TrainStep(backend=self.backend, **parts)
+        return PipelineStep(backend=self.backend, stages=self.stages, **parts)
 
     def notes(self) -> list[str]:
         """What rank 0 says of the run at start: how the batch splits, how rates scale, a
@@ -102,9 +124,8 @@ def connect(env: Mapping[str, str], config: RunConfig | None = None, *,
                                                                      or 1800.0),
                             options=config.backend_options, comm=config.grad_comm,
                             layout=layout)
-    if pipeline is not None:
-        backend = PipelineBackend(backend, pipeline, topology)
     return Connection(config=config, world=world, device=device, topology=topology,
                       batch_plan=plan, accumulate=accumulate,
-                      batch_size=batch_size, precision=precision,
-                      backend=backend, host_memory_note=host_memory_note)
+                      batch_size=batch_size, precision=precision, backend=backend,
+                      stages=None if pipeline is None else Stages(backend, pipeline, topology),
+                      host_memory_note=host_memory_note)

@@ -68,7 +68,7 @@ class Runtime(contextlib.AbstractContextManager["Runtime"]):
                                 device=self.device, seed=seed, batch_plan=self.batch_plan)
         self.monitor = Monitor.for_run(run)
         """Progress bar and metrics files, fed by backward, clip_grad_norm_ and step."""
-        self._step: TrainStep = self.backend.make_step(
+        self._step: TrainStep = run.make_step(
             pairs=self.pairs, accumulate=self.accumulate, monitor=self.monitor,
             mark=self._faults.mark, on_iteration=self._on_iteration)
         self._checkpoints = CheckpointSession.for_run(
@@ -115,8 +115,7 @@ class Runtime(contextlib.AbstractContextManager["Runtime"]):
         return self._step.global_step
 
     def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on rank 0 only."""
-        if self.is_global_zero:
+        if self.is_global_zero:  # rank 0 only
             print(*args, **kwargs, flush=True)
 
     # -- setup --------------------------------------------------------------------------------
@@ -140,8 +139,7 @@ class Runtime(contextlib.AbstractContextManager["Runtime"]):
         pair = self._step.add(self.pairs.check_new(name, model, optimizer), model, optimizer)
         return pair.model if pair.optimizer is None else (pair.model, pair.optimizer)
 
-    def scale_lr(self, lr: float) -> float:
-        """``lr`` scaled by the run's rule in the data-parallel size (unchanged without one)."""
+    def scale_lr(self, lr: float) -> float:  # by the run's rule in the data-parallel size
         return lr * lr_factor(self.config.lr_scaling, self.topology.dp_size)
 
     def setup_dataloader(self, loader: DataLoader[Any], name: str | None = None
@@ -158,8 +156,7 @@ class Runtime(contextlib.AbstractContextManager["Runtime"]):
     # -- the step -----------------------------------------------------------------------------
     def autocast(self) -> Any:
         """Context for forward pass and loss, in the run's precision. Optional: the models
-        ``setup`` returns autocast their forwards by themselves (their low-precision outputs
-        leave in fp32); inside this context they add nothing and return autocast's dtypes."""
+        ``setup`` returns autocast their forwards by themselves (outputs leave in fp32)."""
         return self.precision.autocast()
 
     @property
@@ -177,9 +174,8 @@ class Runtime(contextlib.AbstractContextManager["Runtime"]):
                          loss_fn: Callable[[Any, Any], torch.Tensor], *,
                          model: nn.Module | None = None) -> torch.Tensor:
         """Forward ``inputs`` through the model (the only one set up with an optimizer, or
-        ``model``), ``loss_fn(output, target)`` and its backward; return the loss (detached) on
-        every rank. Under ``--pipeline-stages`` the schedule runs it over the stages, so a script
-        written with it trains with and without a pipeline. Call ``rt.step()`` after it."""
+        ``model``), ``loss_fn(output, target)`` and its backward; the loss (detached) on every
+        rank. A pipeline's schedule runs it over the stages. Call ``rt.step()`` after it."""
         return self._step.forward_backward(model, inputs, target, loss_fn)
 
     def evaluate(self, inputs: Any, target: Any = None,
@@ -191,9 +187,8 @@ class Runtime(contextlib.AbstractContextManager["Runtime"]):
 
     def backward(self, loss: torch.Tensor, *, model: nn.Module | None = None) -> None:
         """Backward of one micro-batch's loss, scaled for precision and divided for
-        accumulation; gradients go wherever autograd takes them. ``model``: the one whose
-        optimizer this loss trains, for backends with one engine per model (default: the
-        engine of the next ``rt.step``/``rt.clip_grad_norm_``)."""
+        accumulation. ``model``: the one whose optimizer this loss trains, for backends with
+        one engine per model (default: the next ``rt.step``'s)."""
         self._step.backward(loss, model)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
@@ -204,12 +199,11 @@ class Runtime(contextlib.AbstractContextManager["Runtime"]):
         return self._step.clip_grad_norm_(pair, max_norm, norm_type)
 
     def step(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
-        """Step ``optimizer`` (the only one by default) once every ``accumulate`` calls (call
-        it once per micro-batch), then zero its gradients. True when its parameters changed;
-        False while accumulating or when fp16 gradients overflowed (skipped on every rank).
-        An iteration ends when every optimizer stepped: the shared loss scale is updated once,
-        ``global_step`` counts one, and a preempted job saves and exits there (code
-        ``REQUEUE_EXIT_CODE``) on every rank."""
+        """Step ``optimizer`` (the only one by default) once every ``accumulate`` calls (one
+        per micro-batch), then zero its gradients; True when its parameters changed (not
+        while accumulating or when fp16 gradients overflowed). An iteration ends when every
+        optimizer stepped: the loss scale is updated once, ``global_step`` counts one, and a
+        preempted job saves and exits (``REQUEUE_EXIT_CODE``) on every rank."""
         return self._step.step(self.pairs.of_optimizer(optimizer, "step"))
 
     def _on_iteration(self) -> None:
@@ -220,13 +214,13 @@ class Runtime(contextlib.AbstractContextManager["Runtime"]):
             save=None if self.checkpoint_dir is None else lambda: self.save(async_save=False))
 
     def progress(self, total: int | None = None, *, samples_per_step: int | None = None) -> None:
-        """Tell the progress bar the run's optimizer steps (for its ETA) and, where the loader
-        did not come through ``setup_dataloader``, the samples per step over all ranks."""
+        """Tell the progress bar the run's optimizer steps (its ETA) and, for a loader not set
+        up by ``setup_dataloader``, the samples per step."""
         self.monitor.set_total(total, samples_per_step)
 
     def log(self, **metrics: float | torch.Tensor) -> None:
-        """Record the script's own figures (``val_acc=0.97``) at the current step, where the
-        run's metrics are; a tensor is read here, which waits for the device."""
+        """Record the script's own figures (``val_acc=0.97``) at the current step, beside the
+        run's metrics (a tensor is read here: a wait for the device)."""
         self.monitor.log(metrics)
 
     # -- collectives --------------------------------------------------------------------------
@@ -244,24 +238,30 @@ class Runtime(contextlib.AbstractContextManager["Runtime"]):
              epoch: int | None = None, scheduler: Schedulers = None,
              keep: int | None = None, sharded: bool | None = None,
              async_save: bool | None = None, **extra: Any) -> str:
-        """Checkpoint the run atomically into ``path/step-<step>/`` (``path``: default
-        ``checkpoint_dir``, or an fsspec URL) and point ``path/latest`` at it; every rank calls
-        it. Returns the directory's URL; docs/checkpoints.md says what is kept. ``step``:
-        default ``global_step``. ``scheduler``: one, or a dict by name (default: the last one
-        given). ``keep``: delete all but the newest ``keep``. ``sharded``: per-rank shards
-        through torch.distributed.checkpoint (default: past 2 GiB). ``async_save`` (default:
-        the run's): return once the state is in host memory; a thread writes and commits it,
-        and the next ``save``/``load``/``close`` wait for it. ``extra``: JSON-able values
-        (``model=``/``optimizer=`` may name what ``setup`` returned: saved anyway)."""
+        """Checkpoint the run atomically into ``path/step-<step>/`` (default root
+        ``checkpoint_dir``; an fsspec URL too), point ``path/latest`` at it and return its URL;
+        every rank calls it (docs/checkpoints.md). ``step``: default ``global_step``.
+        ``scheduler``: one, or a dict by name (default: the last given). ``keep``: keep the
+        newest ``keep`` only. ``sharded``: per-rank pieces (default: past 2 GiB).
+        ``async_save``: return once the state is in host memory (a thread writes it; the next
+        save, load or close waits). ``extra``: JSON-able values (``model=``/``optimizer=`` may
+        name what ``setup`` returned: saved anyway)."""
         with self._faults.phase("checkpoint"):
             return self._checkpoints.save(
                 path, step=self.global_step if step is None else step, epoch=epoch,
                 scheduler=scheduler, keep=keep, sharded=sharded, async_save=async_save,
                 extra=extra)
 
+    def model_state_dict(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """The whole weights of ``model`` (default: the one with an optimizer) under its own
+        names on every rank, from whichever stages or shards hold them (collective)."""
+        pair = self._step.pair_of(model, "model_state_dict")
+        with self._faults.phase("collective"):
+            return self._checkpoints.backend.model_state_dict(pair.model)
+
     def wait_for_save(self) -> None:
-        """Block until every rank's asynchronous save is committed (collective; a no-op when
-        none was made since the last wait); raise the error of one that failed."""
+        """Block until every rank's asynchronous save is committed (collective); raise the
+        error of one that failed."""
         self._checkpoints.wait()
 
     def load(self, path: str | os.PathLike[str], *,

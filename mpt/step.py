@@ -2,8 +2,8 @@
 scale's timing across several optimizers.
 
 What a script calls ``rt.backward``/``rt.clip_grad_norm_``/``rt.step`` for lands here. It knows
-nothing of the backend beyond its interface; a backend whose step is of another shape (a pipeline
-that runs forward and backward itself) supplies a subclass through ``Backend.make_step``.
+nothing of the backend beyond its interface; a step of another shape (a pipeline's, whose schedule
+runs forward and backward itself) is a subclass (``mpt.pipeline.step``), chosen by the connector.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ class TrainStep:
         """Place and wrap ``model`` and ``optimizer`` for the backend and the precision (see
         ``Runtime.setup``) and count the pair's micro-batches from here."""
         precision = self.backend.precision
-        placed = precision.convert_module(self.backend.place(model, optimizer))
-        wrapped, wrapped_optimizer = self.backend.setup(placed, optimizer)
+        placed = precision.convert_module(self.place(model, optimizer))
+        wrapped, wrapped_optimizer = self.wrap(placed, optimizer)
         precision.autocast_forward(wrapped)  # no rt.autocast() needed in the script
         pair = self.pairs.add(Pair(name=name, model=wrapped, optimizer=wrapped_optimizer),
                               model, optimizer)
@@ -59,6 +59,15 @@ class TrainStep:
             precision.setup_optimizer(wrapped, wrapped_optimizer)
             self.sync_for_next_micro_batch(pair)
         return pair
+
+    def place(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> nn.Module:
+        """``model`` on this rank's device (``Backend.place``)."""
+        return self.backend.place(model, optimizer)
+
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+             ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        """``model`` and ``optimizer`` as the backend trains them (``Backend.setup``)."""
+        return self.backend.setup(model, optimizer)
 
     def resume_at(self, step: int) -> None:
         """Count on from a loaded checkpoint's ``step``: iterations, metrics and progress, and
@@ -119,9 +128,14 @@ class TrainStep:
             return None
         assert pair.optimizer is not None
         self.mark("step")  # the norm is reduced across ranks under sharding backends
-        norm = self.backend.clip_grad_norm_(pair.model, pair.optimizer, max_norm, norm_type)
+        norm = self.clip(pair.model, pair.optimizer, max_norm, norm_type)
         self.monitor.on_grad_norm(norm)
         return norm
+
+    def clip(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float,
+             norm_type: float) -> torch.Tensor:
+        """Clip the gradients of ``optimizer``'s parameters; their norm before clipping."""
+        return self.backend.clip_grad_norm_(model, optimizer, max_norm, norm_type)
 
     def step(self, pair: Pair) -> bool:
         """Step the pair's optimizer once every ``accumulate`` calls (see ``Runtime.step``)."""

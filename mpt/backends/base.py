@@ -24,8 +24,6 @@ from mpt.state.named import from_named, to_named
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from mpt.step import TrainStep
-
 
 class Launch(Protocol):
     """What a backend's launch checks read of the job `mpt launch` starts
@@ -365,13 +363,6 @@ class Backend(ABC):
         """Leave the process group."""
 
     # -- the training step --------------------------------------------------------------------
-    def make_step(self, **parts: Any) -> TrainStep:
-        """The object that runs ``rt.backward``/``rt.clip_grad_norm_``/``rt.step`` (``parts``:
-        ``TrainStep``'s arguments). A backend whose step has another shape returns its own."""
-        from mpt.step import TrainStep  # the Runtime's: `mpt launch` imports this module too
-
-        return TrainStep(backend=self, **parts)
-
     def backward(self, loss: torch.Tensor, model: nn.Module | None = None) -> None:
         """Backward of one micro-batch's loss, scaled for precision and accumulation.
 

@@ -75,7 +75,7 @@ class CheckpointSession:
         """The session a run's settings ask for: its ``checkpoint_dir``, ``resume`` (default
         ``auto``), ``async_save`` and peer snapshots (``snapshot_every``, ``snapshot_dir``); a
         resize after a resume is said with ``say`` and logged to ``monitor``."""
-        config, backend = run.config, run.backend
+        config, state = run.config, run.state
 
         def resized(saved: Manifest) -> Resize | None:  # an elastic job's new world, or not
             return report_resize(
@@ -83,10 +83,10 @@ class CheckpointSession:
                 samples_per_step=monitor.samples_per_step, lr_scaling=config.lr_scaling,
                 layout=run.topology.plan, say=say, log=monitor.log)
 
-        return cls(backend=backend, pairs=pairs, loaders=loaders, root=config.checkpoint_dir,
+        return cls(backend=state, pairs=pairs, loaders=loaders, root=config.checkpoint_dir,
                    resume=config.resume or "auto", async_save=config.async_save,
-                   snapshots=peer_snapshots(config.snapshot_every, config.snapshot_dir, backend,
-                                            backend.timeout, say), resized=resized, say=say)
+                   snapshots=peer_snapshots(config.snapshot_every, config.snapshot_dir, state,
+                                            run.backend.timeout, say), resized=resized, say=say)
 
     def save(self, path: str | os.PathLike[str] | None, *, step: int, epoch: int | None,
              scheduler: Schedulers, keep: int | None, sharded: bool | None,

@@ -24,22 +24,50 @@ from mpt.step import TrainStep
 if TYPE_CHECKING:
     from torch.distributed.pipelining.schedules import _PipelineSchedule
 
-    from mpt.pipeline.backend import PipelineBackend
+    from mpt.pipeline.stages import Stages
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
 
 class PipelineStep(TrainStep):
-    """``TrainStep`` whose forward and backward are a pipeline schedule's."""
+    """``TrainStep`` whose forward and backward are a pipeline schedule's: the model set up
+    with an optimizer is cut into ``stages``, the models set up without one are placed whole
+    on every rank, as without a pipeline."""
 
-    backend: PipelineBackend
-
-    def __init__(self, **parts: Any) -> None:
+    def __init__(self, *, stages: Stages, **parts: Any) -> None:
         super().__init__(**parts)
+        self.stages = stages
+        self.plan = stages.plan
         self._schedules: dict[int, _PipelineSchedule] = {}
         self._loss_fn: LossFn | None = None
         self._losses: list[torch.Tensor] = []  # this call's micro-batch losses, unscaled
         self._shapes: dict[int, tuple[int, ...]] = {}  # the inputs' shape each pair first ran
+
+    def place(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> nn.Module:
+        if optimizer is None:  # trains nothing: whole on every rank
+            return super().place(model, None)
+        return self.backend.place(self.stages.cut(model, optimizer), optimizer)
+
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+             ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        if optimizer is None:  # rank 0's weights everywhere
+            return super().wrap(model, None)
+        assert isinstance(model, Stage)
+        self.stages.setup(model, optimizer)
+        return model, optimizer
+
+    def clip(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float,
+             norm_type: float) -> torch.Tensor:
+        return self.stages.clip_grad_norm_(model, optimizer, max_norm, norm_type)
+
+    def backward(self, loss: torch.Tensor, model: nn.Module | None) -> None:
+        raise UsageError("rt.backward", "under --pipeline-stages", "the pipeline's schedule "
+                         "runs forward and backward itself, micro-batch by micro-batch",
+                         "call loss = rt.forward_backward(inputs, target, loss_fn), which "
+                         "works without a pipeline too")
+
+    def sync_for_next_micro_batch(self, pair: Pair) -> None:
+        pass  # the schedule's model reduces on the last micro-batch of rt.forward_backward
 
     def _schedule(self, pair: Pair) -> _PipelineSchedule:
         """The pair's schedule, built on first use: one PipelineStage per chunk of this rank."""
@@ -53,11 +81,11 @@ class PipelineStep(TrainStep):
             ScheduleInterleavedZeroBubble,
         )
 
-        backend, plan = self.backend, self.backend.plan
-        indices = plan.chunks_of(backend.topology.stage)
-        stages = [PipelineStage(backend.inner.stage_module(chunk), stage_index=index,
+        backend, plan = self.backend, self.plan
+        indices = plan.chunks_of(self.stages.topology.stage)
+        stages = [PipelineStage(backend.stage_module(chunk), stage_index=index,
                                 num_stages=plan.chunks,
-                                device=backend.device, group=backend.pp_group)
+                                device=backend.device, group=self.stages.pp_group)
                   for index, chunk in zip(indices, pair.model.chunks,  # type: ignore[union-attr]
                                           strict=True)]
         kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
@@ -77,13 +105,13 @@ class PipelineStep(TrainStep):
             return torch.zeros((), device=self.backend.device)
         loss = self._loss_fn(output, target)
         self._losses.append(loss.detach().float())
-        divided = loss / (self.backend.plan.microbatches * self.accumulate)
+        divided = loss / (self.plan.microbatches * self.accumulate)
         return self.backend.precision.scale_loss(divided)
 
     def _run(self, pair: Pair, inputs: Any, target: Any, loss_fn: LossFn | None,
              train: bool) -> Any:
         """One schedule call; returns the last stage's merged output there, else None."""
-        place, plan = self.backend.topology, self.backend.plan
+        place, plan = self.stages.topology, self.plan
         first = plan.holder(0) == place.stage  # takes the inputs
         last = plan.holder(plan.chunks - 1) == place.stage  # computes the loss
         for name, value in (("inputs", inputs if first else None),
@@ -119,16 +147,16 @@ class PipelineStep(TrainStep):
     def _from_last_stage(self, value: torch.Tensor | None) -> torch.Tensor:
         """``value`` of the last stage, on every stage of this replica."""
         box = [value]
-        plan = self.backend.plan
+        plan = self.plan
         dist.broadcast_object_list(box, group_src=plan.holder(plan.chunks - 1),
-                                   group=self.backend.pp_group)
+                                   group=self.stages.pp_group)
         assert box[0] is not None
         return box[0]
 
     def _batch_loss(self) -> torch.Tensor | None:
         """The mean of this call's micro-batch losses (the last M: on its first call torch's
         stage also runs the loss once to learn the shapes)."""
-        losses = self._losses[-self.backend.plan.microbatches:]
+        losses = self._losses[-self.plan.microbatches:]
         return torch.stack(losses).mean() if losses else None
 
     def forward_backward(self, model: nn.Module | None, inputs: Any, target: Any,
@@ -142,7 +170,7 @@ class PipelineStep(TrainStep):
                              "model")
         self._run(pair, inputs, target, loss_fn, train=True)
         if not self.accumulating(pair):  # the step's last micro-batch: replicas agree now
-            self.backend.average_gradients(pair.model)
+            self.stages.reduce_gradients(pair.model)
         loss = self._from_last_stage(self._batch_loss())
         self.mark("script")
         self.monitor.on_backward(loss)

@@ -40,7 +40,7 @@ for x, y, index in loader:
     losses.append(loss.item())
     indices.append([part.tolist() for part in index.tensor_split(chunks)])
 
-state = rt.backend.model_state_dict(model)  # collective: full weights on every rank
+state = rt.model_state_dict(model)  # collective: full weights on every rank
 if rt.rank == 0:
     save_file({name: state[name].detach().float().cpu().contiguous() for name in names},
               str(out / "weights.safetensors"))

@@ -94,7 +94,7 @@ if __name__ == "__main__":
     # pipeline's stages keep the shapes they trained with)
     first = make_data(args.steps).tensors[0][:batch]
     outputs = rt.evaluate(first).flatten().tolist()
-    weights = rt.backend.model_state_dict(model)
+    weights = rt.model_state_dict(model)
     if rt.rank == 0:
         args.out.write_text(json.dumps({
             "losses": losses, "norms": norms, "evals": evals, "outputs": outputs,

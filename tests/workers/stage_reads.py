@@ -6,7 +6,7 @@ Runs SCRIPT (as ``__main__``, with ARGS) in this process. Every read of a sharde
 (``mpt.checkpoint.sharded.load``) is recorded: REPORT_DIR/reads-rank-R.json maps each key this
 rank read to the bytes it holds of it (a ``DTensor``'s local shard, a ``FlatPiece``'s range, a
 whole tensor's all) and lists the keys it left unread. REPORT_DIR/saves-rank-R.json counts the
-pipeline's gathers of a stage's state over the stages (``PipelineBackend._gather``) that ran
+pipeline's gathers of a stage's state over the stages (``Stages.gather``) that ran
 inside ``rt.save``. ``--whole-saves``: every ``rt.save`` is ``sharded=False``.
 """
 
@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 import mpt
 from mpt.checkpoint import sharded
-from mpt.pipeline.backend import PipelineBackend
+from mpt.pipeline.stages import Stages
 from mpt.state.flat import FlatPiece
 
 report = Path(sys.argv[1])
@@ -61,15 +61,15 @@ sharded.load = recorded_load
 
 saving = [False]
 gathers = [0]
-gather = PipelineBackend._gather
+gather = Stages.gather
 
 
-def counted_gather(self: PipelineBackend, local: dict[str, Any]) -> list[dict[str, Any]]:
+def counted_gather(self: Stages, local: Any) -> list[Any]:
     gathers[0] += saving[0]
     return gather(self, local)
 
 
-PipelineBackend._gather = counted_gather  # type: ignore[method-assign]
+Stages.gather = counted_gather  # type: ignore[method-assign]
 save = mpt.Runtime.save
 
 
