@@ -48,6 +48,18 @@ class MemoryEstimate:
         return self.parameters + self.gradients + self.optimizer
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Buffers:
+    """What one rank holds in a step beyond its ``MemoryEstimate`` row, in bytes
+    (``Backend.estimate_buffers``): `mpt plan` counts it in the rank's peak."""
+
+    held: int = 0
+    """The backend's own buffers (DDP's buckets, fsdp's next unit gathered ahead)."""
+    released: int = 0
+    """What of the row and ``held`` the backward frees before the optimizer steps (fsdp's
+    gathered units), so that the step's temporaries may reuse it."""
+
+
 def parameter_counts(model: nn.Module) -> tuple[int, int]:
     """Parameters of ``model``, and those of them that train."""
     params = list(model.parameters())

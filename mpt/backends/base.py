@@ -15,8 +15,9 @@ from torch import nn
 from mpt.comm import GradComm
 from mpt.environments import World
 from mpt.errors import UsageError
-from mpt.estimate import MemoryEstimate, parameter_counts
+from mpt.estimate import Buffers, MemoryEstimate, parameter_counts
 from mpt.parallel import Axis, ParallelPlan
+from mpt.parallel.traffic import Collective, Traffic, Window
 from mpt.parse import parse_bool, parse_text
 from mpt.precision import Precision, PrecisionSpec
 from mpt.state.named import from_named, to_named
@@ -315,6 +316,46 @@ class Backend(ABC):
             label=cls.name, parameters=weights * spec.params.itemsize,
             gradients=trained * spec.params.itemsize,
             optimizer=4 * optimizer_states * trained + masters)]
+
+    @classmethod
+    def estimate_row(cls, rows: Sequence[MemoryEstimate], options: Mapping[str, Any]
+                     ) -> MemoryEstimate:
+        """The one of ``estimate_memory``'s ``rows`` that ``options`` run, for `mpt plan`,
+        which prices one layout. The default: the first (the backend's defaults)."""
+        return rows[0]
+
+    @classmethod
+    def estimate_buffers(cls, stage: nn.Module, spec: PrecisionSpec, row: MemoryEstimate,
+                         share: float, options: Mapping[str, Any]) -> Buffers:
+        """What a rank holds beyond ``row`` (the ``estimate_row`` of ``stage``, the model or a
+        pipeline stage on the meta device) while it trains ``share`` of ``stage``'s parameters
+        (its tensor-parallel share) in ``spec`` with ``options``, and what of it the backward
+        frees. The default: none modelled (Horovod's fusion buffer is not)."""
+        return Buffers()
+
+    @classmethod
+    def plan_variants(cls, world_size: int) -> list[dict[str, Any]]:
+        """The option sets that change the layout or what is sent, which `mpt plan` compares
+        at ``world_size`` ranks (each with every pipeline and tensor-parallel size). The
+        default: the backend's defaults alone."""
+        return [{}]
+
+    @classmethod
+    def step_traffic(cls, options: Mapping[str, Any], plan: ParallelPlan, spec: PrecisionSpec,
+                     parameters: float, microbatches: int = 1) -> Traffic:
+        """What the backend with ``options`` sends per optimizer step in ``plan`` for a rank
+        that trains ``parameters`` parameters (its stage's, its tensor-parallel share) in
+        ``spec``, with ``microbatches`` per step under a pipeline, and what it may hide behind.
+
+        The default, whole replicas (ddp, apex, horovod): one allreduce of the gradients in
+        ``spec.reduce``, bucketed and started from backward hooks, so it may hide behind the
+        rest of the backward; under ``--pipeline-stages`` or ``--tensor-parallel`` mpt
+        averages one flat bucket after the backward: nothing hidden.
+        """
+        window: Window = "none" if plan.model_size > 1 else "backward"
+        gradients = Collective(kind="all_reduce", axis="dp_replicate",
+                               size=parameters * spec.reduce.itemsize, what="gradients")
+        return Traffic(collectives=(gradients,), window=window, shards_optimizer=False)
 
     @classmethod
     def availability(cls) -> Availability:

@@ -22,7 +22,9 @@ from mpt.backends.base import Availability, Backend, BackendOption, devices_of, 
 from mpt.backends.powersgd import DEFAULT_RANK, DEFAULT_START_STEP, PowerSGD, powersgd_hook
 from mpt.comm import GradComm
 from mpt.errors import UsageError
+from mpt.estimate import Buffers, MemoryEstimate
 from mpt.parse import parse_int
+from mpt.precision import PrecisionSpec
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -128,6 +130,14 @@ class DDPBackend(Backend):
     def comm_refusal(cls, comm: GradComm, values: Mapping[str, Any]
                      ) -> tuple[str, Any, str, str] | None:
         return None  # every compression is a comm hook, and the bucket cap is DDP's
+
+    @classmethod
+    def estimate_buffers(cls, stage: nn.Module, spec: PrecisionSpec, row: MemoryEstimate,
+                         share: float, options: Mapping[str, Any]) -> Buffers:
+        """torch's DDP (``gradient_as_bucket_view`` off) keeps its buckets, a copy of the
+        gradients; under ``--pipeline-stages`` or ``--tensor-parallel`` mpt's one flat bucket
+        takes their place, the same size."""
+        return Buffers(held=row.gradients)
 
     group_alone: ClassVar[bool] = False
     """Whether a world of one still gets a process group (fully_shard and DeepSpeed need one,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -37,6 +37,7 @@ from torch import nn
 from mpt.backends.base import Availability, BackendOption, holds
 from mpt.backends.ddp import DDPBackend
 from mpt.backends.deepspeed_config import (
+    DEFAULT_STAGE,
     build_config,
     check_stage_and_offload,
     chosen_stage,
@@ -52,8 +53,9 @@ from mpt.backends.deepspeed_zero3 import share_fp32_partitions
 from mpt.comm import GradComm
 from mpt.environments import World
 from mpt.errors import MissingDependencyError, UsageError
-from mpt.estimate import MemoryEstimate, parameter_counts
+from mpt.estimate import Buffers, MemoryEstimate, parameter_counts
 from mpt.parallel import Axis, ParallelPlan
+from mpt.parallel.traffic import Collective, Traffic
 from mpt.precision import LossScaleConfig, Precision, PrecisionSpec
 from mpt.state.flat import FlatPiece
 from mpt.state.named import from_named
@@ -190,7 +192,7 @@ class DeepSpeedBackend(DDPBackend):
         """Weights and gradients in the mode's dtype; the optimizer's state plus DeepSpeed's
         fp32 master copy (kept from stage 1 on even in fp32, and in 16-bit modes at stage 0);
         stage 1 partitions the optimizer's share, 2 the gradients too, 3 the weights too."""
-        width = 4 if mode_of(spec) is None else 2
+        width = cls._width(spec)
         weights, trained = parameter_counts(model)
         rows = []
         for stage, offload in ((0, ""), (1, ""), (2, ""), (3, ""), (2, "optimizer"),
@@ -204,11 +206,67 @@ class DeepSpeedBackend(DDPBackend):
                 host, parts[2] = parts[2], 0
             if "parameters" in offload:
                 host, parts[0] = host + parts[0], 0
-            label = f"deepspeed --zero-stage {stage}" + (f" --offload {offload}" if offload
-                                                         else "")
-            rows.append(MemoryEstimate(label=label, parameters=parts[0], gradients=parts[1],
-                                       optimizer=parts[2], host=host))
+            rows.append(MemoryEstimate(label=cls._label(stage, offload), parameters=parts[0],
+                                       gradients=parts[1], optimizer=parts[2], host=host))
         return rows
+
+    @staticmethod
+    def _width(spec: PrecisionSpec) -> int:
+        """Bytes of a weight, a gradient and what is sent: DeepSpeed casts the model to its
+        16-bit mode's dtype and reduces in it, else fp32."""
+        return 4 if mode_of(spec) is None else 2
+
+    @staticmethod
+    def _label(stage: int, offload: str = "") -> str:
+        """An ``estimate_memory`` row's label: the flags that choose it."""
+        return f"deepspeed --zero-stage {stage}" + (f" --offload {offload}" if offload else "")
+
+    @staticmethod
+    def _planned_stage(options: Mapping[str, Any]) -> int:
+        """The ZeRO stage ``options`` name, mpt's default where none (`mpt plan` names it
+        itself: a config's stage is not read)."""
+        stage = options.get("zero_stage")
+        return DEFAULT_STAGE if stage is None else int(stage)
+
+    @classmethod
+    def estimate_row(cls, rows: Sequence[MemoryEstimate], options: Mapping[str, Any]
+                     ) -> MemoryEstimate:
+        """The row of the options' ZeRO stage, without offload."""
+        wanted = cls._label(cls._planned_stage(options))
+        return next((r for r in rows if r.label == wanted), rows[0])
+
+    @classmethod
+    def estimate_buffers(cls, stage: nn.Module, spec: PrecisionSpec, row: MemoryEstimate,
+                         share: float, options: Mapping[str, Any]) -> Buffers:
+        """None: DeepSpeed's bucket and staging buffers are not modelled (and DDP's buckets,
+        which this class would inherit, are not among them)."""
+        return Buffers()
+
+    @classmethod
+    def plan_variants(cls, world_size: int) -> list[dict[str, Any]]:
+        """Every ZeRO stage."""
+        return [{"zero_stage": stage} for stage in range(4)]
+
+    @classmethod
+    def step_traffic(cls, options: Mapping[str, Any], plan: ParallelPlan, spec: PrecisionSpec,
+                     parameters: float, microbatches: int = 1) -> Traffic:
+        """In the mode's dtype (``_width``): ZeRO-0 the gradients' allreduce after the
+        backward; ZeRO-1 the same, then an all-gather of the updated parameters; ZeRO-2 a
+        reduce-scatter of the gradients and the all-gather; ZeRO-3 the parameters all-gathered
+        for the forward and again for the backward, the gradients reduce-scattered. mpt leaves
+        ``overlap_comm`` at DeepSpeed's default: off for stages 0-2, on for stage 3 (which then
+        prefetches over the whole step)."""
+        stage = cls._planned_stage(options)
+        size = parameters * cls._width(spec)
+        axis: Axis = "dp_shard" if stage else "dp_replicate"
+        gather = Collective(kind="all_gather", axis=axis, size=size, what="parameters")
+        gradients = Collective(kind="reduce_scatter" if stage >= 2 else "all_reduce", axis=axis,
+                               size=size, what="gradients")
+        found: tuple[Collective, ...] = (
+            (gradients,) if stage == 0 else (gradients, gather) if stage < 3
+            else (gather, gather, gradients))
+        return Traffic(collectives=found, window="step" if stage == 3 else "none",
+                       shards_optimizer=stage > 0)
 
     @classmethod
     def default_precision(cls, options: Mapping[str, Any]) -> str | None:

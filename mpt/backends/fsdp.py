@@ -24,8 +24,9 @@ from mpt.backends.ddp import CAST_DTYPES, DDPBackend
 from mpt.backends.meta import check_materialisable, materialise, rank0_random_state
 from mpt.comm import GradComm
 from mpt.errors import UsageError
-from mpt.estimate import MemoryEstimate, parameter_counts
+from mpt.estimate import Buffers, MemoryEstimate, parameter_counts
 from mpt.parallel import Axis, ParallelPlan
+from mpt.parallel.traffic import Collective, Traffic
 from mpt.parse import parse_bool, parse_int, parse_text
 from mpt.precision import PrecisionSpec
 
@@ -225,6 +226,45 @@ class FSDPBackend(DDPBackend):
                                gradients=shards[1] + unit, optimizer=shards[2]),
                 MemoryEstimate(label="fsdp --fsdp-cpu-offload", parameters=unit,
                                gradients=unit, optimizer=0, host=sum(shards))]
+
+    @classmethod
+    def estimate_buffers(cls, stage: nn.Module, spec: PrecisionSpec, row: MemoryEstimate,
+                         share: float, options: Mapping[str, Any]) -> Buffers:
+        """The unit fully_shard gathers ahead (it prefetches the next one) beside the one that
+        runs, which the row counts with its unsharded gradients; all three are freed after the
+        backward."""
+        wrap = cls.check_options(options)["wrap"]
+        gathered = int(spec.params.itemsize * largest_unit(stage, wrap) * share)
+        return Buffers(held=gathered, released=3 * gathered)
+
+    @classmethod
+    def plan_variants(cls, world_size: int) -> list[dict[str, Any]]:
+        """Every ``--fsdp-replicate`` that divides the world (1: plain fsdp, more: HSDP)."""
+        return [{"replicate": r} for r in range(1, world_size + 1) if world_size % r == 0]
+
+    @classmethod
+    def step_traffic(cls, options: Mapping[str, Any], plan: ParallelPlan, spec: PrecisionSpec,
+                     parameters: float, microbatches: int = 1) -> Traffic:
+        """Each unit's parameters all-gathered in the forward and, resharded after it (the
+        default, not under a pipeline), again in the backward; gradients reduce-scattered;
+        all of it prefetched or overlapped over the whole step. Under a pipeline that once per
+        schedule, or, with ``--fsdp-reshard-after-forward yes``, once per micro-batch (nothing
+        is kept gathered between them). HSDP (``--fsdp-replicate R``) does this within each
+        shard group, then allreduces the gradient shard across the R replicas."""
+        grads, weights = parameters * spec.reduce.itemsize, parameters * spec.params.itemsize
+        reshard = options.get("reshard_after_forward")
+        if reshard is None:
+            reshard = plan.pp == 1  # mpt's default: no under a pipeline
+        times = microbatches if plan.pp > 1 and reshard else 1
+        gather = Collective(kind="all_gather", axis="dp_shard", size=weights * times,
+                            what="parameters")
+        found = [gather, *([gather] if reshard else []),
+                 Collective(kind="reduce_scatter", axis="dp_shard", size=grads * times,
+                            what="gradients")]
+        if plan.dp_replicate > 1:
+            found.append(Collective(kind="all_reduce", axis="dp_replicate",
+                                    size=grads / plan.dp_shard * times, what="gradient shard"))
+        return Traffic(collectives=tuple(found), window="step", shards_optimizer=True)
 
     # -- life cycle ---------------------------------------------------------------------------
     group_alone = True  # fully_shard needs a group at 1 rank too (a 2-rank checkpoint resumes)

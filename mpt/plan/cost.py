@@ -13,17 +13,18 @@ The step, for a rank of the slowest pipeline stage:
 - pipeline (1F1B/GPipe, M micro-batches, P stages): M micro-batches of compute, a bubble of
   (P - 1) micro-batches, and each micro-batch's activation and its gradient sent across every
   cut, taken as exposed.
-- data parallelism: ``mpt.plan.traffic``'s collectives, less the part that hides behind its
-  window (the backward, the whole step, or none) times the device's ``overlap``.
+- data parallelism: the collectives of the backend's ``step_traffic``, less the part that
+  hides behind its window (the backward, the whole step, or none) times the device's
+  ``overlap``.
 
-Memory per rank, at the higher of two peaks: ``Backend.estimate_memory`` of the stage's blocks
-at the shard size, its tp-split parameters over T, and the backend's buffers (DDP's buckets,
-fsdp's prefetched unit); then either the backward's activations (what autograd saves, a tensor
-two blocks save counted once, times the micro-batches 1F1B keeps in flight on the first stage,
-min(M, P); under tp, the activations of split ops over T by their share of the forward's bytes;
-16-bit under a cast model) or the optimizer step's temporaries, less what the backward frees
-before the step (fsdp's gathered units). Not counted: the allocator's slack, the process,
-horovod's and DeepSpeed's buffers.
+Memory per rank, at the higher of two peaks: the backend's ``estimate_row`` of its
+``estimate_memory`` for the stage's blocks at the shard size, its tp-split parameters over T,
+and its ``estimate_buffers`` (DDP's buckets, fsdp's prefetched unit); then either the
+backward's activations (what autograd saves, a tensor two blocks save counted once, times the
+micro-batches 1F1B keeps in flight on the first stage, min(M, P); under tp, the activations
+of split ops over T by their share of the forward's bytes; 16-bit under a cast model) or the
+optimizer step's temporaries, less what the backward frees before the step (fsdp's gathered
+units). Not counted: the allocator's slack, the process, horovod's and DeepSpeed's buffers.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ from torch import nn
 from mpt.backends import get_backend
 from mpt.estimate import MemoryEstimate
 from mpt.parallel import ParallelPlan
+from mpt.parallel.traffic import Traffic
 from mpt.plan.network import Cluster, collective, send
-from mpt.plan.traffic import Traffic, stage_of, traffic
 from mpt.plan.workload import BlockCost, Op, Workload
 from mpt.precision import PrecisionSpec
 
@@ -76,7 +77,8 @@ class Prediction:
     activations: int
     """Per rank of the fullest stage: what autograd keeps for the backward."""
     buffers: int
-    """Per rank of the fullest stage: what the backend holds beyond its row (``_buffers``)."""
+    """Per rank of the fullest stage: what the backend holds beyond its row
+    (``Backend.estimate_buffers``)."""
     transient: int
     """Per rank of the fullest stage: the optimizer step's temporaries (``_step_transient``)."""
     released: int
@@ -200,7 +202,7 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
     terms["pipeline sends"] = 2 * m * p2p.seconds
     held, trained = _memory(layout, model, stages, work, spec, slowest,
                             cluster.device.device_type)
-    flow = traffic(layout.backend, layout.options, plan, spec, trained, m)
+    flow = get_backend(layout.backend).step_traffic(layout.options, plan, spec, trained, m)
     dp_seconds, dp_link, dp_rank, crosses = _data_parallel(flow, plan, cluster)
     window = {"backward": terms["backward"], "step": terms["forward"] + terms["backward"],
               "none": 0.0}[flow.window] * cluster.device.overlap
@@ -287,7 +289,7 @@ def _memory(layout: Layout, model: Model, stages: list[list[str]], work: Workloa
     modules = dict(model.net.named_modules())
     by_name = {block.name: block for block in work.blocks}
     cls = get_backend(layout.backend)
-    sharded = traffic(layout.backend, layout.options, plan, spec, 0.0).shards_optimizer
+    sharded = cls.step_traffic(layout.options, plan, spec, 0.0).shards_optimizer
     best: Held | None = None
     trained = 0.0
     for index, names in enumerate(stages):
@@ -295,47 +297,24 @@ def _memory(layout: Layout, model: Model, stages: list[list[str]], work: Workloa
         share, params = _tp_share(stage, model, plan.tp)
         rows = cls.estimate_memory(stage, spec, model.optimizer_states, plan.dp_shard,
                                    dict(layout.options))
-        row = _scaled(_row(rows, layout), share)
+        row = _scaled(cls.estimate_row(rows, layout.options), share)
         in_flight = min(layout.microbatches, plan.pp - index) if plan.pp > 1 else 1
         blocks = [by_name[n] for n in names]
         # A stage's first block receives its input: the previous block's copy is elsewhere.
         saved = activation_width(spec) * sum(
             (b.activations - (b.shared_input if i else 0))
             * (1 - _split_share(b) + _split_share(b) / plan.tp) for i, b in enumerate(blocks))
-        buffers, released = _buffers(layout, stage, spec, row, share)
-        found = Held(row=row, activations=int(saved * in_flight), buffers=buffers,
+        beyond = cls.estimate_buffers(stage, spec, row, share, layout.options)
+        found = Held(row=row, activations=int(saved * in_flight), buffers=beyond.held,
                      transient=_step_transient(stage, model.optimizer_states, share,
                                                plan.dp_shard if sharded else 1, device_type),
-                     released=released)
+                     released=beyond.released)
         if best is None or found.peak > best.peak:
             best = found
         if index == slowest:
             trained = params * share
     assert best is not None  # at least one stage
     return best, trained
-
-
-def _buffers(layout: Layout, stage: nn.Module, spec: PrecisionSpec, row: MemoryEstimate,
-             share: float) -> tuple[int, int]:
-    """What the backend holds beyond its ``estimate_memory`` row, from its code, and what of
-    the row and these buffers the backward frees before the optimizer steps:
-
-    - ddp, apex (torch's DDP, ``gradient_as_bucket_view`` off): its buckets, a copy of the
-      gradients (under P or T, mpt's one flat bucket instead: the same size).
-    - fsdp: the unit fully_shard gathers ahead (it prefetches the next one) beside the one that
-      runs, which the row counts with its unsharded gradients; all three are freed after the
-      backward.
-    - horovod, deepspeed: their fusion and bucket buffers are not modelled (0).
-    """
-    if layout.backend in ("ddp", "apex"):
-        return row.gradients, 0
-    if layout.backend == "fsdp":
-        from mpt.backends.fsdp import largest_unit
-
-        wrap = get_backend("fsdp").check_options(dict(layout.options))["wrap"]
-        gathered = int(spec.params.itemsize * largest_unit(stage, wrap) * share)
-        return gathered, 3 * gathered  # the row's unit is its weights and their gradients
-    return 0, 0
 
 
 def _step_transient(stage: nn.Module, states: int, share: float, shards: int,
@@ -363,14 +342,6 @@ def _tp_share(stage: nn.Module, model: Model, tp: int) -> tuple[float, int]:
         return 1.0, total
     cut = sum(n for key, n in params.items() if key in split)
     return (total - cut + cut / tp) / total, total
-
-
-def _row(rows: list[MemoryEstimate], layout: Layout) -> MemoryEstimate:
-    """The estimate's row for the layout's options (DeepSpeed's stage), else its first."""
-    if layout.backend == "deepspeed":
-        wanted = f"deepspeed --zero-stage {stage_of(layout.options)}"
-        return next((r for r in rows if r.label == wanted), rows[0])
-    return rows[0]
 
 
 def _scaled(row: MemoryEstimate, share: float) -> MemoryEstimate:

@@ -1,8 +1,9 @@
 """Every layout mpt can run for a model on a cluster, built the way `mpt launch` builds it.
 
-Each combination of backend, its layout option (DeepSpeed's ZeRO stage, fsdp's HSDP replicas),
-pipeline stages P and tensor-parallel size T goes through ``RunConfig`` and ``RunConfig.layout``
-(the launcher's own checks: backend capabilities, precision, divisibility of the world), then
+Each combination of backend, the option sets it declares worth comparing
+(``Backend.plan_variants``: DeepSpeed's ZeRO stages, fsdp's HSDP replicas), pipeline stages P
+and tensor-parallel size T goes through ``RunConfig`` and ``RunConfig.layout`` (the
+launcher's own checks: backend capabilities, precision, divisibility of the world), then
 the checks the model meets when it is set up (``stage_blocks`` for P, ``tensor_plan`` for T)
 and the batch's (it must split over the replicas and the micro-batches). A refused
 combination keeps mpt's one-line reason. T stays within a node (tp groups are a node's
@@ -11,7 +12,7 @@ consecutive ranks); the pipeline runs mpt's default schedule, 1F1B with 2P micro
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,26 +40,14 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _variants(backend: str, world: int) -> Iterator[dict[str, Any]]:
-    """The backend options that change the layout or what is sent."""
-    if backend == "deepspeed":
-        for stage in range(4):
-            yield {"zero_stage": stage}
-    elif backend == "fsdp":
-        for replicas in divisors(world):
-            yield {"replicate": replicas}
-    else:
-        yield {}
-
-
 def _flags(backend: str, options: Mapping[str, Any], pp: int, tp: int) -> tuple[str, ...]:
-    """The `mpt launch` flags of a combination (each option by its own flag)."""
+    """The `mpt launch` flags of a combination (each option by its own flag, none for an
+    option at its default)."""
     cls = registered()[backend]
     flags = [f"--backend {backend}"]
     for name, value in options.items():
-        if name == "replicate" and value == 1:
-            continue
-        flags.append(f"{cls.options[name].flag} {value}")
+        if value != cls.options[name].default:
+            flags.append(f"{cls.options[name].flag} {value}")
     if pp > 1:
         flags.append(f"--pipeline-stages {pp}")
     if tp > 1:
@@ -77,7 +66,7 @@ def layouts(net: nn.Module, *, nodes: int, gpus: int, precision: str, batch: int
     found: list[Layout] = []
     refused: list[Refused] = []
     for backend, cls in sorted(registered().items()):
-        for options in _variants(backend, world):
+        for options in cls.plan_variants(world):
             for pp in divisors(world):
                 for tp in divisors(gpus):
                     flags = _flags(backend, options, pp, tp)

@@ -7,13 +7,13 @@ import pytest
 import torch
 from plan_models import mlp
 
+from mpt.backends import get_backend
 from mpt.errors import UsageError
 from mpt.estimate import meta_model
 from mpt.parallel import ParallelPlan
 from mpt.plan.network import Cluster, collective
 from mpt.plan.planner import plan
 from mpt.plan.profiles import device_profile, link_profile
-from mpt.plan.traffic import traffic
 from mpt.precision import describe
 
 GRADIENTS = 25_175_040 * 4  # the MLP's fp32 gradients, 100.7 MB
@@ -83,9 +83,10 @@ def test_a_pipeline_that_reshards_sends_fsdps_collectives_per_micro_batch() -> N
     all-gathers instead of one."""
     spec = describe("fp32")
     layout = ParallelPlan(pp=2, dp_shard=2)
-    kept = traffic("fsdp", {}, layout, spec, 1e6, microbatches=4)
-    resharded = traffic("fsdp", {"reshard_after_forward": True}, layout, spec, 1e6,
-                        microbatches=4)
+    fsdp = get_backend("fsdp")
+    kept = fsdp.step_traffic({}, layout, spec, 1e6, microbatches=4)
+    resharded = fsdp.step_traffic({"reshard_after_forward": True}, layout, spec, 1e6,
+                                  microbatches=4)
     assert [c.kind for c in kept.collectives] == ["all_gather", "reduce_scatter"]
     assert [c.kind for c in resharded.collectives] == ["all_gather", "all_gather",
                                                         "reduce_scatter"]

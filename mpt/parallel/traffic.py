@@ -1,0 +1,44 @@
+"""What a backend sends per optimizer step over its data-parallel ranks, and what it may hide
+behind (``Backend.step_traffic``), as values the cost model of `mpt plan` prices.
+
+Here, beside ``ParallelPlan``, so that backends declare their traffic without importing the
+planner. Each backend's figures come from its code and from docs/benchmarks.md's bytes on the
+wire (`make scaling`, 2 nodes: ddp, apex and horovod send 100.9 MB for 100.7 MB of gradients,
+the ring's 2(N-1)/N; DeepSpeed's default ZeRO-1 1.5x, fsdp 2x on gloo).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from mpt.parallel.plan import Axis
+
+Kind = Literal["all_reduce", "all_gather", "reduce_scatter"]
+Window = Literal["backward", "step", "none"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Collective:
+    """One collective of a step over the ranks of one mesh axis."""
+
+    kind: Kind
+    """What it does; its per-rank bytes follow the ring (2(N-1)/N or (N-1)/N x the size)."""
+    axis: Axis
+    """The mesh axis whose groups run it."""
+    size: float
+    """Bytes of the whole tensor (a rank's gradients, or the parameters it gathers)."""
+    what: str
+    """What moves, for people: ``gradients``, ``parameters``, ``gradient shard``."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Traffic:
+    """A backend's data-parallel collectives for one step, and what they may hide behind."""
+
+    collectives: tuple[Collective, ...]
+    """Every collective of one step, in order."""
+    window: Window
+    """Compute they may overlap: the backward, the whole step, or none."""
+    shards_optimizer: bool
+    """Whether each rank steps only its 1/dp_shard of the optimizer state."""
