@@ -573,30 +573,43 @@ def estimate_memory(
 
 
 def _print_stages(net: Any, layout: ParallelPlan, spec: Any, states: int) -> None:
-    """Each pipeline stage's blocks and its bytes of parameters, gradients and optimizer state
-    (a parameter two stages share counts on both)."""
+    """Each pipeline stage's blocks, its bytes of parameters, gradients and optimizer state (a
+    parameter two stages share counts on both), and what a rank of it holds under ddp and under
+    fsdp's two pipeline modes."""
     from rich.table import Table
 
-    from mpt.pipeline.split import stage_blocks
+    from mpt.backends.fsdp import largest_unit
+    from mpt.pipeline.split import Stage, stage_blocks
 
-    gib = 2.0**30
-    table = Table(title=f"per-stage memory, {layout.pp} pipeline stages, GiB")
-    for column in ("stage", "blocks", "count", "parameters", "gradients", "optimizer"):
+    gib, shards = 2.0**30, layout.dp_size
+    table = Table(title=f"per-stage memory, {layout.pp} pipeline stages, {shards} replica(s) "
+                        "each, GiB")
+    columns = ("stage", "blocks", "count", "parameters", "gradients", "optimizer",
+               "ddp rank", "fsdp rank", "fsdp rank, reshard")
+    for column in columns:
         table.add_column(column, justify="left" if column == "blocks" else "right")
     for index, blocks in enumerate(stage_blocks(net, layout.pp)):
         params = {id(p): p for _, block in blocks for p in block.parameters()}.values()
         count = sum(p.numel() for p in params)
         trained = sum(p.numel() for p in params if p.requires_grad)
         masters = 4 * trained if spec.master != spec.params else 0
+        weights, grads = count * spec.params.itemsize, trained * spec.params.itemsize
+        optimizer = 4 * states * trained + masters
+        whole = weights + grads + optimizer
+        unit = spec.params.itemsize * largest_unit(Stage([blocks]), None)
         names = [name for name, _ in blocks]
         table.add_row(str(index), names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} "
-                      f"({len(names)})", f"{count:,}", f"{count * spec.params.itemsize / gib:.3f}",
-                      f"{trained * spec.params.itemsize / gib:.3f}",
-                      f"{(4 * states * trained + masters) / gib:.3f}")
+                      f"({len(names)})", f"{count:,}",
+                      *(f"{v / gib:.3f}" for v in (weights, grads, optimizer, whole,
+                                                   whole / shards + weights + grads,
+                                                   whole / shards + 3 * unit)))
     Console(width=max(out.width, 120)).print(table)
-    out.print("Each rank of a stage holds it whole under --backend ddp; under --backend fsdp "
-              f"1/{layout.dp_size} of it, over the stage's {layout.dp_size} replicas (plus the "
-              "unit it gathers).")
+    out.print("Per rank of a stage, without activations: ddp holds the stage whole. fsdp holds "
+              f"1/{shards} of it and, by default, the stage's weights and gradients unsharded "
+              "through each step (torch's PipelineStage keeps them gathered over the "
+              "micro-batches); with --fsdp-reshard-after-forward yes, only the unit it runs, "
+              "the one it gathers ahead and that unit's gradients (at the cost of gathering "
+              "and reduce-scattering once per micro-batch).")
 
 
 @app.command()

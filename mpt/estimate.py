@@ -12,6 +12,7 @@ measured runs.
 from __future__ import annotations
 
 import importlib
+import inspect
 import runpy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -86,6 +87,14 @@ def load_model(spec: str) -> Callable[[], nn.Module]:
     if not callable(function):
         raise UsageError("MODEL", spec, f"{where} has no function {name!r}",
                          f"name a function of {where} that returns the model")
+    try:
+        inspect.signature(function).bind()
+    except TypeError as exc:  # what calling it without arguments would raise
+        raise UsageError("MODEL", spec, f"{name} cannot be called without arguments ({exc})",
+                         f"name a function that takes none, e.g. def build(): return "
+                         f"{name}(...) in a file of your own") from None
+    except ValueError:  # no signature to read (some builtins): calling it will tell
+        pass
     return function
 
 

@@ -68,13 +68,14 @@ def test_activations_are_what_autograd_saves_without_the_weights():
 
 
 def test_the_command_prints_every_backend_and_refuses_bad_input(tmp_path):
-    (tmp_path / "net.py").write_text("from torch import nn\n"
+    (tmp_path / "net.py").write_text("from torch import nn\nfrom torch.nn import Linear\n"
                                      "def build():\n    return nn.Linear(8, 8)\n")
     result = run_mpt("estimate-memory", f"{tmp_path / 'net.py'}:build", "--input-shape", "4,8")
     assert result.returncode == 0, result.stderr
     for label in ("ddp", "deepspeed --zero-stage 3", "fsdp", "horovod"):
         assert label in result.stdout
     for args, argument in (([f"{tmp_path / 'net.py'}:nope"], "MODEL"),
+                          ([f"{tmp_path / 'net.py'}:Linear"], "MODEL"),
                           ([f"{tmp_path / 'net.py'}:build", "--optimizer", "lion"], "--optimizer"),
                           ([f"{tmp_path / 'net.py'}:build", "--input-shape", "4,x"],
                            "--input-shape")):
