@@ -66,7 +66,7 @@ def test_the_wheel_has_its_name_version_license_and_command(wheel):
     assert "torch" in required and "horovod" not in required  # Horovod: `mpt install horovod`
     entry_points = configparser.ConfigParser()
     entry_points.read_string(wheel.read(f"{DIST_INFO}/entry_points.txt").decode())
-    assert entry_points["console_scripts"]["mpt"] == "mpt.cli:main"
+    assert entry_points["console_scripts"]["mpt"] == "mpt.__main__:run"
 
 
 def test_the_sdist_holds_what_building_needs(dist):
