@@ -3,14 +3,15 @@
 ``read(path)`` tells the format by its layout and returns an ``Imported`` (weights, optimizer
 state by parameter name, LR scheduler, loss scale, step, epoch); ``write`` commits that as an
 mpt checkpoint, which ``rt.load`` and ``--resume`` restore under any backend and world size.
-``mpt checkpoint convert`` is the two together. Every read is safe: no pickled code runs.
+``mpt checkpoint convert`` is the two together; ``load`` (``rt.load``/``--resume`` of the
+source itself) restores the ``Imported`` straight into the run (``restore``), each rank reading
+only its own pieces where it holds pieces. Every read is safe: no pickled code runs.
 Hugging Face safetensors weights come in the same way, as initial weights (``hf``).
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -94,17 +95,15 @@ def is_foreign(src: str | os.PathLike[str]) -> bool:
 
 def load(src: str | os.PathLike[str], parts: TrainingState,
          say: Callable[[str], None]) -> dict[str, Any]:
-    """``rt.load``/``--resume`` of another framework's checkpoint: read, written in mpt's
-    format to a temporary directory of this process and restored from there, as `mpt
-    checkpoint convert` then ``--resume`` would. Every rank reads the source itself (no shared
-    temporary directory is needed) and holds the whole state once on the way; convert once
-    beforehand for a model whose state is large beside a rank's memory."""
-    from mpt.checkpoint.state import load_checkpoint
+    """``rt.load``/``--resume`` of another framework's checkpoint: read and restored as `mpt
+    checkpoint convert` then ``--resume`` would, with no copy on disk (``restore``). Every rank
+    reads the source's layout itself; where the run's ranks hold pieces of the state, each
+    reads only its own pieces of the tensors a reader leaves in the source's files (ZeRO's
+    partitions) and slices the others (a torch file's, mapped; DCP's, read whole by each rank)."""
+    from mpt.checkpoint.foreign import restore
 
     imported = read(Path(src))
-    with tempfile.TemporaryDirectory(prefix="mpt-import-") as folder:
-        url = write(imported, folder, step=imported.step or 0, source_path=os.fspath(src))
-        info = load_checkpoint(url, parts)
+    info = restore.load(imported, parts, os.fspath(src))
     say(f"mpt: imported {src} ({imported.source}): {imported.summary()}; it holds no "
         f"{', '.join(imported.lacks)}, which start afresh")
     return info

@@ -157,6 +157,22 @@ def write(imported: Imported, dst: str | os.PathLike[str], *, step: int,
     """Commit ``imported`` as the mpt checkpoint ``dst/step-<step>/`` (atomically, as
     ``rt.save`` does); return its URL."""
     tensors: dict[str, Any] = {}
+    state = state_json(imported, tensors, source_path=source_path)
+    blobs: dict[str, Any] = {MODEL_FILE: model_tensors(imported),
+                             STATE_TENSORS: tensors, STATE_JSON: json.dumps(state).encode()}
+    root = io.Location.parse(dst)
+    root.makedirs()
+    final = io.step_dir_name(step)
+    staging = io.staging_name(step) if root.local else final
+    write_directory(root, staging, final, blobs, tensors=_stream,
+                    manifest=manifest_fields(imported, step=step))
+    return root.child(final).url
+
+
+def state_json(imported: Imported, tensors: dict[str, Any], *, source_path: str
+               ) -> dict[str, Any]:
+    """The ``state.json`` of ``imported`` as an mpt checkpoint, its tensors (optimizer,
+    scheduler, loss scaler) put into ``tensors`` by key (``encode``)."""
     precision: dict[str, Any] = {"skipped_steps": 0}
     if imported.loss_scale is not None:
         precision["scaler"] = imported.loss_scale.state_dict()
@@ -165,24 +181,25 @@ def write(imported: Imported, dst: str | os.PathLike[str], *, step: int,
     schedulers = {} if imported.scheduler is None else {
         SCHEDULER: encode(imported.scheduler, f"scheduler/{SCHEDULER}", tensors)}
     extra = {**imported.extra, "converted_from": source_path}
-    state = {"models": [MODEL], "optimizers": optimizers,
-             "precision": encode(precision, "precision", tensors), "schedulers": schedulers,
-             "loaders": {}, "rng": [], "extra": encode(extra, "extra", tensors),
-             # what load_checkpoint checks against the run it restores into
-             "imported": {"source": imported.source, "optimizers": {
-                 MODEL: imported.optimizer_kind} if imported.optimizer_kind else {}}}
-    blobs: dict[str, Any] = {MODEL_FILE: {f"{MODEL}/{k}": v for k, v in imported.weights.items()},
-                             STATE_TENSORS: tensors, STATE_JSON: json.dumps(state).encode()}
-    root = io.Location.parse(dst)
-    root.makedirs()
-    final = io.step_dir_name(step)
-    staging = io.staging_name(step) if root.local else final
-    write_directory(root, staging, final, blobs, tensors=_stream, manifest=dict(
-        backend=CONVERTED, world_size=imported.world_size, step=step, epoch=imported.epoch,
-        sharded=False, precision=imported.precision,
-        loss_scale=1.0 if imported.loss_scale is None else imported.loss_scale.scale,
-        parameters=sum(t.numel() for t in imported.weights.values())))
-    return root.child(final).url
+    return {"models": [MODEL], "optimizers": optimizers,
+            "precision": encode(precision, "precision", tensors), "schedulers": schedulers,
+            "loaders": {}, "rng": [], "extra": encode(extra, "extra", tensors),
+            # what load_checkpoint checks against the run it restores into
+            "imported": {"source": imported.source, "optimizers": {
+                MODEL: imported.optimizer_kind} if imported.optimizer_kind else {}}}
+
+
+def model_tensors(imported: Imported) -> dict[str, torch.Tensor]:
+    """The weights by checkpoint key (``model/<name>``)."""
+    return {f"{MODEL}/{k}": v for k, v in imported.weights.items()}
+
+
+def manifest_fields(imported: Imported, *, step: int) -> dict[str, Any]:
+    """The manifest's fields that describe ``imported`` (``write_directory`` adds the rest)."""
+    return dict(backend=CONVERTED, world_size=imported.world_size, step=step,
+                epoch=imported.epoch, sharded=False, precision=imported.precision,
+                loss_scale=1.0 if imported.loss_scale is None else imported.loss_scale.scale,
+                parameters=sum(t.numel() for t in imported.weights.values()))
 
 
 def _stream(f: BinaryIO, tensors: dict[str, torch.Tensor]) -> FileEntry:

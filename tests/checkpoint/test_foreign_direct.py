@@ -1,0 +1,101 @@
+"""``rt.load``/``--resume`` of another framework's checkpoint as it is, at 2 ranks (slow).
+
+The sources are written by the libraries themselves (workers/foreign_deepspeed.py: DeepSpeed's
+engine at ZeRO-3 on 2 CPU ranks; workers/foreign_fsdp2.py: ``fully_shard`` + ``dcp.save``),
+after step 3 of 8. mpt then loads each with real processes (2 ranks, gloo) under backends whose
+ranks hold pieces of the state (fsdp, DeepSpeed ZeRO-3), each rank restoring its own pieces
+straight from the source: the fp32 masters and Adam moments restored must be DeepSpeed's, bit
+for bit, no rank may write a temporary mpt copy, and the resumed run must follow the plain
+script's own curve (1e-5 relative).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
+from conftest import ds_env, find_free_port, run_mpt, worker
+
+pytestmark = pytest.mark.slow
+SAVE_AT, STEPS = 3, 8
+JOB = worker("foreign_direct.py")
+
+
+def launch(*args: str, gpus: int = 2, flags: tuple[str, ...] = (),
+           env: dict[str, str] | None = None, ok: bool = True):
+    result = run_mpt("launch", "--gpus", str(gpus), "--master-port", str(find_free_port()),
+                     *flags, *args, timeout=300, env={**ds_env(), **(env or {})})
+    if ok:
+        assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def zero3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("zero3")
+    launch(worker("foreign_deepspeed.py"), str(out), "3", str(SAVE_AT), str(STEPS))
+    return out
+
+
+@pytest.fixture(scope="module")
+def fsdp2_dcp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("fsdp2")
+    launch(worker("foreign_fsdp2.py"), str(out), str(SAVE_AT), str(STEPS))
+    return out
+
+
+def check_curve(out: Path, reference: list[float], backend: str, world: int) -> None:
+    resumed = json.loads((out / f"mpt-{backend}-{world}.json").read_text())
+    assert resumed["step"] == SAVE_AT
+    assert [int(s) for s in resumed["loss"]] == list(range(SAVE_AT + 1, STEPS + 1))
+    for step, loss in resumed["loss"].items():
+        want = reference[int(step) - 1]
+        assert abs(loss - want) <= 1e-5 * abs(want), (backend, world, step, loss, want)
+
+
+BACKENDS = [("fsdp", ()), ("deepspeed", ("--zero-stage", "3"))]
+
+
+@pytest.mark.parametrize(("backend", "flags"), BACKENDS, ids=[b for b, _ in BACKENDS])
+def test_each_rank_restores_deepspeeds_own_state_without_a_copy(zero3, backend, flags,
+                                                                tmp_path):
+    launch(JOB, str(zero3 / "ds"), str(tmp_path), str(zero3 / "expected.pt"),
+           flags=("--backend", backend, *flags),
+           env={"PYTHONDONTWRITEBYTECODE": "1"})  # a module's .pyc is no copy
+    said = json.loads((tmp_path / f"direct-{backend}-2.json").read_text())
+    assert said["step"] == SAVE_AT and said["differ"] == []
+    # a temporary mpt copy of even this state writes 68 KiB; a few pages of other writes pass
+    assert said["wrote"] < 32 << 10, said["wrote"]
+
+
+@pytest.mark.parametrize(("backend", "flags"), BACKENDS, ids=[b for b, _ in BACKENDS])
+def test_a_zero3_run_resumed_as_it_is_goes_on_on_deepspeeds_curve(zero3, backend, flags,
+                                                                 tmp_path):
+    launch(worker("foreign_resume.py"), str(tmp_path), str(STEPS),
+           flags=("--backend", backend, *flags, "--resume", str(zero3 / "ds")))
+    reference = json.loads((zero3 / "deepspeed.json").read_text())["loss"]
+    check_curve(tmp_path, reference, backend, 2)
+
+
+def test_an_fsdp2_dcp_run_resumed_as_it_is_goes_on_on_its_curve(fsdp2_dcp, tmp_path):
+    launch(worker("foreign_resume.py"), str(tmp_path), str(STEPS),
+           flags=("--backend", "fsdp", "--resume", str(fsdp2_dcp / "dcp")))
+    reference = json.loads((fsdp2_dcp / "fsdp2.json").read_text())["loss"]
+    check_curve(tmp_path, reference, "fsdp", 2)
+
+
+def test_a_truncated_rank_file_is_refused_in_one_line(zero3, tmp_path):
+    source = tmp_path / "ds"
+    shutil.copytree(zero3 / "ds", source)
+    victim = next((source / "global_step3").glob("*zero_pp_rank_1_*optim_states.pt"))
+    os.truncate(victim, victim.stat().st_size // 2)
+    result = launch(JOB, str(source), str(tmp_path), flags=("--backend", "fsdp"), ok=False)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert victim.name in result.stderr
+    assert not (tmp_path / "direct-fsdp-2.json").exists()

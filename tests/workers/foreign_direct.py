@@ -1,0 +1,55 @@
+"""An mpt run that loads another framework's checkpoint as it is (``rt.load(SRC)``) and says
+what it restored (started by test_foreign_direct.py through `mpt launch`, not a test).
+
+usage: mpt launch ... foreign_direct.py SRC OUT [EXPECTED]
+The plain scripts' model, AdamW and warm-up schedule (``foreign_common``); after the load,
+every rank's whole weights and optimizer state are gathered (collectives) and rank 0 writes
+OUT/direct-<backend>-<world size>.json: the step, the learning rate, the bytes ranks 0 and 1
+wrote to disk during the load (``/proc/self/io``), and, where EXPECTED
+(DeepSpeed's own full fp32 masters and Adam moments, ``expected.pt``) is given, the names of
+every tensor that differs from it (none: bit for bit).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from common import make_model
+from foreign_common import make_adamw, make_warmup
+
+import mpt
+
+src, out = sys.argv[1], Path(sys.argv[2])
+expected_file = sys.argv[3] if len(sys.argv) > 3 else None
+rt = mpt.Runtime()
+model = make_model()
+model, optimizer = rt.setup(model, make_adamw(model))
+scheduler = make_warmup(optimizer)
+
+
+def written() -> int:
+    """Bytes this process has had written to disk so far (``/proc/self/io``)."""
+    lines = Path("/proc/self/io").read_text().splitlines()
+    return next(int(line.split()[1]) for line in lines if line.startswith("write_bytes:"))
+
+
+before = written()
+info = rt.load(src, scheduler=scheduler)
+wrote = rt.backend.broadcast_object(written() - before, src=1) + written() - before
+weights = rt.backend.model_state_dict(model)
+state = rt.backend.optimizer_state_dict(model, optimizer)["state"]
+differ = []
+if expected_file is not None:
+    expected = torch.load(expected_file, weights_only=True)
+    for name, want in expected["fp32"].items():
+        if not torch.equal(weights[name].float(), want):
+            differ.append(name)
+        for key in ("exp_avg", "exp_avg_sq"):
+            if not torch.equal(state[name][key], expected[key][name]):
+                differ.append(f"{name}/{key}")
+if rt.rank == 0:
+    (out / f"direct-{rt.backend.name}-{rt.world_size}.json").write_text(json.dumps(
+        {"step": info["step"], "lr": scheduler.get_last_lr(), "differ": differ,
+         "wrote": wrote}))
+rt.close()
