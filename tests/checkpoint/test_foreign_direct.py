@@ -4,9 +4,10 @@ The sources are written by the libraries themselves (workers/foreign_deepspeed.p
 engine at ZeRO-3 on 2 CPU ranks; workers/foreign_fsdp2.py: ``fully_shard`` + ``dcp.save``),
 after step 3 of 8. mpt then loads each with real processes (2 ranks, gloo) under backends whose
 ranks hold pieces of the state (fsdp, DeepSpeed ZeRO-3), each rank restoring its own pieces
-straight from the source: the fp32 masters and Adam moments restored must be DeepSpeed's, bit
-for bit, no rank may write a temporary mpt copy, and the resumed run must follow the plain
-script's own curve (1e-5 relative).
+straight from the source: the fp32 masters and Adam moments restored must be the source's, bit
+for bit, no rank may write a temporary mpt copy, a rank must read less of a DCP directory's
+files than all of them (only the chunks that overlap its pieces), and the resumed run must
+follow the plain script's own curve (1e-5 relative).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 from conftest import ds_env, find_free_port, run_mpt, worker
@@ -48,6 +51,20 @@ def fsdp2_dcp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("fsdp2")
     launch(worker("foreign_fsdp2.py"), str(out), str(SAVE_AT), str(STEPS))
     return out
+
+
+@pytest.fixture(scope="module")
+def fsdp2_expected(fsdp2_dcp: Path) -> Path:
+    """The DCP source's full weights and Adam moments, as torch's own ``dcp_to_torch_save``
+    reads them, in ``expected.pt``'s layout (``foreign_direct.py``)."""
+    whole = fsdp2_dcp / "whole.pt"
+    dcp_to_torch_save(fsdp2_dcp / "dcp", whole)
+    state = torch.load(whole, weights_only=True)
+    moments = state["optimizer"]["state"]
+    expected = fsdp2_dcp / "expected.pt"
+    torch.save({"fp32": state["model"], **{key: {name: s[key] for name, s in moments.items()}
+                                          for key in ("exp_avg", "exp_avg_sq")}}, expected)
+    return expected
 
 
 def check_curve(out: Path, reference: list[float], backend: str, world: int) -> None:
@@ -81,6 +98,20 @@ def test_a_zero3_run_resumed_as_it_is_goes_on_on_deepspeeds_curve(zero3, backend
            flags=("--backend", backend, *flags, "--resume", str(zero3 / "ds")))
     reference = json.loads((zero3 / "deepspeed.json").read_text())["loss"]
     check_curve(tmp_path, reference, backend, 2)
+
+
+@pytest.mark.parametrize(("backend", "flags"), BACKENDS, ids=[b for b, _ in BACKENDS])
+def test_each_rank_restores_an_fsdp2_dcp_state_reading_only_its_chunks(
+        fsdp2_dcp, fsdp2_expected, backend, flags, tmp_path):
+    launch(JOB, str(fsdp2_dcp / "dcp"), str(tmp_path), str(fsdp2_expected),
+           flags=("--backend", backend, *flags), env={"PYTHONDONTWRITEBYTECODE": "1"})
+    said = json.loads((tmp_path / f"direct-{backend}-2.json").read_text())
+    assert said["step"] == SAVE_AT and said["differ"] == []
+    assert said["wrote"] < 32 << 10, said["wrote"]
+    stored = sum(p.stat().st_size for p in (fsdp2_dcp / "dcp").glob("*.distcp"))
+    # whole, each rank would read every blob: all the files' bytes; DCP's own reader reads
+    # them with read(), which leaves the count at 0
+    assert all(0 < read < stored for read in said["read"]), (said["read"], stored)
 
 
 def test_an_fsdp2_dcp_run_resumed_as_it_is_goes_on_on_its_curve(fsdp2_dcp, tmp_path):

@@ -5,12 +5,15 @@ usage: mpt launch ... foreign_direct.py SRC OUT [EXPECTED]
 The plain scripts' model, AdamW and warm-up schedule (``foreign_common``); after the load,
 every rank's whole weights and optimizer state are gathered (collectives) and rank 0 writes
 OUT/direct-<backend>-<world size>.json: the step, the learning rate, the bytes ranks 0 and 1
-wrote to disk during the load (``/proc/self/io``), and, where EXPECTED
-(DeepSpeed's own full fp32 masters and Adam moments, ``expected.pt``) is given, the names of
-every tensor that differs from it (none: bit for bit).
+wrote to disk during the load (``/proc/self/io``), the bytes each rank read from SRC's files
+with ``os.pread`` (how a DCP source's blobs are read: counted by a wrapper, since a state this
+small is lost in ``rchar``'s other reads), and, where EXPECTED (the source's own full fp32
+weights or masters and Adam moments, ``expected.pt``) is given, the names of every tensor that
+differs from it (none: bit for bit).
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -34,9 +37,23 @@ def written() -> int:
     return next(int(line.split()[1]) for line in lines if line.startswith("write_bytes:"))
 
 
+source, read, pread = Path(src).resolve(), [0], os.pread
+
+
+def counted_pread(fd: int, n: int, offset: int) -> bytes:
+    """``os.pread``, adding what it read from a file of the source to ``read``."""
+    data = pread(fd, n, offset)
+    if Path(os.readlink(f"/proc/self/fd/{fd}")).is_relative_to(source):
+        read[0] += len(data)
+    return data
+
+
+os.pread = counted_pread
 before = written()
 info = rt.load(src, scheduler=scheduler)
+os.pread = pread
 wrote = rt.backend.broadcast_object(written() - before, src=1) + written() - before
+reads = [rt.backend.broadcast_object(read[0], src=r) for r in range(rt.world_size)]
 weights = rt.backend.model_state_dict(model)
 state = rt.backend.optimizer_state_dict(model, optimizer)["state"]
 differ = []
@@ -51,5 +68,5 @@ if expected_file is not None:
 if rt.rank == 0:
     (out / f"direct-{rt.backend.name}-{rt.world_size}.json").write_text(json.dumps(
         {"step": info["step"], "lr": scheduler.get_last_lr(), "differ": differ,
-         "wrote": wrote}))
+         "wrote": wrote, "read": reads}))
 rt.close()

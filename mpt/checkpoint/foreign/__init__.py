@@ -99,7 +99,7 @@ def load(src: str | os.PathLike[str], parts: TrainingState,
     checkpoint convert` then ``--resume`` would, with no copy on disk (``restore``). Every rank
     reads the source's layout itself; where the run's ranks hold pieces of the state, each
     reads only its own pieces of the tensors a reader leaves in the source's files (ZeRO's
-    partitions) and slices the others (a torch file's, mapped; DCP's, read whole by each rank)."""
+    partitions, DCP's chunks) and slices the others (a torch file's, mapped)."""
     from mpt.checkpoint.foreign import restore
 
     imported = read(Path(src))

@@ -19,7 +19,7 @@ import json
 import mmap
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from queue import Queue
@@ -84,6 +84,51 @@ class OnDisk(torch.Tensor):
     def detach(self) -> OnDisk:  # type: ignore[override]
         """Itself: ``encode`` keeps a tensor's ``detach()``, and this has nothing to detach."""
         return self
+
+
+class Lazy(torch.Tensor):
+    """A tensor a reader fetches from the source's files when asked, any box of it at a time.
+    Like ``OnDisk`` it is a meta tensor (shape and dtype, no data) that checks and ``encode``
+    take as it is; a subclass (``dcp.InChunks``) says where its values lie and reads them."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # ops give plain meta tensors
+
+    def detach(self) -> Lazy:  # type: ignore[override]
+        """Itself: ``encode`` keeps a tensor's ``detach()``, and this has nothing to detach."""
+        return self
+
+    def extents(self) -> tuple[Range, ...]:
+        """The byte ranges of the source's files it may read (checked against their sizes)."""
+        raise NotImplementedError
+
+    def fill_box(self, offsets: Sequence[int], sizes: Sequence[int], out: torch.Tensor,
+                 fd: Callable[[str], int]) -> None:
+        """``out`` (of ``sizes``) := the box of it at ``offsets``, read through ``fd`` (a
+        file's path -> an open descriptor of it)."""
+        raise NotImplementedError
+
+    def whole(self, fd: Callable[[str], int] | None = None) -> torch.Tensor:
+        """All of it, in memory (read through ``fd``, or files opened for this read)."""
+        out = torch.empty(self.shape, dtype=self.dtype)
+        if out.numel() == 0:
+            return out
+        with Opened() as files:
+            self.fill_box((0,) * out.dim(), tuple(out.shape), out, fd or files.fd)
+        return out
+
+
+class Opened(ExitStack):
+    """Source files, each opened once (read-only) when first named, and closed together."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fds: dict[str, int] = {}
+
+    def fd(self, path: str) -> int:
+        """An open descriptor of the file ``path``."""
+        if path not in self.fds:
+            self.fds[path] = self.enter_context(open(path, "rb")).fileno()  # noqa: SIM115
+        return self.fds[path]
 
 
 @dataclass(kw_only=True)
@@ -206,7 +251,7 @@ def _stream(f: BinaryIO, tensors: dict[str, torch.Tensor]) -> FileEntry:
     """Write ``tensors`` to ``f`` as ``tensorfile.write`` does (the same safetensors bytes),
     an ``OnDisk`` tensor's bytes copied from its files; return the size and sha256. A second
     thread hashes each piece once it is written, up to ``_AHEAD`` pieces behind."""
-    ordered = {name: t if isinstance(t, OnDisk) else t.detach().to("cpu").contiguous()
+    ordered = {name: t if isinstance(t, OnDisk | Lazy) else t.detach().to("cpu").contiguous()
                for name, t in sorted(tensors.items())}
     sha = hashlib.sha256()
     written: Queue[_Piece | None] = Queue(maxsize=_AHEAD)
@@ -221,7 +266,7 @@ def _stream(f: BinaryIO, tensors: dict[str, torch.Tensor]) -> FileEntry:
     hasher = threading.Thread(target=hash_all)
     hasher.start()
     try:
-        with ExitStack() as files:
+        with Opened() as files:
             for piece in _pieces(ordered, files):
                 f.write(piece.view)
                 size += len(piece.view)
@@ -249,11 +294,14 @@ class _Piece:
     unmapped once hashed so that its pages leave the process's memory."""
 
     def __init__(self, view: memoryview, mapping: mmap.mmap | None = None, *,
-                 whole: memoryview | None = None) -> None:
+                 whole: memoryview | None = None, owner: torch.Tensor | None = None) -> None:
         self.view = view
         self.mapping = mapping
         self.whole = whole
         """The view of the whole mapping ``view`` is cut from: released too before unmapping."""
+        self.owner = owner
+        """The tensor whose memory ``view`` is, where nothing else keeps it (a ``Lazy``
+        tensor read for the write): kept until its piece is hashed."""
 
     def close(self) -> None:
         self.view.release()
@@ -261,24 +309,26 @@ class _Piece:
             self.whole.release()
         if self.mapping is not None:
             self.mapping.close()
+        self.owner = None
 
 
-def _pieces(ordered: dict[str, torch.Tensor], files: ExitStack) -> Iterator[_Piece]:
-    """The safetensors file of ``ordered`` (CPU or ``OnDisk`` tensors, in key order), piece
-    by piece; the sources' files are opened once, on ``files``."""
+def _pieces(ordered: dict[str, torch.Tensor], files: Opened) -> Iterator[_Piece]:
+    """The safetensors file of ``ordered`` (CPU, ``OnDisk`` or ``Lazy`` tensors, in key
+    order), piece by piece; the sources' files are opened once, on ``files``; a ``Lazy``
+    tensor is read whole in its turn and let go once written."""
     yield _Piece(memoryview(tensorfile.header(ordered)))
-    opened: dict[str, int] = {}
     for tensor in ordered.values():
+        owner = None
+        if isinstance(tensor, Lazy):
+            tensor = owner = tensor.whole(files.fd)
         if not isinstance(tensor, OnDisk):
             raw = tensorfile.raw_bytes(tensor)
             for at in range(0, len(raw), _PIECE):
-                yield _Piece(raw[at:at + _PIECE])
+                yield _Piece(raw[at:at + _PIECE], owner=owner)
             continue
         for path, offset, count in tensor.ranges:
-            if path not in opened:
-                opened[path] = files.enter_context(open(path, "rb")).fileno()  # noqa: SIM115
             for at in range(offset, offset + count, _PIECE):
-                yield _mapped(opened[path], at, min(_PIECE, offset + count - at))
+                yield _mapped(files.fd(path), at, min(_PIECE, offset + count - at))
 
 
 def _mapped(fd: int, offset: int, count: int) -> _Piece:

@@ -8,8 +8,9 @@ shards, ZeRO's flat ranges, a pipeline's stages), each rank materialises only wh
 of a sharded mpt checkpoint (``held.rank_reads``): its pieces, copied in place from the source,
 and whole only the small rest; another stage's tensors stay unread. An ``imported.OnDisk``
 tensor (ZeRO's partitions) is read from its files with plain reads of just the bytes a piece
-needs, straight into that piece; a tensor the reader holds (a memory-mapped torch file's, DCP's)
-is sliced. Elsewhere (every rank holds the whole state) each tensor is read whole.
+needs, straight into that piece; an ``imported.Lazy`` one (DCP's chunks) reads just the chunks
+that overlap the piece; a tensor the reader holds (a memory-mapped torch file's) is sliced.
+Elsewhere (every rank holds the whole state) each tensor is read whole, one at a time.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import itertools
 import math
 import os
 import time
-from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -27,7 +27,9 @@ from mpt.checkpoint import io
 from mpt.checkpoint.contents import Contents
 from mpt.checkpoint.foreign.imported import (
     Imported,
+    Lazy,
     OnDisk,
+    Opened,
     manifest_fields,
     model_tensors,
     state_json,
@@ -79,23 +81,17 @@ def load(imported: Imported, parts: TrainingState, src: str) -> dict[str, Any]:
     return restore(src, contents, parts)
 
 
-class _Files(ExitStack):
-    """The source files ``OnDisk`` tensors lie in, each opened once, and the reads from them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fds: dict[str, int] = {}
-
-    def fd(self, path: str) -> int:
-        if path not in self.fds:
-            self.fds[path] = self.enter_context(open(path, "rb")).fileno()  # noqa: SIM115
-        return self.fds[path]
+class _Files(Opened):
+    """The source files ``OnDisk`` and ``Lazy`` tensors lie in, each opened once, and the
+    reads from them."""
 
     def check(self, tensors: Any) -> None:
-        """Refuse an ``OnDisk`` tensor whose bytes lie past the end of its file."""
+        """Refuse an ``OnDisk`` or ``Lazy`` tensor whose bytes lie past the end of its file."""
         sizes: dict[str, int] = {}
         for t in tensors:
-            for path, offset, count in t.ranges if isinstance(t, OnDisk) else ():
+            ranges = t.ranges if isinstance(t, OnDisk) else t.extents() if isinstance(
+                t, Lazy) else ()
+            for path, offset, count in ranges:
                 if path not in sizes:
                     sizes[path] = os.fstat(self.fd(path)).st_size
                 if offset + count > sizes[path]:
@@ -104,7 +100,9 @@ class _Files(ExitStack):
                                      "checkpoint as the framework wrote it, complete")
 
     def whole(self, t: Any) -> Any:
-        """``t`` as a tensor in memory (an ``OnDisk`` one read)."""
+        """``t`` as a tensor in memory (an ``OnDisk`` or ``Lazy`` one read)."""
+        if isinstance(t, Lazy):
+            return t.whole(self.fd)
         if not isinstance(t, OnDisk):
             return t
         out = torch.empty(t.shape, dtype=t.dtype)
@@ -129,7 +127,9 @@ class _Files(ExitStack):
 
     def copy_range(self, t: Any, start: int, out: torch.Tensor) -> None:
         """``out`` (1-D) := elements ``start`` on of ``t`` flattened."""
-        if not isinstance(t, OnDisk):
+        if isinstance(t, Lazy):
+            self.copy_lazy_range(t, start, out)
+        elif not isinstance(t, OnDisk):
             out.copy_(t.reshape(-1)[start:start + out.numel()])
         elif out.dtype == t.dtype and out.is_contiguous():
             self.read(t, start, out)
@@ -138,9 +138,27 @@ class _Files(ExitStack):
             self.read(t, start, buffer)
             out.copy_(buffer)
 
+    def copy_lazy_range(self, t: Lazy, start: int, out: torch.Tensor) -> None:
+        """``copy_range`` of a ``Lazy`` tensor: the box of whole rows (along the first
+        dimension) that holds the range is read, then the range is copied out of it."""
+        if out.numel() == 0:
+            return
+        if t.dim() == 0:
+            out.copy_(t.whole(self.fd).reshape(-1)[start:start + out.numel()])
+            return
+        row = math.prod(t.shape[1:])
+        first, last = start // row, -(-(start + out.numel()) // row)
+        rows = torch.empty((last - first, *t.shape[1:]), dtype=t.dtype)
+        t.fill_box((first,) + (0,) * (t.dim() - 1), tuple(rows.shape), rows, self.fd)
+        at = start - first * row
+        out.copy_(rows.view(-1)[at:at + out.numel()])
+
     def copy_box(self, t: Any, offsets: tuple[int, ...], sizes: tuple[int, ...],
                  out: torch.Tensor) -> None:
         """``out`` (of ``sizes``) := the box of ``t`` at ``offsets``."""
+        if isinstance(t, Lazy):
+            t.fill_box(offsets, sizes, out, self.fd)
+            return
         if not isinstance(t, OnDisk):
             box = t
             for dim, (at, n) in enumerate(zip(offsets, sizes, strict=True)):
