@@ -121,8 +121,8 @@ def _input_shape(given: str | None, net: object) -> list[int]:
 def _calibrate(output: Path) -> None:
     from mpt.plan import calibrate
 
-    err.print("measuring: collectives between 2 processes, then matmuls, memory and op "
-              "overhead (about 15 s)")
+    err.print("measuring: collectives between 2 processes, then matmuls by shape, memory, op "
+              "overhead and optimizer steps (about 30 s on 2 CPU cores)")
     found = calibrate.measure()
     calibrate.save(found, output)
     flops = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in found.flops.items())

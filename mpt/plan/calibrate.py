@@ -3,16 +3,22 @@
 Two real processes (``torch.multiprocessing``, gloo on a CPU, NCCL on GPUs) each as `mpt
 launch` starts a rank (one intra-op thread):
 
-1. a sweep of allreduce, all-gather and reduce-scatter sizes between them, each fitted by least
-   squares to ``t = latency + ring factor x size / bus bandwidth`` (nccl-tests' busbw);
+1. a sweep of allreduce, all-gather and reduce-scatter sizes (16 KiB - 32 MiB) between them,
+   each fitted by least squares to ``t = latency + ring factor x size / bus bandwidth``
+   (nccl-tests' busbw);
 2. then every rank at once (each shares the machine as it will while training), rank 0's
-   figures kept: square matmuls per dtype (float32, bfloat16, float16), the bandwidth of a
-   large copy, and the time of a one-element op (the dispatch overhead). Each figure is the
-   median of a few timings after a warm-up.
+   figures kept: per dtype (float32, bfloat16, float16), matmuls of ``N`` x ``N`` weights
+   whose smallest dimension sweeps ``SMALLEST`` then ``N``, both with few rows (``s x N @ N x
+   N``: a forward, an input gradient) and a short inner dimension (``N x s @ s x N``: a
+   weight gradient), on operands rotated through more memory than the caches hold, as a
+   training step streams each weight from memory; the bandwidth of a large copy; the time of
+   a one-element op (the dispatch overhead); and the seconds per parameter of each optimizer's
+   torch step (its default path on the device: single-tensor on a CPU, foreach on CUDA).
+   Each figure is the median of a few timings after a warm-up.
 
 The file keeps the machine's identity (host name, CPU model, device name, torch); a file from
-another machine is refused where it is loaded. Only one machine is measured: the inter-node
-link still comes from ``--link``.
+another machine is refused where it is loaded, and so is one of an older format. Only one
+machine is measured: the inter-node link still comes from ``--link``.
 """
 
 from __future__ import annotations
@@ -35,10 +41,25 @@ from mpt.errors import UsageError
 from mpt.plan.network import ring_factor, ring_steps
 from mpt.plan.profiles import CollectiveFit, Device, Link
 
-FORMAT = "mpt-plan-calibration/1"
-SIZES = (1 << 14, 1 << 18, 1 << 21, 1 << 23)
-"""Bytes per collective in the sweep: from latency-bound to bandwidth-bound, under a second."""
+FORMAT = "mpt-plan-calibration/2"
+"""Version 2 added ``matmul_sweep`` and ``update_seconds``."""
+SIZES = (1 << 14, 1 << 18, 1 << 21, 1 << 23, 1 << 25)
+"""Bytes per collective in the sweep: from latency-bound to bandwidth-bound and as large as
+what training sends (DDP's 25 MiB buckets, fsdp's units): beyond the caches, a message moves
+slower than one of 8 MiB (here 13.6 ms for a 16.8 MB all-gather against 6.6-8 ms from a sweep
+that stopped at 8 MiB)."""
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SMALLEST = (1, 4, 16, 64, 256)
+"""The smallest matmul dimensions swept (a batch's rows; then the square's ``N``)."""
+COLD_BYTES = 1 << 26
+"""Bytes each matmul timing rotates its operands through: twice this machine's L3 (32 MiB)."""
+SLOW = 0.05
+"""Seconds of one matmul above which its timing needs no cold copies (and takes no repeats)."""
+OPTIMIZERS: dict[str, tuple[str, dict[str, float]]] = {
+    "adam": ("Adam", {}), "adamw": ("AdamW", {}), "sgd": ("SGD", {}),
+    "sgd-momentum": ("SGD", {"momentum": 0.9}), "rmsprop": ("RMSprop", {}),
+    "adagrad": ("Adagrad", {})}
+"""``--optimizer`` names as torch.optim classes and their arguments besides ``lr``."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,6 +82,10 @@ class Calibration:
     """Bytes one rank may fill: the device's memory, or the host's over the ranks."""
     collectives: dict[str, dict[str, float]]
     """By collective: ``latency`` (s per ring step) and ``bus_bandwidth`` (bytes/s)."""
+    matmul_sweep: dict[str, dict[str, list[list[float]]]]
+    """By dtype, ``rows`` and ``inner``: ``[smallest dimension, FLOP/s]`` pairs (``Device``)."""
+    update_seconds: dict[str, float]
+    """Seconds of torch's optimizer step per parameter, by ``--optimizer`` name."""
 
     def device(self, source: str) -> Device:
         """The cost model's device from these figures; ``source`` names the file."""
@@ -76,7 +101,8 @@ class Calibration:
                       # own): docs/benchmarks.md's scaling runs show nothing hidden on them.
                       overlap=0.0 if self.backend == "gloo" else 1.0,
                       collectives=fits, source=source,
-                      device_type="cpu" if self.backend == "gloo" else "cuda")
+                      device_type="cpu" if self.backend == "gloo" else "cuda",
+                      matmul_sweep=self.matmul_sweep, update_seconds=self.update_seconds)
 
 
 def cpu_name() -> str:
@@ -146,23 +172,75 @@ def sweep(world: int, device: torch.device, sync: Callable[[], None]
     return fits
 
 
-def device_figures(device: torch.device, sync: Callable[[], None]) -> dict[str, Any]:
-    """This rank's matmul FLOP/s by dtype, copy bandwidth and op overhead. Every rank measures
-    at once, so that each shares the machine as it does while training."""
-    n = 4096 if device.type == "cuda" else 512
-    flops = {}
+def _cold_flops(shapes: tuple[tuple[int, int], tuple[int, int]], dtype: torch.dtype,
+                device: torch.device, sync: Callable[[], None]) -> float:
+    """FLOP/s of ``a @ b`` of these shapes, each timing through enough copies of the operands
+    that none is in a cache when its turn comes; a matmul slower than ``SLOW`` seconds (fp16
+    on most CPUs) is timed once, alone: its time is its own kernel's, not the caches'."""
+    (m, k), (_, n) = shapes
+    flops = 2 * m * k * n
+    first = (torch.randn(m, k, device=device, dtype=dtype),
+             torch.randn(k, n, device=device, dtype=dtype))
+    start = time.perf_counter()
+    first[0] @ first[1]
+    sync()
+    once = time.perf_counter() - start
+    if once > SLOW:
+        return flops / once
+    size = (m * k + k * n + m * n) * first[0].element_size()
+    copies = max(1, min(-(-COLD_BYTES // size), int(SLOW / max(once, 1e-6))))
+    pairs = [first, *((torch.randn(m, k, device=device, dtype=dtype),
+                       torch.randn(k, n, device=device, dtype=dtype))
+                      for _ in range(copies - 1))]
+
+    def run() -> None:
+        for a, b in pairs:
+            a @ b
+
+    return flops * len(pairs) / _timed(run, 5, sync)
+
+
+def matmul_figures(device: torch.device, sync: Callable[[], None]
+                   ) -> tuple[dict[str, float], dict[str, dict[str, list[list[float]]]]]:
+    """The square matmul's FLOP/s by dtype, and the sweep over the smallest dimension."""
+    n = 4096 if device.type == "cuda" else 1024
+    peaks: dict[str, float] = {}
+    sweeps: dict[str, dict[str, list[list[float]]]] = {}
     for dtype in DTYPES:
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        b = torch.randn(n, n, device=device, dtype=dtype)
-        flops[str(dtype).removeprefix("torch.")] = 2 * n**3 / _timed(lambda a=a, b=b: a @ b,
-                                                                     3, sync)
+        name = str(dtype).removeprefix("torch.")
+        square = _cold_flops(((n, n), (n, n)), dtype, device, sync)
+        rows = [[s, _cold_flops(((s, n), (n, n)), dtype, device, sync)] for s in SMALLEST]
+        inner = [[s, _cold_flops(((n, s), (s, n)), dtype, device, sync)] for s in SMALLEST]
+        peaks[name] = square
+        sweeps[name] = {"rows": [*rows, [n, square]], "inner": [*inner, [n, square]]}
+    return peaks, sweeps
+
+
+def update_figures(device: torch.device, sync: Callable[[], None]) -> dict[str, float]:
+    """Seconds per parameter of each optimizer's torch step over 4 x 2^20 fp32 parameters
+    (with their gradients and states, beyond the caches)."""
+    found = {}
+    for name, (cls, kwargs) in OPTIMIZERS.items():
+        params = [torch.zeros(1 << 20, device=device, requires_grad=True) for _ in range(4)]
+        for p in params:
+            p.grad = torch.full_like(p, 1e-3)
+        optimizer = getattr(torch.optim, cls)(params, lr=1e-3, **kwargs)
+        found[name] = _timed(optimizer.step, 5, sync) / sum(p.numel() for p in params)
+    return found
+
+
+def device_figures(device: torch.device, sync: Callable[[], None]) -> dict[str, Any]:
+    """This rank's matmul FLOP/s by dtype and shape, copy bandwidth, op overhead and optimizer
+    steps. Every rank measures at once, so that each shares the machine as it does while
+    training."""
+    flops, sweeps = matmul_figures(device, sync)
     src = torch.ones(1 << 24, device=device)  # 64 MiB: beyond any cache
     dst = torch.empty_like(src)
     copy = _timed(lambda: dst.copy_(src), 5, sync)
     one = torch.ones(1, device=device)
     overhead = _timed(lambda: [one.add_(1) for _ in range(200)], 3, sync) / 200
-    return {"flops": flops, "memory_bandwidth": 2 * src.nbytes / copy,
-            "op_overhead": overhead}
+    return {"flops": flops, "matmul_sweep": sweeps, "memory_bandwidth": 2 * src.nbytes / copy,
+            "op_overhead": overhead, "update_seconds": update_figures(device, sync)}
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
@@ -223,7 +301,13 @@ def load(path: Path) -> Calibration:
     except (OSError, json.JSONDecodeError) as exc:
         raise UsageError("--calibration", path, f"it cannot be read ({exc})",
                          "pass a file written by `mpt plan --calibrate --output FILE`") from None
-    if not isinstance(data, dict) or data.pop("format", None) != FORMAT:
+    found_format = data.pop("format", None) if isinstance(data, dict) else None
+    if isinstance(found_format, str) and found_format.startswith(FORMAT.rpartition("/")[0]) \
+            and found_format != FORMAT:
+        raise UsageError("--calibration", path, f"it is a {found_format} file, older than "
+                         f"this mpt's {FORMAT} (no matmul shape sweep, no optimizer steps)",
+                         f"run `mpt plan --calibrate --output {path}` again")
+    if found_format != FORMAT:
         raise UsageError("--calibration", path, f"it is not a {FORMAT} file",
                          "pass a file written by `mpt plan --calibrate --output FILE`")
     found = Calibration(**data)

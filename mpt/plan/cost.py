@@ -4,10 +4,12 @@ and pipeline bubble, bytes on the links, and what limits it.
 The step, for a rank of the slowest pipeline stage:
 
 - compute: every op of the stage's forward and backward (``mpt.plan.workload``) at
-  ``max(FLOPs / peak of the compute dtype, bytes / memory bandwidth) + op overhead``, the ops
-  a tensor-parallel plan splits divided by T; then the optimizer step, which streams
-  4 x (3 + 2 x states) bytes per parameter it steps (read weight, gradient and states, write
-  weight and states).
+  ``max(FLOPs / matmul throughput, bytes / memory bandwidth) + op overhead``, the throughput
+  the compute dtype's at the matmul's shape where the device was calibrated (a skinny matmul
+  runs far below a square one), its peak otherwise; the ops a tensor-parallel plan splits
+  divided by T; then the optimizer step: the calibrated seconds per parameter of torch's own
+  step, or, on a datasheet profile, 4 x (3 + 2 x states) bytes per parameter it steps (read
+  weight, gradient and states, write weight and states) at the memory bandwidth.
 - tensor parallelism: the plan's allreduces of activations, in the forward and the backward, on
   the critical path (each waits for its matmul and the next op waits for it).
 - pipeline (1F1B/GPipe, M micro-batches, P stages): M micro-batches of compute, a bubble of
@@ -134,6 +136,8 @@ class Model:
     """Module name -> tp style."""
     optimizer_states: int
     """fp32 values the optimizer keeps per parameter."""
+    optimizer: str = "adam"
+    """``--optimizer``: which calibrated step cost applies."""
 
 
 def activation_width(spec: PrecisionSpec) -> float:
@@ -149,7 +153,7 @@ def op_seconds(op: Op, cluster: Cluster, spec: PrecisionSpec, tp: int) -> float:
     matmul = op.flops > 0
     width = spec.compute.itemsize / 4 if matmul else activation_width(spec)
     dtype = str(spec.compute).removeprefix("torch.") if matmul else "float32"
-    seconds = max(op.flops / device.matmul_flops(dtype),
+    seconds = max(op.flops / device.matmul_flops(dtype, op.shape),
                   op.bytes * width / device.memory_bandwidth)
     return (seconds / tp if op.split else seconds) + device.op_overhead
 
@@ -207,8 +211,7 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
     window = {"backward": terms["backward"], "step": terms["forward"] + terms["backward"],
               "none": 0.0}[flow.window] * cluster.device.overlap
     stepped = trained / plan.dp_shard if flow.shards_optimizer else trained
-    terms["optimizer step"] = (stepped * 4 * (3 + 2 * model.optimizer_states)
-                               / cluster.device.memory_bandwidth)
+    terms["optimizer step"] = optimizer_seconds(stepped, model, cluster)
     terms["data-parallel communication"] = max(0.0, dp_seconds - window)
     compute = terms["forward"] + terms["backward"] + terms["optimizer step"]
     exposed = (terms["data-parallel communication"] + terms["tensor-parallel allreduces"]
@@ -225,6 +228,16 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
         rank_bytes=dp_rank + 2 * m * p2p.per_rank + m * tp_time.per_rank,
         terms=terms, limiter="")
     return _with_limiter(prediction, slowest, f"dp {kinds} ({where})")
+
+
+def optimizer_seconds(parameters: float, model: Model, cluster: Cluster) -> float:
+    """The optimizer step over ``parameters``: torch's step as calibrated (per parameter, its
+    own path and passes), else its bytes (read weight, gradient and states, write weight and
+    states) at the memory bandwidth."""
+    device = cluster.device
+    if model.optimizer in device.update_seconds:
+        return parameters * device.update_seconds[model.optimizer]
+    return parameters * 4 * (3 + 2 * model.optimizer_states) / device.memory_bandwidth
 
 
 def _data_parallel(flow: Traffic, plan: ParallelPlan, cluster: Cluster

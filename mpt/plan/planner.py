@@ -57,7 +57,7 @@ def model_of(net: nn.Module, input_shape: Sequence[int], input_dtype: torch.dtyp
         return [[name for name, _ in blocks] for blocks in stage_blocks(net, pp)]
 
     return Model(net=net, stages=stages, workload=workload, tp_plan=tp_plan_of(net),
-                 optimizer_states=OPTIMIZER_STATES[optimizer])
+                 optimizer_states=OPTIMIZER_STATES[optimizer], optimizer=optimizer)
 
 
 def plan(net: nn.Module, cluster: Cluster, *, precision: str, batch: int,

@@ -24,8 +24,10 @@ Latencies of datasheet links (5 us per ring step) are an assumption, stated as s
 
 from __future__ import annotations
 
+import bisect
+import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from mpt.errors import UsageError
@@ -85,10 +87,41 @@ class Device:
     """``datasheet``, or the calibration file the figures were measured into."""
     device_type: str = "cuda"
     """torch's device type of the ranks (what precision refusals are checked for)."""
+    matmul_sweep: Mapping[str, Mapping[str, Sequence[Sequence[float]]]] = field(
+        default_factory=dict)
+    """Calibrated only: by dtype name, then ``rows`` (few output rows or columns: a forward,
+    an input gradient) or ``inner`` (a short inner dimension: a weight gradient), the FLOP/s
+    measured at each smallest dimension, ``[[dim, flops], ...]`` ascending; empty for a
+    datasheet profile, whose matmuls run at the peak."""
+    update_seconds: Mapping[str, float] = field(default_factory=dict)
+    """Calibrated only: seconds torch's optimizer step takes per parameter, by ``--optimizer``
+    name; empty: the step streams its bytes at the memory bandwidth."""
 
-    def matmul_flops(self, dtype: str) -> float:
-        """FLOP/s of a matmul in ``dtype``, the fp32 figure where the dtype was not measured."""
-        return self.flops.get(dtype, self.flops["float32"])
+    def matmul_flops(self, dtype: str, shape: Sequence[int] | None = None) -> float:
+        """FLOP/s of a matmul in ``dtype`` (the fp32 figure where the dtype was not measured)
+        of ``shape`` (rows, inner, columns): interpolated in the calibrated sweep by its
+        smallest dimension, the peak where there is no sweep, no shape or a large dimension."""
+        peak = self.flops.get(dtype, self.flops["float32"])
+        sweep = self.matmul_sweep.get(dtype, self.matmul_sweep.get("float32"))
+        if not sweep or shape is None:
+            return peak
+        rows, inner, columns = shape
+        kind = "inner" if inner < min(rows, columns) else "rows"
+        return interpolate(sweep[kind], min(shape)) if sweep.get(kind) else peak
+
+
+def interpolate(points: Sequence[Sequence[float]], x: float) -> float:
+    """``points`` (ascending ``[x, y]``) read at ``x``: linear in log x between two points,
+    the end point's value beyond either end."""
+    xs = [float(p[0]) for p in points]
+    at = bisect.bisect_left(xs, x)
+    if at == 0:
+        return float(points[0][1])
+    if at == len(xs):
+        return float(points[-1][1])
+    (x0, y0), (x1, y1) = points[at - 1], points[at]
+    share = math.log(x / x0) / math.log(x1 / x0)
+    return float(y0 + share * (y1 - y0))
 
 
 def _gpu(name: str, bf16: float, fp32: float, hbm: float, memory_gb: float, nvlink: str

@@ -3,9 +3,10 @@
 The model runs forward and backward on meta tensors (nothing allocated, any size) under a
 dispatch mode that records every op torch runs: its FLOPs (torch's own formulas,
 ``torch.utils.flop_counter``) and the bytes it reads and writes (its tensor arguments and
-results). The cost model turns each op into time with a roofline, ``max(FLOPs / peak, bytes /
-memory bandwidth)``, so memory-bound ops (norms, activations, small batches' matmuls) count at
-their real cost instead of their FLOPs.
+results), and a matmul's shape. The cost model turns each op into time with a roofline,
+``max(FLOPs / throughput, bytes / memory bandwidth)``, so memory-bound ops (norms, activations)
+count at their real cost instead of their FLOPs; a calibrated device's matmul throughput
+depends on the shape (a small batch's matmuls run far below a square one's).
 
 It runs block by block (``mpt.pipeline.split.ordered_blocks``: what a pipeline cuts between) so
 that every pipeline split the enumeration tries is priced from the same records, and records
@@ -50,6 +51,9 @@ class Op:
     split: bool = False
     """Whether it runs on 1/T of the features under tensor parallelism: inside a module the
     plan splits, or between a colwise module and the rowwise one that sums its result."""
+    shape: tuple[int, int, int] | None = None
+    """A matmul's (rows, inner, columns), each of its batch's matmuls; None for other ops
+    (and convolutions, attention kernels): a short dimension runs far below the peak."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -97,6 +101,18 @@ FUSED_ATTENTION = {torch.ops.aten._scaled_dot_product_flash_attention,
 """Attention kernels that compute only the unmasked blocks of a causal mask (FlashAttention and
 its kin): half the scores of a long sequence."""
 
+MATMULS = {torch.ops.aten.mm: 0, torch.ops.aten.addmm: 1, torch.ops.aten.bmm: 0,
+           torch.ops.aten.baddbmm: 1}
+"""Matmul ops, by the position of their first factor among the arguments."""
+
+
+def matmul_shape(packet: Any, args: Any) -> tuple[int, int, int] | None:
+    """(rows, inner, columns) of a matmul op's call, None for any other op."""
+    if packet not in MATMULS:
+        return None
+    first, second = args[MATMULS[packet]], args[MATMULS[packet] + 1]
+    return int(first.shape[-2]), int(first.shape[-1]), int(second.shape[-1])
+
 
 def _argument(func: Any, args: Any, kwargs: dict[str, Any], name: str) -> Any:
     """The value an op was called with for its argument ``name`` (by its schema), or its
@@ -131,7 +147,8 @@ class _Recorder(TorchDispatchMode):
             flops /= 2
         moved = sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
                     if isinstance(t, torch.Tensor))
-        self.ops.append(Op(flops=flops, bytes=float(moved), split=self.split))
+        self.ops.append(Op(flops=flops, bytes=float(moved), split=self.split,
+                           shape=matmul_shape(packet, args)))
         return out
 
 

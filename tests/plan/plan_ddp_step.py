@@ -1,7 +1,8 @@
 """A 2-process ddp step of a small MLP, measured beside this machine's calibration.
 
-Both run in the same two real gloo processes, one after the other, so that the figures the
-cost model is given and the step it predicts see the same machine (other jobs share its cores).
+Both run in the same two real gloo processes, one after the other and in alternating rounds
+(calibration, steps, calibration, steps, ...), so that the figures the cost model is given and
+the steps it predicts see the same machine (other jobs share its cores) over the same minutes.
 The step is raw torch DDP (what mpt's ddp backend wraps: mpt/raw is 1.006 in
 docs/benchmarks.md), one intra-op thread per process as `mpt launch` starts ranks, SGD with
 momentum, fp32, the median of the slowest rank's steps after 3 warm-up steps.
@@ -52,36 +53,51 @@ def _steps(count: int) -> list[float]:
     return times
 
 
-def _worker(rank: int, world: int, port: int, steps: int, out: str) -> None:
+def join(rank: int, world: int, port: int) -> None:
+    """This process as a gloo rank, one intra-op thread, as `mpt launch` starts one."""
     import torch.distributed as dist
-
-    from mpt.plan import calibrate
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
+
+
+def calibration_round(world: int) -> dict[str, Any]:
+    """What `mpt plan --calibrate` measures, from this rank (every rank calls it)."""
+    import torch.distributed as dist
+
+    from mpt.plan import calibrate
+
+    collectives = calibrate.sweep(world, torch.device("cpu"), lambda: None)
+    dist.barrier()
+    return {"collectives": collectives,
+            "figures": calibrate.device_figures(torch.device("cpu"), lambda: None)}
+
+
+def _worker(rank: int, world: int, port: int, steps: int, rounds: int, out: str) -> None:
+    import torch.distributed as dist
+
+    join(rank, world, port)
     try:
-        collectives = calibrate.sweep(world, torch.device("cpu"), lambda: None)
-        figures = calibrate.device_figures(torch.device("cpu"), lambda: None)
-        times = _steps(steps)
+        found = [{**calibration_round(world), "steps": _steps(steps)} for _ in range(rounds)]
     finally:
         dist.destroy_process_group()
     if rank == 0:
-        Path(out).write_text(json.dumps({"collectives": collectives, "figures": figures,
-                                         "steps": times}))
+        Path(out).write_text(json.dumps(found))
 
 
-def measure(port: int, steps: int = 8) -> tuple[Any, float]:
-    """This machine's ``Calibration`` and the median measured step, from one 2-process job."""
+def measure(port: int, steps: int = 8, rounds: int = 2) -> list[tuple[Any, float]]:
+    """Each round's ``Calibration`` of this machine and its median measured step, from one
+    2-process job."""
     import torch.multiprocessing as mp
 
     from mpt.plan import calibrate
 
     with tempfile.TemporaryDirectory() as folder:
         out = str(Path(folder) / "step.json")
-        mp.spawn(_worker, args=(2, port, steps, out), nprocs=2, join=True)
+        mp.spawn(_worker, args=(2, port, steps, rounds, out), nprocs=2, join=True)
         found = json.loads(Path(out).read_text())
-    calibration = calibrate.Calibration(identity=calibrate.identity(), ranks=2, backend="gloo",
-                                        memory=2.0**34, collectives=found["collectives"],
-                                        **found["figures"])
-    return calibration, statistics.median(found["steps"])
+    return [(calibrate.Calibration(identity=calibrate.identity(), ranks=2, backend="gloo",
+                                   memory=2.0**34, collectives=one["collectives"],
+                                   **one["figures"]), statistics.median(one["steps"]))
+            for one in found]

@@ -59,8 +59,25 @@ def test_calibration_from_another_machine_is_refused(monkeypatch, capsys, tmp_pa
     found = calibrate.Calibration(
         identity={**calibrate.identity(), "host": "elsewhere"}, ranks=2, backend="gloo",
         flops={"float32": 1e11}, memory_bandwidth=1e10, op_overhead=1e-6, memory=1e10,
-        collectives={"all_reduce": {"latency": 1e-4, "bus_bandwidth": 1e9}})
+        collectives={"all_reduce": {"latency": 1e-4, "bus_bandwidth": 1e9}},
+        matmul_sweep={}, update_seconds={})
     calibrate.save(found, foreign)
     code, _, err = _run(monkeypatch, capsys, f"{MODELS}:mlp", "--calibration", str(foreign))
     assert code == 2
     assert "'elsewhere'" in err and "--calibrate" in err
+
+
+def test_calibration_of_an_older_format_is_refused(monkeypatch, capsys, tmp_path) -> None:
+    """A version-1 file has no matmul sweep and no optimizer steps: one line says to measure
+    again."""
+    from mpt.plan import calibrate
+
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({
+        "format": "mpt-plan-calibration/1", "identity": calibrate.identity(), "ranks": 2,
+        "backend": "gloo", "flops": {"float32": 1e11}, "memory_bandwidth": 1e10,
+        "op_overhead": 1e-6, "memory": 1e10,
+        "collectives": {"all_reduce": {"latency": 1e-4, "bus_bandwidth": 1e9}}}))
+    code, _, err = _run(monkeypatch, capsys, f"{MODELS}:mlp", "--calibration", str(old))
+    assert code == 2 and err.count("\n") == 1
+    assert "mpt-plan-calibration/1" in err and f"mpt plan --calibrate --output {old}" in err

@@ -92,3 +92,51 @@ def test_a_pipeline_that_reshards_sends_fsdps_collectives_per_micro_batch() -> N
                                                         "reduce_scatter"]
     assert [c.size for c in resharded.collectives] == [16e6, 16e6, 16e6]
     assert [c.size for c in kept.collectives] == [4e6, 4e6]
+
+
+def _calibrated(**figures) -> Cluster:
+    from mpt.plan.profiles import Device
+
+    device = Device(name="calibrated", flops={"float32": 100e9}, memory_bandwidth=20e9,
+                    memory=64e9, intra_node=link_profile("10gbit"), device_type="cpu",
+                    **figures)
+    return Cluster(nodes=1, gpus=2, device=device, link=link_profile("1gbit"))
+
+
+def test_a_skinny_matmul_runs_at_the_throughput_of_its_shape() -> None:
+    """Interpolated by the smallest dimension (log-linear), rows and inner apart; the peak
+    beyond the sweep, without a shape, and on a datasheet profile."""
+    sweep = {"float32": {"rows": [[1, 10e9], [16, 40e9], [1024, 100e9]],
+                         "inner": [[1, 5e9], [16, 60e9], [1024, 100e9]]}}
+    device = _calibrated(matmul_sweep=sweep).device
+    assert device.matmul_flops("float32", (16, 2048, 2048)) == pytest.approx(40e9)
+    assert device.matmul_flops("float32", (2048, 16, 512)) == pytest.approx(60e9)
+    assert device.matmul_flops("float32", (4, 512, 512)) == pytest.approx(25e9)  # halfway
+    assert device.matmul_flops("float32", (1, 8, 8)) == pytest.approx(10e9)
+    assert device.matmul_flops("float32", (4096, 4096, 4096)) == pytest.approx(100e9)
+    assert device.matmul_flops("float32") == device.matmul_flops("bfloat16") == 100e9
+    h100 = device_profile("h100-sxm")
+    assert h100.matmul_flops("bfloat16", (16, 4096, 4096)) == 989e12
+
+
+def test_the_workload_records_each_matmuls_shape() -> None:
+    from mpt.plan.workload import profile
+
+    work = profile(meta_model(mlp), [1024], torch.float32, 16)
+    shapes = {op.shape for block in work.blocks for op in (*block.forward, *block.backward)
+              if op.flops}
+    assert (16, 1024, 4096) in shapes  # forward
+    assert (16, 4096, 4096) in shapes  # an input gradient
+    assert (4096, 16, 4096) in shapes  # a weight gradient: the batch is the inner dimension
+
+
+def test_the_optimizer_step_takes_its_calibrated_time_per_parameter() -> None:
+    """Calibrated: torch's step per parameter; datasheet: its bytes at the memory
+    bandwidth."""
+    from mpt.plan.cost import optimizer_seconds
+    from mpt.plan.planner import model_of
+
+    model = model_of(meta_model(mlp), [1024], torch.float32, "sgd-momentum")
+    calibrated = _calibrated(update_seconds={"sgd-momentum": 1e-9})
+    assert optimizer_seconds(1e6, model, calibrated) == pytest.approx(1e-3)
+    assert optimizer_seconds(1e6, model, _calibrated()) == pytest.approx(1e6 * 20 / 20e9)
