@@ -36,7 +36,8 @@ subprocess's own ``ru_maxrss`` (``os.wait4``: its peak RSS, exact, kernel-kept; 
 of it and its waited-for children) is printed beside it. RSS counts the pages of memory-mapped
 checkpoint files a tool has touched (RssFile) as well as its own allocations (RssAnon):
 DeepSpeed maps the rank files whole (``torch.load(mmap=True)``); mpt reads only their pickled
-structure and maps each piece it copies (8 MiB) until it is written and hashed. Before each
+structure, then reads the bytes it copies into a few reused 4 MiB buffers (``preadv``) and
+writes them with ``O_DIRECT``: nothing of the sources or the output is mapped. Before each
 measured run the tag folder is read once (untimed) so both tools find it in the page cache, the
 previous output is deleted, and the run waits (up to ``--wait`` s) for the 1-minute load
 average to fall below ``--max-load``; a run that had to start above it is marked. Wall time

@@ -8,12 +8,13 @@ epoch, and what the format does not hold. ``write`` commits it as an mpt checkpo
 
 A reader may leave large tensors in the source's files (``OnDisk``: where their bytes lie):
 ``write`` streams each safetensors file, header first, then every tensor's bytes in key order,
-a source's ranges copied a bounded piece at a time through short-lived read-only mappings, so
-that what a conversion holds does not grow with the model (ZeRO's files, ``zero``).
+through a few reused buffers that a source's ranges are read into, so that what a conversion
+holds does not grow with the model (ZeRO's files, ``zero``).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import mmap
@@ -37,6 +38,7 @@ from mpt.checkpoint.format import (
     FileEntry,
 )
 from mpt.checkpoint.state import write_directory
+from mpt.errors import UsageError
 from mpt.precision import LossScaleState
 
 MODEL = "model"
@@ -48,16 +50,20 @@ NEVER_HELD = ("the data loader's position", "the RNG states")
 """What none of the imported formats holds in a form mpt can restore."""
 Range = tuple[str, int, int]
 """A file, a byte offset in it and a byte count."""
-_PIECE = 8 << 20
-"""Bytes per mapping, write() and hash update (as ``tensorfile`` writes)."""
+_BLOCK = 4 << 20
+"""Bytes per buffer a file is made in: filled, written and hashed whole."""
+_BUFFERS = 4
+"""Buffers per file: one being filled, one hashed, one written and one to spare; all that a
+file's writing holds, whatever the model's size."""
+_ALIGN = 4096
+"""What ``O_DIRECT`` needs a write's length, offset and memory to be a multiple of (a block
+of any disk's; the buffers are page-aligned mappings, every block but the last is whole)."""
 _DROP = 64 << 20
-"""Bytes written between two ``POSIX_FADV_DONTNEED`` of what the file holds so far: the first
-starts writing a range back to disk, a later one drops its pages, once clean, from the page
-cache, so the next pieces reuse those pages. Taking ever more fresh pages (4 GiB of them for a
-350 M-parameter state) cost most of a conversion's system time in a virtual machine."""
-_AHEAD = 4
-"""Pieces written but not yet hashed, at most, per file: with the one being written and the
-one being hashed, what a file's writing holds of its sources."""
+"""Bytes written through the page cache (where ``O_DIRECT`` is refused) between two
+``POSIX_FADV_DONTNEED`` of what the file holds so far: the first starts writing a range back,
+a later one drops its pages, once clean, so the next writes reuse them. Taking ever more fresh
+pages (4 GiB of them for a 350 M-parameter state) cost most of a conversion's system time in a
+virtual machine."""
 
 
 class OnDisk(torch.Tensor):
@@ -249,93 +255,174 @@ def manifest_fields(imported: Imported, *, step: int) -> dict[str, Any]:
 
 def _stream(f: BinaryIO, tensors: dict[str, torch.Tensor]) -> FileEntry:
     """Write ``tensors`` to ``f`` as ``tensorfile.write`` does (the same safetensors bytes),
-    an ``OnDisk`` tensor's bytes copied from its files; return the size and sha256. A second
-    thread hashes each piece once it is written, up to ``_AHEAD`` pieces behind."""
+    an ``OnDisk`` tensor's bytes copied from its files; return the size and sha256.
+
+    The file is made in ``_BUFFERS`` reused buffers of ``_BLOCK`` bytes, each passed along
+    three threads: this one fills it (``preadv`` from the sources' page cache, or a copy of
+    memory), a second hashes it, a third writes it and gives it back to be filled again, so
+    that reading, hashing and the disk's writing overlap. A local file is written with
+    ``O_DIRECT`` (``_Output``): no copy into the page cache, no page-cache pages to take,
+    write back and drop, which were most of a conversion's system time."""
     ordered = {name: t if isinstance(t, OnDisk | Lazy) else t.detach().to("cpu").contiguous()
                for name, t in sorted(tensors.items())}
     sha = hashlib.sha256()
-    written: Queue[_Piece | None] = Queue(maxsize=_AHEAD)
+    free: Queue[memoryview] = Queue()
+    filled: Queue[memoryview | None] = Queue()
+    hashed: Queue[memoryview | None] = Queue()
+    failed: list[BaseException] = []
 
     def hash_all() -> None:
-        while (piece := written.get()) is not None:
-            sha.update(piece.view)
-            piece.close()
+        while (block := filled.get()) is not None:
+            sha.update(block)
+            hashed.put(block)
+        hashed.put(None)
 
-    size = dropped = 0
-    fd = _fileno(f)
-    hasher = threading.Thread(target=hash_all)
-    hasher.start()
-    try:
-        with Opened() as files:
-            for piece in _pieces(ordered, files):
-                f.write(piece.view)
-                size += len(piece.view)
-                written.put(piece)
-                if fd is not None and size - dropped >= _DROP:
-                    f.flush()
-                    os.posix_fadvise(fd, 0, size, os.POSIX_FADV_DONTNEED)
-                    dropped = size
-    finally:
-        written.put(None)
-        hasher.join()
+    def write_all(out: _Output) -> None:
+        while (block := hashed.get()) is not None:
+            if not failed:
+                try:
+                    out.write(block)
+                except BaseException as exc:  # raised in the caller's thread, below
+                    failed.append(exc)
+            free.put(block)  # given back after a failure too: the filling never waits forever
+
+    for _ in range(_BUFFERS):  # page-aligned, as O_DIRECT needs; unmapped once unreferenced
+        free.put(memoryview(mmap.mmap(-1, _BLOCK)))
+    size = 0
+    with _Output(f) as out, Opened() as files:
+        threads = [threading.Thread(target=hash_all),
+                   threading.Thread(target=write_all, args=(out,))]
+        for thread in threads:
+            thread.start()
+        try:
+            for block in _blocks(_segments(ordered, files), free, files):
+                if failed:
+                    break
+                filled.put(block)
+                size += len(block)
+        finally:
+            filled.put(None)
+            for thread in threads:
+                thread.join()
+    if failed:
+        raise failed[0]
     return FileEntry(sha256=sha.hexdigest(), bytes=size)
 
 
+def _segments(ordered: dict[str, torch.Tensor], files: Opened
+              ) -> Iterator[memoryview | Range]:
+    """The safetensors file of ``ordered`` (CPU, ``OnDisk`` or ``Lazy`` tensors, in key
+    order), as the bytes in memory (the header, a tensor) or the source's ranges it is made of,
+    in order. A ``Lazy`` tensor is read whole in its turn and let go at the next one: each
+    segment is copied out before the next is asked for."""
+    yield memoryview(tensorfile.header(ordered))
+    for tensor in ordered.values():
+        if isinstance(tensor, OnDisk):
+            yield from tensor.ranges
+            continue
+        whole = tensor.whole(files.fd) if isinstance(tensor, Lazy) else tensor
+        yield tensorfile.raw_bytes(whole)  # valid while ``whole`` lives: until the next one
+
+
+def _blocks(segments: Iterator[memoryview | Range], free: Queue[memoryview], files: Opened
+            ) -> Iterator[memoryview]:
+    """``segments``' bytes, in buffers taken from ``free`` (waiting for one the writing thread
+    has given back), each full but the last."""
+    block, at = free.get(), 0
+    for segment in segments:
+        done, count = 0, len(segment) if isinstance(segment, memoryview) else segment[2]
+        while done < count:
+            n = min(count - done, len(block) - at)
+            if isinstance(segment, memoryview):
+                block[at:at + n] = segment[done:done + n]
+            else:
+                path, offset, _ = segment
+                _read_into(block[at:at + n], files.fd(path), path, offset + done)
+            done, at = done + n, at + n
+            if at == len(block):
+                yield block
+                block, at = free.get(), 0
+    if at:
+        yield block[:at]
+
+
+def _read_into(view: memoryview, fd: int, path: str, offset: int) -> None:
+    """``view`` := the file's bytes from ``offset`` (``preadv``: a copy out of the page cache,
+    the GIL released, no mapping to make and unmake)."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise UsageError("SRC", path, f"it ends at byte {offset + done}, before a tensor's "
+                             f"bytes {offset} to {offset + len(view)}", "pass the checkpoint as "
+                             "the framework wrote it, complete")
+        done += n
+
+
+class _Output:
+    """Where ``_stream`` writes: a local file by its descriptor, with ``O_DIRECT`` while the
+    filesystem takes it and the writes are whole aligned blocks (the last one, and any after a
+    refusal, go through the page cache, dropped from it every ``_DROP`` bytes); a remote file
+    through ``f.write``."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f = f
+        self.fd = _fileno(f)
+        self.flags = 0
+        self.direct = False
+        self.size = self.dropped = 0
+        if self.fd is not None:
+            f.flush()  # nothing written through ``f`` may follow ours
+        if self.fd is not None and hasattr(os, "O_DIRECT"):  # Linux's; elsewhere buffered
+            import fcntl
+
+            self.flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+            try:
+                fcntl.fcntl(self.fd, fcntl.F_SETFL, self.flags | os.O_DIRECT)
+                self.direct = True
+            except OSError:  # a filesystem without O_DIRECT (EINVAL): through the page cache
+                pass
+
+    def __enter__(self) -> _Output:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.buffered()
+
+    def buffered(self) -> None:
+        """Write through the page cache from now on."""
+        if self.direct:
+            import fcntl
+
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, self.flags)  # type: ignore[arg-type]
+            self.direct = False
+            self.dropped = self.size  # none of what O_DIRECT wrote is in the page cache
+
+    def write(self, block: memoryview) -> None:
+        """Append ``block``."""
+        if self.fd is None:
+            self.f.write(block)
+            return
+        if len(block) % _ALIGN:
+            self.buffered()
+        while block:
+            try:
+                n = os.write(self.fd, block)
+            except OSError as exc:
+                if not (self.direct and exc.errno == errno.EINVAL):
+                    raise
+                self.buffered()  # O_DIRECT refused after all: the same bytes, buffered
+                continue
+            block, self.size = block[n:], self.size + n
+        if (not self.direct and self.size - self.dropped >= _DROP
+                and hasattr(os, "posix_fadvise")):  # not on macOS
+            os.posix_fadvise(self.fd, 0, self.size, os.POSIX_FADV_DONTNEED)
+            self.dropped = self.size
+
+
 def _fileno(f: BinaryIO) -> int | None:
-    """The descriptor of a local file, for ``posix_fadvise``; None for a remote one."""
+    """The descriptor of a local file; None for a remote one."""
     try:
         return f.fileno()
     except (OSError, AttributeError, ValueError):  # io.UnsupportedOperation is an OSError
         return None
-
-
-class _Piece:
-    """Bytes to write and hash: a tensor's memory, or a read-only mapping of a source's range,
-    unmapped once hashed so that its pages leave the process's memory."""
-
-    def __init__(self, view: memoryview, mapping: mmap.mmap | None = None, *,
-                 whole: memoryview | None = None, owner: torch.Tensor | None = None) -> None:
-        self.view = view
-        self.mapping = mapping
-        self.whole = whole
-        """The view of the whole mapping ``view`` is cut from: released too before unmapping."""
-        self.owner = owner
-        """The tensor whose memory ``view`` is, where nothing else keeps it (a ``Lazy``
-        tensor read for the write): kept until its piece is hashed."""
-
-    def close(self) -> None:
-        self.view.release()
-        if self.whole is not None:
-            self.whole.release()
-        if self.mapping is not None:
-            self.mapping.close()
-        self.owner = None
-
-
-def _pieces(ordered: dict[str, torch.Tensor], files: Opened) -> Iterator[_Piece]:
-    """The safetensors file of ``ordered`` (CPU, ``OnDisk`` or ``Lazy`` tensors, in key
-    order), piece by piece; the sources' files are opened once, on ``files``; a ``Lazy``
-    tensor is read whole in its turn and let go once written."""
-    yield _Piece(memoryview(tensorfile.header(ordered)))
-    for tensor in ordered.values():
-        owner = None
-        if isinstance(tensor, Lazy):
-            tensor = owner = tensor.whole(files.fd)
-        if not isinstance(tensor, OnDisk):
-            raw = tensorfile.raw_bytes(tensor)
-            for at in range(0, len(raw), _PIECE):
-                yield _Piece(raw[at:at + _PIECE], owner=owner)
-            continue
-        for path, offset, count in tensor.ranges:
-            for at in range(offset, offset + count, _PIECE):
-                yield _mapped(files.fd(path), at, min(_PIECE, offset + count - at))
-
-
-def _mapped(fd: int, offset: int, count: int) -> _Piece:
-    """``count`` bytes of the file ``fd`` from ``offset``, mapped read-only (its pages, in the
-    page cache already after a save, are shared, not copied)."""
-    start = offset - offset % mmap.ALLOCATIONGRANULARITY
-    mapping = mmap.mmap(fd, offset + count - start, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                        prot=mmap.PROT_READ, offset=start)
-    whole = memoryview(mapping)
-    return _Piece(whole[offset - start:], mapping, whole=whole)
