@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import itertools
 import json
+import math
 import mmap
 import os
 import threading
@@ -66,36 +68,13 @@ pages (4 GiB of them for a 350 M-parameter state) cost most of a conversion's sy
 virtual machine."""
 
 
-class OnDisk(torch.Tensor):
-    """A tensor whose elements, in order, are the bytes of ``ranges`` (pieces of other files,
-    e.g. every ZeRO rank's share of one parameter). It is a meta tensor (shape and dtype, no
-    data), so every check of shapes and every step that only names tensors (``encode``, a
-    safetensors header) takes it as it is; ``write`` copies its bytes from those files. Any
-    other use of its values fails, as a meta tensor's does, rather than read them silently."""
-
-    ranges: tuple[Range, ...]
-    __torch_function__ = torch._C._disabled_torch_function_impl  # ops give plain meta tensors
-
-    @staticmethod
-    def of(shape: torch.Size, dtype: torch.dtype, ranges: Sequence[Range]) -> OnDisk:
-        """The tensor of ``shape`` and ``dtype`` whose bytes are ``ranges``, which must add up
-        to its size."""
-        tensor = cast(OnDisk, torch.Tensor._make_subclass(
-            OnDisk, torch.empty(shape, dtype=dtype, device="meta")))
-        if sum(n for _, _, n in ranges) != tensor.numel() * dtype.itemsize:
-            raise ValueError(f"{len(ranges)} ranges do not make a {dtype} tensor of {shape}")
-        tensor.ranges = tuple(ranges)
-        return tensor
-
-    def detach(self) -> OnDisk:  # type: ignore[override]
-        """Itself: ``encode`` keeps a tensor's ``detach()``, and this has nothing to detach."""
-        return self
-
-
 class Lazy(torch.Tensor):
-    """A tensor a reader fetches from the source's files when asked, any box of it at a time.
-    Like ``OnDisk`` it is a meta tensor (shape and dtype, no data) that checks and ``encode``
-    take as it is; a subclass (``dcp.InChunks``) says where its values lie and reads them."""
+    """A tensor whose values stay in the source's files until asked for, any box or range of
+    it at a time. It is a meta tensor (shape and dtype, no data), so every check of shapes and
+    every step that only names tensors (``encode``, a safetensors header) takes it as it is;
+    any other use of its values fails, as a meta tensor's does, rather than read them silently.
+    A subclass says where its values lie and reads them: ``OnDisk`` (plain byte ranges: ZeRO's
+    partitions), ``dcp.InChunks`` (DCP's ``torch.save`` blobs)."""
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # ops give plain meta tensors
 
@@ -113,6 +92,21 @@ class Lazy(torch.Tensor):
         file's path -> an open descriptor of it)."""
         raise NotImplementedError
 
+    def fill_range(self, start: int, out: torch.Tensor, fd: Callable[[str], int]) -> None:
+        """``out`` (1-D) := its elements from ``start``, flattened (a ZeRO flat piece's): the
+        box of whole rows along the first dimension that holds them is read, then cut."""
+        if out.numel() == 0:
+            return
+        if self.dim() == 0:
+            out.copy_(self.whole(fd).reshape(-1)[start:start + out.numel()])
+            return
+        row = math.prod(self.shape[1:])
+        first, last = start // row, -(-(start + out.numel()) // row)
+        rows = torch.empty((last - first, *self.shape[1:]), dtype=self.dtype)
+        self.fill_box((first,) + (0,) * (self.dim() - 1), tuple(rows.shape), rows, fd)
+        at = start - first * row
+        out.copy_(rows.view(-1)[at:at + out.numel()])
+
     def whole(self, fd: Callable[[str], int] | None = None) -> torch.Tensor:
         """All of it, in memory (read through ``fd``, or files opened for this read)."""
         out = torch.empty(self.shape, dtype=self.dtype)
@@ -121,6 +115,72 @@ class Lazy(torch.Tensor):
         with Opened() as files:
             self.fill_box((0,) * out.dim(), tuple(out.shape), out, fd or files.fd)
         return out
+
+
+class OnDisk(Lazy):
+    """A tensor whose elements, in order, are the bytes of ``ranges`` (pieces of other files,
+    e.g. every ZeRO rank's share of one parameter): read with plain reads of just the bytes
+    asked for, straight into the memory they go to; ``write`` copies them file to file."""
+
+    ranges: tuple[Range, ...]
+
+    @staticmethod
+    def of(shape: torch.Size, dtype: torch.dtype, ranges: Sequence[Range]) -> OnDisk:
+        """The tensor of ``shape`` and ``dtype`` whose bytes are ``ranges``, which must add up
+        to its size."""
+        tensor = cast(OnDisk, torch.Tensor._make_subclass(
+            OnDisk, torch.empty(shape, dtype=dtype, device="meta")))
+        if sum(n for _, _, n in ranges) != tensor.numel() * dtype.itemsize:
+            raise ValueError(f"{len(ranges)} ranges do not make a {dtype} tensor of {shape}")
+        tensor.ranges = tuple(ranges)
+        return tensor
+
+    def extents(self) -> tuple[Range, ...]:
+        return self.ranges
+
+    def fill_box(self, offsets: Sequence[int], sizes: Sequence[int], out: torch.Tensor,
+                 fd: Callable[[str], int]) -> None:
+        into = out if out.dtype == self.dtype and out.is_contiguous() else torch.empty(
+            tuple(sizes), dtype=self.dtype)
+        flat, done = into.view(-1), 0
+        for start, count in _runs(tuple(self.shape), tuple(offsets), tuple(sizes)):
+            self.fill_range(start, flat[done:done + count], fd)
+            done += count
+        if into is not out:
+            out.copy_(into)
+
+    def fill_range(self, start: int, out: torch.Tensor, fd: Callable[[str], int]) -> None:
+        if out.dtype != self.dtype or not out.is_contiguous():
+            buffer = torch.empty(out.numel(), dtype=self.dtype)
+            self.fill_range(start, buffer, fd)
+            out.copy_(buffer)
+            return
+        size = self.dtype.itemsize
+        low, high = start * size, (start + out.numel()) * size
+        if low == high:
+            return
+        view = memoryview(out.detach().view(torch.uint8).numpy())
+        at = 0  # where each range starts in the tensor's bytes
+        for path, offset, count in self.ranges:
+            first, last = max(low, at), min(high, at + count)
+            if first < last:
+                _read_into(view[first - low:last - low], fd(path), path, offset + first - at)
+            at += count
+
+
+def _runs(shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]
+          ) -> list[tuple[int, int]]:
+    """The box of ``sizes`` at ``offsets`` in a tensor of ``shape``, as runs of consecutive
+    elements of the flattened tensor (first element, count), in the box's row-major order: one
+    run for a box of whole rows (a shard along the first dimension)."""
+    if not shape:
+        return [(0, 1)]
+    cut = max((d for d in range(len(shape)) if sizes[d] != shape[d]), default=0)
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    count = sizes[cut] * strides[cut]
+    outer = itertools.product(*(range(offsets[d], offsets[d] + sizes[d]) for d in range(cut)))
+    return [(sum(i * strides[d] for d, i in enumerate(index)) + offsets[cut] * strides[cut],
+             count) for index in outer]
 
 
 class Opened(ExitStack):
@@ -263,7 +323,7 @@ def _stream(f: BinaryIO, tensors: dict[str, torch.Tensor]) -> FileEntry:
     that reading, hashing and the disk's writing overlap. A local file is written with
     ``O_DIRECT`` (``_Output``): no copy into the page cache, no page-cache pages to take,
     write back and drop, which were most of a conversion's system time."""
-    ordered = {name: t if isinstance(t, OnDisk | Lazy) else t.detach().to("cpu").contiguous()
+    ordered = {name: t if isinstance(t, Lazy) else t.detach().to("cpu").contiguous()
                for name, t in sorted(tensors.items())}
     sha = hashlib.sha256()
     free: Queue[memoryview] = Queue()

@@ -6,17 +6,15 @@
 an mpt checkpoint gets. Where the run's ranks hold pieces of the state (``shards_state``: fsdp's
 shards, ZeRO's flat ranges, a pipeline's stages), each rank materialises only what it would read
 of a sharded mpt checkpoint (``held.rank_reads``): its pieces, copied in place from the source,
-and whole only the small rest; another stage's tensors stay unread. An ``imported.OnDisk``
-tensor (ZeRO's partitions) is read from its files with plain reads of just the bytes a piece
-needs, straight into that piece; an ``imported.Lazy`` one (DCP's chunks) reads just the chunks
-that overlap the piece; a tensor the reader holds (a memory-mapped torch file's) is sliced.
+and whole only the small rest; another stage's tensors stay unread. An ``imported.Lazy``
+tensor reads only what a piece needs (``OnDisk``, ZeRO's partitions: plain reads of just its
+bytes, straight into the piece; ``dcp.InChunks``: the chunks that overlap it); a tensor the
+reader holds (a memory-mapped torch file's) is sliced.
 Elsewhere (every rank holds the whole state) each tensor is read whole, one at a time.
 """
 
 from __future__ import annotations
 
-import itertools
-import math
 import os
 import time
 from typing import Any
@@ -28,7 +26,6 @@ from mpt.checkpoint.contents import Contents
 from mpt.checkpoint.foreign.imported import (
     Imported,
     Lazy,
-    OnDisk,
     Opened,
     manifest_fields,
     model_tensors,
@@ -82,16 +79,13 @@ def load(imported: Imported, parts: TrainingState, src: str) -> dict[str, Any]:
 
 
 class _Files(Opened):
-    """The source files ``OnDisk`` and ``Lazy`` tensors lie in, each opened once, and the
-    reads from them."""
+    """The source files ``Lazy`` tensors lie in, each opened once, and the reads from them."""
 
     def check(self, tensors: Any) -> None:
-        """Refuse an ``OnDisk`` or ``Lazy`` tensor whose bytes lie past the end of its file."""
+        """Refuse a ``Lazy`` tensor whose bytes lie past the end of its file."""
         sizes: dict[str, int] = {}
         for t in tensors:
-            ranges = t.ranges if isinstance(t, OnDisk) else t.extents() if isinstance(
-                t, Lazy) else ()
-            for path, offset, count in ranges:
+            for path, offset, count in t.extents() if isinstance(t, Lazy) else ():
                 if path not in sizes:
                     sizes[path] = os.fstat(self.fd(path)).st_size
                 if offset + count > sizes[path]:
@@ -100,14 +94,8 @@ class _Files(Opened):
                                      "checkpoint as the framework wrote it, complete")
 
     def whole(self, t: Any) -> Any:
-        """``t`` as a tensor in memory (an ``OnDisk`` or ``Lazy`` one read)."""
-        if isinstance(t, Lazy):
-            return t.whole(self.fd)
-        if not isinstance(t, OnDisk):
-            return t
-        out = torch.empty(t.shape, dtype=t.dtype)
-        self.read(t, 0, out.view(-1))
-        return out
+        """``t`` as a tensor in memory (a ``Lazy`` one read)."""
+        return t.whole(self.fd) if isinstance(t, Lazy) else t
 
     def fill(self, key: str, piece: Any, t: Any, src: str) -> Any:
         """Copy this rank's part of ``t`` into ``piece`` (a ``DTensor`` or ``FlatPiece``,
@@ -117,7 +105,11 @@ class _Files(Opened):
                                   f"{tuple(piece.shape)}", "load it into the model it was "
                                   "saved from")
         if isinstance(piece, FlatPiece):
-            self.copy_range(t, piece.start, piece.flat.detach())
+            out = piece.flat.detach()
+            if isinstance(t, Lazy):
+                t.fill_range(piece.start, out, self.fd)
+            else:
+                out.copy_(t.reshape(-1)[piece.start:piece.start + out.numel()])
             return piece
         local = piece.to_local().detach()
         for chunk in piece.__create_chunk_list__():  # one box: this rank's shard
@@ -125,92 +117,13 @@ class _Files(Opened):
                 self.copy_box(t, tuple(chunk.offsets), tuple(chunk.sizes), local)
         return piece
 
-    def copy_range(self, t: Any, start: int, out: torch.Tensor) -> None:
-        """``out`` (1-D) := elements ``start`` on of ``t`` flattened."""
-        if isinstance(t, Lazy):
-            self.copy_lazy_range(t, start, out)
-        elif not isinstance(t, OnDisk):
-            out.copy_(t.reshape(-1)[start:start + out.numel()])
-        elif out.dtype == t.dtype and out.is_contiguous():
-            self.read(t, start, out)
-        else:
-            buffer = torch.empty(out.numel(), dtype=t.dtype)
-            self.read(t, start, buffer)
-            out.copy_(buffer)
-
-    def copy_lazy_range(self, t: Lazy, start: int, out: torch.Tensor) -> None:
-        """``copy_range`` of a ``Lazy`` tensor: the box of whole rows (along the first
-        dimension) that holds the range is read, then the range is copied out of it."""
-        if out.numel() == 0:
-            return
-        if t.dim() == 0:
-            out.copy_(t.whole(self.fd).reshape(-1)[start:start + out.numel()])
-            return
-        row = math.prod(t.shape[1:])
-        first, last = start // row, -(-(start + out.numel()) // row)
-        rows = torch.empty((last - first, *t.shape[1:]), dtype=t.dtype)
-        t.fill_box((first,) + (0,) * (t.dim() - 1), tuple(rows.shape), rows, self.fd)
-        at = start - first * row
-        out.copy_(rows.view(-1)[at:at + out.numel()])
-
     def copy_box(self, t: Any, offsets: tuple[int, ...], sizes: tuple[int, ...],
                  out: torch.Tensor) -> None:
         """``out`` (of ``sizes``) := the box of ``t`` at ``offsets``."""
         if isinstance(t, Lazy):
             t.fill_box(offsets, sizes, out, self.fd)
             return
-        if not isinstance(t, OnDisk):
-            box = t
-            for dim, (at, n) in enumerate(zip(offsets, sizes, strict=True)):
-                box = box.narrow(dim, at, n)
-            out.copy_(box)
-            return
-        into = out if out.dtype == t.dtype and out.is_contiguous() else torch.empty(
-            sizes, dtype=t.dtype)
-        flat, done = into.view(-1), 0
-        for start, count in _runs(tuple(t.shape), offsets, sizes):
-            self.read(t, start, flat[done:done + count])
-            done += count
-        if into is not out:
-            out.copy_(into)
-
-    def read(self, t: OnDisk, start: int, out: torch.Tensor) -> None:
-        """``out`` (contiguous, 1-D, ``t``'s dtype) := elements ``start`` on of ``t``, read
-        from its files straight into ``out``'s memory."""
-        size = t.dtype.itemsize
-        low, high = start * size, (start + out.numel()) * size
-        if low == high:
-            return
-        view = memoryview(out.detach().view(torch.uint8).numpy())
-        at = 0  # where each range starts in the tensor's bytes
-        for path, offset, count in t.ranges:
-            first, last = max(low, at), min(high, at + count)
-            if first < last:
-                _pread(self.fd(path), view[first - low:last - low], offset + first - at, path)
-            at += count
-
-
-def _pread(fd: int, into: memoryview, offset: int, path: str) -> None:
-    """Fill ``into`` with the bytes of ``fd`` from ``offset``."""
-    done = 0
-    while done < len(into):
-        n = os.preadv(fd, [into[done:]], offset + done)
-        if n == 0:
-            raise UsageError("SRC", path, f"it ends before byte {offset + len(into)}", "pass "
-                             "the checkpoint as the framework wrote it, complete")
-        done += n
-
-
-def _runs(shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]
-          ) -> list[tuple[int, int]]:
-    """The box of ``sizes`` at ``offsets`` in a tensor of ``shape``, as runs of consecutive
-    elements of the flattened tensor (first element, count), in the box's row-major order: one
-    run for a box of whole rows (a shard along the first dimension)."""
-    if not shape:
-        return [(0, 1)]
-    cut = max((d for d in range(len(shape)) if sizes[d] != shape[d]), default=0)
-    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
-    count = sizes[cut] * strides[cut]
-    outer = itertools.product(*(range(offsets[d], offsets[d] + sizes[d]) for d in range(cut)))
-    return [(sum(i * strides[d] for d, i in enumerate(index)) + offsets[cut] * strides[cut],
-             count) for index in outer]
+        box = t
+        for dim, (at, n) in enumerate(zip(offsets, sizes, strict=True)):
+            box = box.narrow(dim, at, n)
+        out.copy_(box)
