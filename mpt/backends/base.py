@@ -350,12 +350,17 @@ class Backend(ABC):
         The default, whole replicas (ddp, apex, horovod): one allreduce of the gradients in
         ``spec.reduce``, bucketed and started from backward hooks, so it may hide behind the
         rest of the backward; under ``--pipeline-stages`` or ``--tensor-parallel`` mpt
-        averages one flat bucket after the backward: nothing hidden.
+        averages one flat bucket after the backward: nothing hidden. The gradients are copied
+        into the buckets and, once reduced, back out (torch's DDP with
+        ``gradient_as_bucket_view`` off, mpt's flat bucket, Horovod's fusion buffer): twice
+        their bytes copied per step (none for a replica alone, which is not wrapped).
         """
         window: Window = "none" if plan.model_size > 1 else "backward"
         gradients = Collective(kind="all_reduce", axis="dp_replicate",
                                size=parameters * spec.reduce.itemsize, what="gradients")
-        return Traffic(collectives=(gradients,), window=window, shards_optimizer=False)
+        copies = 2 * parameters * spec.params.itemsize if plan.dp_replicate > 1 else 0.0
+        return Traffic(collectives=(gradients,), window=window, shards_optimizer=False,
+                       copies=copies)
 
     @classmethod
     def availability(cls) -> Availability:

@@ -250,7 +250,13 @@ class FSDPBackend(DDPBackend):
         all of it prefetched or overlapped over the whole step. Under a pipeline that once per
         schedule, or, with ``--fsdp-reshard-after-forward yes``, once per micro-batch (nothing
         is kept gathered between them). HSDP (``--fsdp-replicate R``) does this within each
-        shard group, then allreduces the gradient shard across the R replicas."""
+        shard group, then allreduces the gradient shard across the R replicas.
+
+        Around each collective fully_shard copies in memory (torch's ``_fsdp_collectives``):
+        an all-gather copies the rank's shard into the flat input and the gathered output out
+        into the unsharded parameters; a reduce-scatter copies the unsharded gradients into its
+        flat input (``chunk_cat``) and divides the shard it gets back: per gather, the shard
+        and the whole unit, per reduce-scatter the whole unit and the shard."""
         grads, weights = parameters * spec.reduce.itemsize, parameters * spec.params.itemsize
         reshard = options.get("reshard_after_forward")
         if reshard is None:
@@ -264,7 +270,10 @@ class FSDPBackend(DDPBackend):
         if plan.dp_replicate > 1:
             found.append(Collective(kind="all_reduce", axis="dp_replicate",
                                     size=grads / plan.dp_shard * times, what="gradient shard"))
-        return Traffic(collectives=tuple(found), window="step", shards_optimizer=True)
+        around = 1 + 1 / plan.dp_shard  # the whole tensor and its shard
+        copies = ((2 if reshard else 1) * weights + grads) * times * around
+        return Traffic(collectives=tuple(found), window="step", shards_optimizer=True,
+                       copies=copies)
 
     # -- life cycle ---------------------------------------------------------------------------
     group_alone = True  # fully_shard needs a group at 1 rank too (a 2-rank checkpoint resumes)

@@ -4,7 +4,8 @@ behind (``Backend.step_traffic``), as values the cost model of `mpt plan` prices
 Here, beside ``ParallelPlan``, so that backends declare their traffic without importing the
 planner. Each backend's figures come from its code and from docs/benchmarks.md's bytes on the
 wire (`make scaling`, 2 nodes: ddp, apex and horovod send 100.9 MB for 100.7 MB of gradients,
-the ring's 2(N-1)/N; DeepSpeed's default ZeRO-1 1.5x, fsdp 2x on gloo).
+the ring's 2(N-1)/N; DeepSpeed's default ZeRO-1 1.5x, fsdp 2x on gloo), and the copies into
+and out of the buffers the collectives use from the torch code that makes them.
 """
 
 from __future__ import annotations
@@ -42,3 +43,8 @@ class Traffic:
     """Compute they may overlap: the backward, the whole step, or none."""
     shards_optimizer: bool
     """Whether each rank steps only its 1/dp_shard of the optimizer state."""
+    copies: float = 0.0
+    """Bytes a rank copies per step in memory around these collectives (into and out of the
+    flat buffers they send from and receive into: DDP's buckets, fsdp's all-gather and
+    reduce-scatter buffers); each is read once and written once, so the cost model prices
+    twice this at the device's memory bandwidth. 0: none modelled."""

@@ -9,7 +9,10 @@ The step, for a rank of the slowest pipeline stage:
   runs far below a square one), its peak otherwise; the ops a tensor-parallel plan splits
   divided by T; then the optimizer step: the calibrated seconds per parameter of torch's own
   step, or, on a datasheet profile, 4 x (3 + 2 x states) bytes per parameter it steps (read
-  weight, gradient and states, write weight and states) at the memory bandwidth.
+  weight, gradient and states, write weight and states) at the memory bandwidth; then the
+  backend's copies into and out of its collectives' buffers (``Traffic.copies``: DDP's buckets,
+  fsdp's all-gather and reduce-scatter inputs and outputs), read and written once each at the
+  memory bandwidth, never hidden (they run on the rank's own cores or stream).
 - tensor parallelism: the plan's allreduces of activations, in the forward and the backward, on
   the critical path (each waits for its matmul and the next op waits for it).
 - pipeline (1F1B/GPipe, M micro-batches, P stages): M micro-batches of compute, a bubble of
@@ -89,7 +92,7 @@ class Prediction:
     capacity: float
     """Bytes one rank may fill."""
     compute: float
-    """Seconds of forward, backward and optimizer step."""
+    """Seconds of forward, backward, optimizer step and the backend's buffer copies."""
     exposed: float
     """Seconds of communication not hidden behind compute."""
     hidden: float
@@ -212,8 +215,10 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
               "none": 0.0}[flow.window] * cluster.device.overlap
     stepped = trained / plan.dp_shard if flow.shards_optimizer else trained
     terms["optimizer step"] = optimizer_seconds(stepped, model, cluster)
+    terms["buffer copies"] = copy_seconds(flow, cluster)
     terms["data-parallel communication"] = max(0.0, dp_seconds - window)
-    compute = terms["forward"] + terms["backward"] + terms["optimizer step"]
+    compute = (terms["forward"] + terms["backward"] + terms["optimizer step"]
+               + terms["buffer copies"])
     exposed = (terms["data-parallel communication"] + terms["tensor-parallel allreduces"]
                + terms["pipeline sends"])
     terms["pipeline bubble"] = bubble
@@ -228,6 +233,13 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
         rank_bytes=dp_rank + 2 * m * p2p.per_rank + m * tp_time.per_rank,
         terms=terms, limiter="")
     return _with_limiter(prediction, slowest, f"dp {kinds} ({where})")
+
+
+def copy_seconds(flow: Traffic, cluster: Cluster) -> float:
+    """The backend's copies into and out of its collectives' buffers (``Traffic.copies``):
+    each byte read and written once, at the memory bandwidth (which counts both: the
+    calibration's is twice a 64 MiB copy's bytes over its time, a datasheet's HBM's)."""
+    return 2 * flow.copies / cluster.device.memory_bandwidth
 
 
 def optimizer_seconds(parameters: float, model: Model, cluster: Cluster) -> float:

@@ -140,3 +140,31 @@ def test_the_optimizer_step_takes_its_calibrated_time_per_parameter() -> None:
     calibrated = _calibrated(update_seconds={"sgd-momentum": 1e-9})
     assert optimizer_seconds(1e6, model, calibrated) == pytest.approx(1e-3)
     assert optimizer_seconds(1e6, model, _calibrated()) == pytest.approx(1e6 * 20 / 20e9)
+
+
+def test_the_backends_copies_around_their_collectives_are_their_own_term() -> None:
+    """The MLP (25,175,040 fp32 parameters) on 2 ranks. DDP copies its gradients into the
+    buckets and back: 2 x 100.7 MB. fully_shard, resharding after the forward, copies per
+    all-gather the shard in and the whole unit out (twice: forward and backward) and per
+    reduce-scatter the whole gradients in and the shard out: (2 + 1) x 100.7 MB x 1.5. Under a
+    pipeline that keeps the weights gathered, one gather; resharding, M of everything. Each
+    copied byte is read and written once at the memory bandwidth, in the step's compute."""
+    spec, params = describe("fp32"), 25_175_040
+    ddp = get_backend("ddp").step_traffic({}, ParallelPlan(dp_replicate=2), spec, params)
+    assert ddp.copies == 2 * GRADIENTS
+    fsdp = get_backend("fsdp")
+    assert fsdp.step_traffic({}, ParallelPlan(dp_shard=2), spec, params).copies == \
+        pytest.approx(3 * GRADIENTS * 1.5)
+    piped = ParallelPlan(pp=2, dp_shard=2)
+    assert fsdp.step_traffic({}, piped, spec, params, 4).copies == \
+        pytest.approx(2 * GRADIENTS * 1.5)
+    assert fsdp.step_traffic({"reshard_after_forward": True}, piped, spec, params, 4).copies \
+        == pytest.approx(4 * 3 * GRADIENTS * 1.5)
+    result = _plan(1, 2)
+    for label, copied in (("--backend ddp", 2 * GRADIENTS), ("--backend fsdp", 4.5 * GRADIENTS)):
+        p = _by_label(result, label)
+        bandwidth = _cluster(1, 2).device.memory_bandwidth
+        assert p.terms["buffer copies"] == pytest.approx(2 * copied / bandwidth)
+        assert p.compute == pytest.approx(p.terms["forward"] + p.terms["backward"]
+                                          + p.terms["optimizer step"]
+                                          + p.terms["buffer copies"])
