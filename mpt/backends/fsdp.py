@@ -25,7 +25,7 @@ from mpt.backends.meta import check_materialisable, materialise, rank0_random_st
 from mpt.comm import GradComm
 from mpt.errors import UsageError
 from mpt.estimate import Buffers, MemoryEstimate, parameter_counts
-from mpt.parallel import Axis, ParallelPlan
+from mpt.parallel import Axis, ParallelPlan, divisors
 from mpt.parallel.traffic import Collective, Traffic
 from mpt.parse import parse_bool, parse_int, parse_text
 from mpt.precision import PrecisionSpec
@@ -158,7 +158,7 @@ class FSDPBackend(DDPBackend):
         plan = super().layout_of(world_size, options, pp=pp, tp=tp)
         replicas = cls.check_options(options)["replicate"]
         if plan.dp_shard % replicas:
-            fits = [d for d in range(1, plan.dp_shard + 1) if plan.dp_shard % d == 0]
+            fits = divisors(plan.dp_shard)
             raise UsageError("--fsdp-replicate", replicas, f"it does not divide the "
                              f"{plan.dp_shard} data-parallel rank(s) into equal shard groups",
                              f"pass one of {', '.join(map(str, fits))}")
@@ -240,7 +240,7 @@ class FSDPBackend(DDPBackend):
     @classmethod
     def plan_variants(cls, world_size: int) -> list[dict[str, Any]]:
         """Every ``--fsdp-replicate`` that divides the world (1: plain fsdp, more: HSDP)."""
-        return [{"replicate": r} for r in range(1, world_size + 1) if world_size % r == 0]
+        return [{"replicate": r} for r in divisors(world_size)]
 
     @classmethod
     def step_traffic(cls, options: Mapping[str, Any], plan: ParallelPlan, spec: PrecisionSpec,

@@ -19,7 +19,7 @@ from mpt.errors import UsageError
 from mpt.launchers.horovod_join import check_port
 from mpt.launchers.local_rank import LOCAL_RANK_ARG
 from mpt.launchers.logs import DEFAULT_TEE
-from mpt.parallel import ParallelPlan
+from mpt.parallel import ParallelPlan, divisors
 from mpt.precision import LossScaleConfig
 from mpt.run_config import RunConfig
 from mpt.scaling import plan_batch
@@ -124,7 +124,7 @@ class LaunchSpec:
             self.run.layout(count * self.gpus)
         tp = self.run.tensor_parallel
         if tp > 1 and self.gpus % tp:  # a tp group's per-layer collectives stay in one node
-            fits = [t for t in range(1, self.gpus + 1) if self.gpus % t == 0]
+            fits = divisors(self.gpus)
             raise UsageError("--tensor-parallel", tp, f"a tensor-parallel group must lie within "
                              f"one node, and {tp} does not divide the {self.gpus} process(es) "
                              "of a node", f"pass --tensor-parallel one of "

@@ -32,6 +32,11 @@ FLAGS: dict[Axis, str] = {"pp": "--pipeline-stages", "dp_replicate": "--gpus",
 """The `mpt launch` flag that sets each axis (the data axes take the ranks the others leave)."""
 
 
+
+def divisors(n: int) -> list[int]:
+    """Every size that splits ``n`` ranks (or units) evenly, ascending: what a refusal offers."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ParallelPlan:
     """How the ranks of one job split the work; every size is 1 where the axis is unused."""

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from mpt.errors import UsageError
+from mpt.parallel.plan import divisors
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -96,7 +97,7 @@ def _check_split(name: str, module: nn.Module, entry: PlanEntry, size: int, flag
     features = module.weight.shape[SPLIT_DIM[style]]
     units = features // unit
     if features % unit or units % size:
-        fits = [t for t in range(1, units + 1) if units % t == 0]
+        fits = divisors(units)
         raise UsageError(flag, size, f"{name} ({style}) has {units} {what}, which {size} "
                          "ranks do not split evenly", f"pass {flag} one of "
                          f"{', '.join(map(str, fits))}")

@@ -37,7 +37,6 @@ class PipelineStep(TrainStep):
     def __init__(self, *, stages: Stages, **parts: Any) -> None:
         super().__init__(**parts)
         self.stages = stages
-        self.plan = stages.plan
         self._schedules: dict[int, _PipelineSchedule] = {}
         self._loss_fn: LossFn | None = None
         self._losses: list[torch.Tensor] = []  # this call's micro-batch losses, unscaled
@@ -81,7 +80,7 @@ class PipelineStep(TrainStep):
             ScheduleInterleavedZeroBubble,
         )
 
-        backend, plan = self.backend, self.plan
+        backend, plan = self.backend, self.stages.plan
         indices = plan.chunks_of(self.stages.topology.stage)
         stages = [PipelineStage(backend.stage_module(chunk), stage_index=index,
                                 num_stages=plan.chunks,
@@ -105,13 +104,13 @@ class PipelineStep(TrainStep):
             return torch.zeros((), device=self.backend.device)
         loss = self._loss_fn(output, target)
         self._losses.append(loss.detach().float())
-        divided = loss / (self.plan.microbatches * self.accumulate)
+        divided = loss / (self.stages.plan.microbatches * self.accumulate)
         return self.backend.precision.scale_loss(divided)
 
     def _run(self, pair: Pair, inputs: Any, target: Any, loss_fn: LossFn | None,
              train: bool) -> Any:
         """One schedule call; returns the last stage's merged output there, else None."""
-        place, plan = self.stages.topology, self.plan
+        place, plan = self.stages.topology, self.stages.plan
         first = plan.holder(0) == place.stage  # takes the inputs
         last = plan.holder(plan.chunks - 1) == place.stage  # computes the loss
         for name, value in (("inputs", inputs if first else None),
@@ -147,7 +146,7 @@ class PipelineStep(TrainStep):
     def _from_last_stage(self, value: torch.Tensor | None) -> torch.Tensor:
         """``value`` of the last stage, on every stage of this replica."""
         box = [value]
-        plan = self.plan
+        plan = self.stages.plan
         dist.broadcast_object_list(box, group_src=plan.holder(plan.chunks - 1),
                                    group=self.stages.pp_group)
         assert box[0] is not None
@@ -156,7 +155,7 @@ class PipelineStep(TrainStep):
     def _batch_loss(self) -> torch.Tensor | None:
         """The mean of this call's micro-batch losses (the last M: on its first call torch's
         stage also runs the loss once to learn the shapes)."""
-        losses = self._losses[-self.plan.microbatches:]
+        losses = self._losses[-self.stages.plan.microbatches:]
         return torch.stack(losses).mean() if losses else None
 
     def forward_backward(self, model: nn.Module | None, inputs: Any, target: Any,

@@ -20,6 +20,7 @@ from torch import nn
 
 from mpt.backends import registered
 from mpt.errors import MptError, UsageError
+from mpt.parallel import divisors
 from mpt.parallel.tensor import tensor_plan
 from mpt.pipeline.split import stage_blocks
 from mpt.plan.cost import Layout
@@ -35,9 +36,6 @@ class Refused:
     reason: str
     """mpt's one-line refusal."""
 
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _flags(backend: str, options: Mapping[str, Any], pp: int, tp: int) -> tuple[str, ...]:

@@ -6,10 +6,10 @@ The plain scripts' model, AdamW and warm-up schedule (``foreign_common``); after
 every rank's whole weights and optimizer state are gathered (collectives) and rank 0 writes
 OUT/direct-<backend>-<world size>.json: the step, the learning rate, the bytes ranks 0 and 1
 wrote to disk during the load (``/proc/self/io``), the bytes each rank read from SRC's files
-with ``os.pread`` (how a DCP source's blobs are read: counted by a wrapper, since a state this
-small is lost in ``rchar``'s other reads), and, where EXPECTED (the source's own full fp32
-weights or masters and Adam moments, ``expected.pt``) is given, the names of every tensor that
-differs from it (none: bit for bit).
+with ``os.preadv`` (how a source's blobs and pieces are read: counted by a wrapper, since a
+state this small is lost in ``rchar``'s other reads), and, where EXPECTED (the source's own
+full fp32 weights or masters and Adam moments, ``expected.pt``) is given, the names of every
+tensor that differs from it (none: bit for bit).
 """
 
 import json
@@ -37,21 +37,21 @@ def written() -> int:
     return next(int(line.split()[1]) for line in lines if line.startswith("write_bytes:"))
 
 
-source, read, pread = Path(src).resolve(), [0], os.pread
+source, read, preadv = Path(src).resolve(), [0], os.preadv
 
 
-def counted_pread(fd: int, n: int, offset: int) -> bytes:
-    """``os.pread``, adding what it read from a file of the source to ``read``."""
-    data = pread(fd, n, offset)
+def counted_preadv(fd: int, buffers: list, offset: int) -> int:
+    """``os.preadv``, adding what it read from a file of the source to ``read``."""
+    n = preadv(fd, buffers, offset)
     if Path(os.readlink(f"/proc/self/fd/{fd}")).is_relative_to(source):
-        read[0] += len(data)
-    return data
+        read[0] += n
+    return n
 
 
-os.pread = counted_pread
+os.preadv = counted_preadv
 before = written()
 info = rt.load(src, scheduler=scheduler)
-os.pread = pread
+os.preadv = preadv
 wrote = rt.backend.broadcast_object(written() - before, src=1) + written() - before
 reads = [rt.backend.broadcast_object(read[0], src=r) for r in range(rt.world_size)]
 weights = rt.backend.model_state_dict(model)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import io
 import itertools
 import math
-import os
 import pickle
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -46,7 +45,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import ReadItem
 
 from mpt.checkpoint.foreign import optimizer as optim
-from mpt.checkpoint.foreign.imported import Imported, Lazy, Opened, Range, as_int
+from mpt.checkpoint.foreign.imported import Imported, Lazy, Opened, Range, as_int, read_into
 from mpt.checkpoint.foreign.torchload import first_line
 from mpt.errors import UsageError
 
@@ -159,15 +158,8 @@ class InChunks(Lazy):
 def _blob(fd: int, path: str, offset: int, length: int) -> Any:
     """The value ``torch.save`` wrote at bytes ``offset`` to ``offset + length`` of the file
     ``fd`` (``path``), loaded with ``weights_only=True``."""
-    parts, done = [], 0
-    while done < length:  # one pread but for a blob of 2 GiB or more
-        part = os.pread(fd, length - done, offset + done)
-        if not part:
-            raise UsageError("SRC", path, f"it ends before byte {offset + length}", "pass a "
-                             "complete directory dcp.save wrote")
-        parts.append(part)
-        done += len(part)
-    data = parts[0] if len(parts) == 1 else b"".join(parts)
+    data = bytearray(length)
+    read_into(memoryview(data), fd, path, offset)
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except (RuntimeError, OSError, *_UNPICKLING_ERRORS) as exc:

@@ -164,7 +164,7 @@ class OnDisk(Lazy):
         for path, offset, count in self.ranges:
             first, last = max(low, at), min(high, at + count)
             if first < last:
-                _read_into(view[first - low:last - low], fd(path), path, offset + first - at)
+                read_into(view[first - low:last - low], fd(path), path, offset + first - at)
             at += count
 
 
@@ -397,7 +397,7 @@ def _blocks(segments: Iterator[memoryview | Range], free: Queue[memoryview], fil
                 block[at:at + n] = segment[done:done + n]
             else:
                 path, offset, _ = segment
-                _read_into(block[at:at + n], files.fd(path), path, offset + done)
+                read_into(block[at:at + n], files.fd(path), path, offset + done)
             done, at = done + n, at + n
             if at == len(block):
                 yield block
@@ -406,7 +406,7 @@ def _blocks(segments: Iterator[memoryview | Range], free: Queue[memoryview], fil
         yield block[:at]
 
 
-def _read_into(view: memoryview, fd: int, path: str, offset: int) -> None:
+def read_into(view: memoryview, fd: int, path: str, offset: int) -> None:
     """``view`` := the file's bytes from ``offset`` (``preadv``: a copy out of the page cache,
     the GIL released, no mapping to make and unmake)."""
     done = 0
