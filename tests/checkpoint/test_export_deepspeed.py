@@ -43,14 +43,14 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     model = make_model()
     model, optimizer = rt.setup(model, make_adamw(model))
     scheduler = make_warmup(optimizer)
-    continue_in_mpt(rt, model, scheduler, 0, SAVE_AT)
+    continue_in_mpt(rt, scheduler, 0, SAVE_AT)
     rt.save(root / "whole", step=SAVE_AT, epoch=0, scheduler=scheduler)
     rt.save(root / "sharded", step=SAVE_AT, epoch=0, scheduler=scheduler, sharded=True)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     state = rt.backend.optimizer_state_dict(model, optimizer)["state"]
     moments = {name: {k: v.clone() for k, v in entry.items()} for name, entry in state.items()}
     lr, schedule = optimizer.param_groups[0]["lr"], scheduler.state_dict()
-    curve = continue_in_mpt(rt, model, scheduler, SAVE_AT, STEPS)
+    curve = continue_in_mpt(rt, scheduler, SAVE_AT, STEPS)
     rt.close()
     return SimpleNamespace(root=root, weights=weights, moments=moments, lr=lr,
                            schedule=schedule, curve=curve)

@@ -60,7 +60,7 @@ def test_a_plain_scripts_checkpoint_resumes_in_mpt_on_its_curve(fmt, tmp_path, r
         scheduler = make_warmup(optimizer)
         info = rt.resume(scheduler=scheduler)
         assert info["step"] == SAVE_AT
-        resumed = continue_in_mpt(rt, model, scheduler, info["step"], STEPS)
+        resumed = continue_in_mpt(rt, scheduler, info["step"], STEPS)
         rt.close()
         assert list(resumed) == list(range(SAVE_AT + 1, STEPS + 1))
         for step, loss in resumed.items():
@@ -168,10 +168,10 @@ def mpt_run(root: Path) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
     model = make_model()
     model, optimizer = rt.setup(model, make_adamw(model))
     scheduler = make_warmup(optimizer)
-    continue_in_mpt(rt, model, scheduler, 0, SAVE_AT)
+    continue_in_mpt(rt, scheduler, 0, SAVE_AT)
     rt.save(root, step=SAVE_AT, scheduler=scheduler)
     saved = {k: v.clone() for k, v in model.state_dict().items()}
-    losses = continue_in_mpt(rt, model, scheduler, SAVE_AT, STEPS)
+    losses = continue_in_mpt(rt, scheduler, SAVE_AT, STEPS)
     rt.close()
     return losses, saved
 

@@ -7,7 +7,9 @@ ranks hold pieces of the state (fsdp, DeepSpeed ZeRO-3), each rank restoring its
 straight from the source: the fp32 masters and Adam moments restored must be the source's, bit
 for bit, no rank may write a temporary mpt copy, a rank must read less of a DCP directory's
 files than all of them (only the chunks that overlap its pieces), and the resumed run must
-follow the plain script's own curve (1e-5 relative).
+follow the plain script's own curve (1e-5 relative). The same under layouts that split the
+model over the ranks (2 pipeline stages; tensor parallelism over 2 ranks): each rank reads its
+stage's state or its rows or columns of each layer, and no stage another's.
 """
 
 from __future__ import annotations
@@ -23,11 +25,17 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
+from common import FEATURES
 from conftest import ds_env, find_free_port, run_mpt, worker
 
 pytestmark = pytest.mark.slow
 SAVE_AT, STEPS = 3, 8
 JOB = worker("foreign_direct.py")
+NAMES = ["0.bias", "0.weight", "2.bias", "2.weight"]
+STATE = 12 * (FEATURES * 16 + 16 + 16 + 1)
+"""A source's bytes of the fp32 weights and two Adam moments of every parameter."""
+SPLIT = [("pp2", ("--pipeline-stages", "2")), ("tp2", ("--tensor-parallel", "2"))]
+"""Layouts that split the model itself over the 2 ranks (over ddp)."""
 
 
 def launch(*args: str, gpus: int = 2, flags: tuple[str, ...] = (),
@@ -86,7 +94,7 @@ def test_each_rank_restores_deepspeeds_own_state_without_a_copy(zero3, backend, 
            flags=("--backend", backend, *flags),
            env={"PYTHONDONTWRITEBYTECODE": "1"})  # a module's .pyc is no copy
     said = json.loads((tmp_path / f"direct-{backend}-2.json").read_text())
-    assert said["step"] == SAVE_AT and said["differ"] == []
+    assert said["step"] == SAVE_AT and said["differ"] == [] and said["moments"] == NAMES
     # a temporary mpt copy of even this state writes 68 KiB; a few pages of other writes pass
     assert said["wrote"] < 32 << 10, said["wrote"]
 
@@ -106,7 +114,7 @@ def test_each_rank_restores_an_fsdp2_dcp_state_reading_only_its_chunks(
     launch(JOB, str(fsdp2_dcp / "dcp"), str(tmp_path), str(fsdp2_expected),
            flags=("--backend", backend, *flags), env={"PYTHONDONTWRITEBYTECODE": "1"})
     said = json.loads((tmp_path / f"direct-{backend}-2.json").read_text())
-    assert said["step"] == SAVE_AT and said["differ"] == []
+    assert said["step"] == SAVE_AT and said["differ"] == [] and said["moments"] == NAMES
     assert said["wrote"] < 32 << 10, said["wrote"]
     stored = sum(p.stat().st_size for p in (fsdp2_dcp / "dcp").glob("*.distcp"))
     # whole, each rank would read every blob: all the files' bytes; DCP's own reader reads
@@ -119,6 +127,35 @@ def test_an_fsdp2_dcp_run_resumed_as_it_is_goes_on_on_its_curve(fsdp2_dcp, tmp_p
            flags=("--backend", "fsdp", "--resume", str(fsdp2_dcp / "dcp")))
     reference = json.loads((fsdp2_dcp / "fsdp2.json").read_text())["loss"]
     check_curve(tmp_path, reference, "fsdp", 2)
+
+
+@pytest.mark.parametrize(("layout", "flags"), SPLIT, ids=[s for s, _ in SPLIT])
+def test_a_split_model_restores_deepspeeds_state_each_rank_its_part(zero3, layout, flags,
+                                                                   tmp_path):
+    launch(JOB, str(zero3 / "ds"), str(tmp_path), str(zero3 / "expected.pt"), flags=flags,
+           env={"PYTHONDONTWRITEBYTECODE": "1"})
+    said = json.loads((tmp_path / "direct-ddp-2.json").read_text())
+    assert said["step"] == SAVE_AT and said["differ"] == [] and said["moments"] == NAMES
+    assert said["wrote"] < 32 << 10, said["wrote"]
+    # each rank reads its stage, or its rows or columns of each layer: never all of it
+    assert all(0 < n < STATE for n in said["read"]), said["read"]
+    if layout == "pp2":  # and no stage reads another's weights
+        assert sum(said["read"]) == STATE, said["read"]
+
+
+SOURCES = {"zero3": ("ds", "deepspeed.json"), "fsdp2_dcp": ("dcp", "fsdp2.json")}
+"""Each source fixture's checkpoint folder and the plain script's own curve."""
+
+
+@pytest.mark.parametrize("source", list(SOURCES))
+@pytest.mark.parametrize(("layout", "flags"), SPLIT, ids=[s for s, _ in SPLIT])
+def test_a_split_model_resumed_as_it_is_goes_on_on_the_sources_curve(source, layout, flags,
+                                                                     request, tmp_path):
+    folder, curve = SOURCES[source]
+    made = request.getfixturevalue(source)
+    launch(worker("foreign_resume.py"), str(tmp_path), str(STEPS),
+           flags=(*flags, "--resume", str(made / folder)))
+    check_curve(tmp_path, json.loads((made / curve).read_text())["loss"], "ddp", 2)
 
 
 def test_a_truncated_rank_file_is_refused_in_one_line(zero3, tmp_path):

@@ -132,9 +132,9 @@ def test_an_mpt_run_exported_to_dcp_goes_on_in_a_plain_fsdp2_script(tmp_path, ru
     model = make_model()
     model, optimizer = rt.setup(model, make_adamw(model))
     scheduler = make_warmup(optimizer)
-    continue_in_mpt(rt, model, scheduler, 0, SAVE_AT)
+    continue_in_mpt(rt, scheduler, 0, SAVE_AT)
     rt.save(tmp_path / "ckpt", step=SAVE_AT, scheduler=scheduler)
-    mpt_curve = continue_in_mpt(rt, model, scheduler, SAVE_AT, STEPS)
+    mpt_curve = continue_in_mpt(rt, scheduler, SAVE_AT, STEPS)
     rt.close()
     result = run_cli("checkpoint", "convert", str(tmp_path / "ckpt"), str(tmp_path / "dcp"),
                      "--to", "dcp")

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from common import FEATURES
+from common import FEATURES, make_model
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -34,6 +34,14 @@ def rank_slice(rank: int, world_size: int) -> slice:
     return slice(rank * size, (rank + 1) * size)
 
 
+def make_split_model() -> nn.Module:
+    """``common.make_model``, declaring how ``--tensor-parallel`` splits it (read only there):
+    the first layer by its outputs, the last by its inputs."""
+    model = make_model()
+    model.tensor_parallel_plan = lambda: {"0": "colwise", "2": "rowwise"}
+    return model
+
+
 def make_adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1)
 
@@ -43,23 +51,26 @@ def make_warmup(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.La
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 6))
 
 
-def continue_in_mpt(rt: Any, model: nn.Module, scheduler: Any, start: int, steps: int
-                    ) -> dict[int, float]:
-    """Train an mpt run (``rt``, with ``model`` and the optimizer ``rt.setup`` made) from step
+def continue_in_mpt(rt: Any, scheduler: Any, start: int, steps: int) -> dict[int, float]:
+    """Train an mpt run (``rt``, with the model and optimizer ``rt.setup`` made) from step
     ``start`` to ``steps`` as the plain scripts do; every step's loss over the global batch."""
     losses = {}
     for step, (x, y) in enumerate(batches(steps), start=1):
         if step <= start:
             continue
-        part = rank_slice(rt.rank, rt.world_size)
-        with rt.autocast():
-            loss = nn.functional.mse_loss(model(x[part]).float(), y[part])
-        rt.backward(loss)
+        # the data-parallel replicas' rows: tensor-parallel ranks and pipeline stages of one
+        # replica read the same rows
+        part = rank_slice(rt.topology.dp_rank, rt.topology.dp_size)
+        loss = rt.forward_backward(x[part], y[part], _mse)
         rt.clip_grad_norm_(CLIP)
         rt.step()
         scheduler.step()
-        losses[step] = rt.all_reduce(loss.detach().clone()).item()
+        losses[step] = rt.all_reduce(loss.clone()).item()
     return losses
+
+
+def _mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(output.float(), target)
 
 
 Saver = Callable[[nn.Module, torch.optim.Optimizer, Any, int], None]

@@ -9,7 +9,8 @@ wrote to disk during the load (``/proc/self/io``), the bytes each rank read from
 with ``os.preadv`` (how a source's blobs and pieces are read: counted by a wrapper, since a
 state this small is lost in ``rchar``'s other reads), and, where EXPECTED (the source's own
 full fp32 weights or masters and Adam moments, ``expected.pt``) is given, the names of every
-tensor that differs from it (none: bit for bit).
+tensor that differs from it (none: bit for bit) and of every parameter whose moments some rank
+compared (all of them; under a pipeline each rank holds its stage's).
 """
 
 import json
@@ -18,15 +19,14 @@ import sys
 from pathlib import Path
 
 import torch
-from common import make_model
-from foreign_common import make_adamw, make_warmup
+from foreign_common import make_adamw, make_split_model, make_warmup
 
 import mpt
 
 src, out = sys.argv[1], Path(sys.argv[2])
 expected_file = sys.argv[3] if len(sys.argv) > 3 else None
 rt = mpt.Runtime()
-model = make_model()
+model = make_split_model()
 model, optimizer = rt.setup(model, make_adamw(model))
 scheduler = make_warmup(optimizer)
 
@@ -54,19 +54,24 @@ info = rt.load(src, scheduler=scheduler)
 os.preadv = preadv
 wrote = rt.backend.broadcast_object(written() - before, src=1) + written() - before
 reads = [rt.backend.broadcast_object(read[0], src=r) for r in range(rt.world_size)]
-weights = rt.backend.model_state_dict(model)
-state = rt.backend.optimizer_state_dict(model, optimizer)["state"]
-differ = []
+weights = rt.model_state_dict(model)  # whole, on every rank, under any layout
+state = rt.backend.optimizer_state_dict(model, optimizer)["state"]  # a pipeline stage's only
+differ, moments = [], []
 if expected_file is not None:
     expected = torch.load(expected_file, weights_only=True)
     for name, want in expected["fp32"].items():
         if not torch.equal(weights[name].float(), want):
             differ.append(name)
-        for key in ("exp_avg", "exp_avg_sq"):
-            if not torch.equal(state[name][key], expected[key][name]):
-                differ.append(f"{name}/{key}")
+        if name in state:
+            moments.append(name)
+            for key in ("exp_avg", "exp_avg_sq"):
+                if not torch.equal(state[name][key], expected[key][name]):
+                    differ.append(f"{name}/{key}")
+said = [None] * rt.world_size
+torch.distributed.all_gather_object(said, (differ, moments))
 if rt.rank == 0:
     (out / f"direct-{rt.backend.name}-{rt.world_size}.json").write_text(json.dumps(
-        {"step": info["step"], "lr": scheduler.get_last_lr(), "differ": differ,
-         "wrote": wrote, "read": reads}))
+        {"step": info["step"], "lr": scheduler.get_last_lr(), "wrote": wrote, "read": reads,
+         "differ": sorted({n for d, _ in said for n in d}),
+         "moments": sorted({n for _, m in said for n in m})}))
 rt.close()

@@ -13,19 +13,18 @@ import json
 import sys
 from pathlib import Path
 
-from common import make_model
-from foreign_common import continue_in_mpt, make_adamw, make_warmup
+from foreign_common import continue_in_mpt, make_adamw, make_split_model, make_warmup
 
 import mpt
 
 out, steps = Path(sys.argv[1]), int(sys.argv[2])
 rt = mpt.Runtime()
-model = make_model()
+model = make_split_model()
 model, optimizer = rt.setup(model, make_adamw(model))
 scheduler = make_warmup(optimizer)
 info = rt.resume(scheduler=scheduler)
 log = {"step": info["step"], "epoch": info.get("epoch"), "lr": scheduler.get_last_lr(),
-       "loss": continue_in_mpt(rt, model, scheduler, info["step"], steps)}
+       "loss": continue_in_mpt(rt, scheduler, info["step"], steps)}
 if rt.rank == 0:
     (out / f"mpt-{rt.backend.name}-{rt.world_size}.json").write_text(json.dumps(log))
 rt.close()

@@ -104,6 +104,6 @@ def load(src: str | os.PathLike[str], parts: TrainingState,
 
     imported = read(Path(src))
     info = restore.load(imported, parts, os.fspath(src))
-    say(f"mpt: imported {src} ({imported.source}): {imported.summary()}; it holds no "
+    say(f"mpt: imported {src} ({imported.source}): {imported.summary()}; it does not hold "
         f"{', '.join(imported.lacks)}, which start afresh")
     return info

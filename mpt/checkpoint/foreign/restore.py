@@ -32,7 +32,7 @@ from mpt.checkpoint.foreign.imported import (
     state_json,
 )
 from mpt.checkpoint.format import FORMAT_VERSION, CheckpointError, Manifest
-from mpt.checkpoint.held import rank_reads
+from mpt.checkpoint.held import gather_object, rank_reads
 from mpt.checkpoint.sharded import Unread
 from mpt.checkpoint.state import TrainingState, mpt_version, restore
 from mpt.errors import UsageError
@@ -55,13 +55,16 @@ def load(imported: Imported, parts: TrainingState, src: str) -> dict[str, Any]:
         if parts.backend.shards_state:
             wanted = rank_reads(parts, state)
             whole = None if wanted.whole is None else set(wanted.whole)
-            local = set(wanted.into) | (whole or set())
+            # the weights some rank holds (another pipeline stage's are left to their ranks)
+            held = {key for keys in gather_object(parts.backend, sorted(
+                key for key in {*wanted.into, *(whole or ())} if key.startswith("model/")))
+                for key in keys}
             read: dict[str, Any] = {}
             for key, t in stored.items():
                 if key in wanted.into:
                     read[key] = files.fill(key, wanted.into[key], t, src)
                 elif (not key.startswith(_SHARDED) or whole is None or key in whole
-                      or (key.startswith("model/") and key not in local)):
+                      or (key.startswith("model/") and key not in held)):
                     # ... and weights the run does not have: whole, for the restore to refuse
                     read[key] = files.whole(t)
                 else:  # state of parameters another pipeline stage holds
