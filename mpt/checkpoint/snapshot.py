@@ -27,15 +27,14 @@ After a restart (a lost node, a node that joined), ``rt.resume`` asks every rank
 its node's store holds intact. The newest step of which the survivors hold every piece, where
 it is newer than the newest checkpoint on disk, is restored: each rank of the new run works out
 which boxes overlap the parts it holds (its new shards, at any world size and under any backend)
-and their holders read and send just the overlapping parts, one at a time. Otherwise the disk
-checkpoint is loaded. With one node there is no peer: the snapshot outlives worker restarts
-only.
+and their holders read and send just the overlapping parts, every pair of ranks at once, a
+window of at most ``CHUNK`` bytes in flight at a time. Otherwise the disk checkpoint is
+loaded. With one node there is no peer: the snapshot outlives worker restarts only.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import re
@@ -339,17 +338,20 @@ class PeerSnapshots:
         self._prune(mine.step)
 
     # -- restoring ----------------------------------------------------------------------------
-    def _checked(self) -> dict[PieceId, bool]:
-        """This store's pieces, each with whether its header and bytes are those written."""
+    def _checked(self, step: int, size: int) -> dict[int, bool]:
+        """By the rank that wrote it, whether each piece of the snapshot of ``step`` by
+        ``size`` ranks in this store has the header and bytes that were written."""
         found = {}
         for name, piece in self._held().items():
+            if (piece.step, piece.world_size) != (step, size):
+                continue
             try:
                 opened = Piece(os.path.join(self.store, name))
             except (OSError, ValueError, KeyError, TypeError):
-                found[piece] = False
+                found[piece.rank] = False
                 continue
             try:
-                found[piece] = opened.intact() and opened.header["step"] == piece.step
+                found[piece.rank] = opened.intact() and opened.header["step"] == piece.step
             finally:
                 opened.close()
         return found
@@ -357,26 +359,28 @@ class PeerSnapshots:
     def restore(self, newer_than: int | None) -> str | None:
         """Collective: choose the newest snapshot of which the ranks' stores hold every piece
         intact, where it is newer than step ``newer_than`` (the disk's newest); return its
-        name for ``load``, else None. A newer snapshot that lacks pieces is said, with why."""
+        name for ``load``, else None. A newer snapshot that lacks pieces is said, with why.
+        Only the pieces of the snapshot in question are checked, newest first: an older one's
+        bytes are read only where every newer one is incomplete."""
         every = gather_object(self.backend, sorted(
-            (p.step, p.rank, p.world_size, ok) for p, ok in self._checked().items()))
-        holders: dict[tuple[int, int], dict[int, int]] = {}  # (step, world) -> rank -> holder
-        damaged: dict[tuple[int, int], set[int]] = {}
-        for rank, pieces in enumerate(every):
-            for step, old, size, ok in pieces:
-                holders.setdefault((step, size), {})
-                if ok:
-                    holders[step, size].setdefault(old, rank)
-                else:
-                    damaged.setdefault((step, size), set()).add(old)
-        for (step, size), have in sorted(holders.items(), reverse=True):
+            {(p.step, p.world_size) for p in self._held().values()}))
+        for step, size in sorted({snapshot for kept in every for snapshot in kept}, reverse=True):
             if newer_than is not None and step <= newer_than:
                 break
+            have: dict[int, int] = {}  # rank that wrote a piece -> a rank that holds it intact
+            damaged: set[int] = set()
+            for rank, checked in enumerate(gather_object(self.backend, sorted(
+                    self._checked(step, size).items()))):
+                for old, ok in checked:
+                    if ok:
+                        have.setdefault(old, rank)
+                    else:
+                        damaged.add(old)
             if len(have) == size:
                 self._chosen = (step, size, [have[r] for r in range(size)])
                 return f"{RESTORED}/{io.step_dir_name(step)}"
             lost = sorted(set(range(size)) - set(have))
-            bad = sorted(damaged.get((step, size), set()) - set(have))
+            bad = sorted(damaged - set(have))
             why = (f"damaged: {bad}" if bad == lost else "their node is lost, and no "
                    "complete copy reached the next node" + (f"; damaged: {bad}" if bad else ""))
             self.say(f"mpt: the snapshot of step {step} lacks the pieces of rank(s) {lost} "
@@ -390,7 +394,7 @@ class PeerSnapshots:
 
     def load(self, parts: TrainingState) -> dict[str, Any]:
         """Collective: restore the chosen snapshot into the run: every rank fills the parts it
-        holds from the boxes that overlap them, which their holders send one at a time."""
+        holds from the boxes that overlap them, which their holders send (``_exchange``)."""
         assert self._chosen is not None
         step, size, holders = self._chosen
         backend, rank = self.backend, self.backend.world.rank
@@ -413,17 +417,16 @@ class PeerSnapshots:
                       if (target := targets[box.key]) is not None
                       and (spans := target.overlap(box)) is not None}
             requests = gather_object(backend, wanted)
+            moves = [Move(Box(box.key, box.dtype, box.shape, tuple(b for b, _ in spans),
+                               tuple(e - b for b, e in spans)), box, old, holders[old],
+                           requester)
+                     for index, (box, old) in enumerate(table)
+                     for requester, spans in ((r, w[index]) for r, w in enumerate(requests)
+                                              if index in w)]
             self.moved = {"read": 0, "received": 0}
-            for index, (box, old) in enumerate(table):
-                for requester, spans in ((r, w[index]) for r, w in enumerate(requests)
-                                         if index in w):
-                    part = Box(box.key, box.dtype, box.shape, tuple(b for b, _ in spans),
-                               tuple(e - b for b, e in spans))
-                    moved = _move(part, holders[old], requester, rank,
-                                  functools.partial(_read, piece, old, box, part),
-                                  targets[box.key], group)
-                    if moved:
-                        self.moved[moved] += part.nbytes
+            for window in in_windows(moves, CHUNK):
+                for how, nbytes in _exchange(window, rank, piece, targets, group):
+                    self.moved[how] += nbytes
         finally:
             for opened_piece in opened.values():
                 opened_piece.close()
@@ -468,31 +471,64 @@ def _target(box: Box, reads: Reads, rank: int) -> Target | None:
     return Target.of(None, box)
 
 
-def _read(piece: Callable[[int], Piece], old: int, box: Box, part: Box) -> torch.Tensor:
-    return piece(old).read(box, part)
+@dataclass(frozen=True, slots=True)
+class Move:
+    """``part`` of the stored ``box`` (in rank ``old``'s piece), from ``sender``, who holds that
+    piece now, to ``requester``, who needs it."""
+
+    part: Box
+    box: Box
+    old: int
+    sender: int
+    requester: int
 
 
-def _move(part: Box, sender: int, requester: int, rank: int,
-          read: Callable[[], torch.Tensor], target: Target | None,
-          group: dist.ProcessGroup | None) -> str | None:
-    """This rank's part in moving ``part`` of a stored box from ``sender`` to ``requester``
-    (all ranks walk the same moves in the same order, so each send meets its receive).
-    Returns how the requester got it (``read`` from its own store, or ``received``), None on
-    any other rank."""
-    if rank == sender:
-        data = read()
-        if requester == rank:
+def in_windows(moves: list[Move], budget: int) -> list[list[Move]]:
+    """``moves`` in order, cut into windows of at most ``budget`` bytes (a larger part alone):
+    what one rank may hold in flight at once. Every rank cuts the same windows."""
+    windows: list[list[Move]] = []
+    size = 0
+    for move in moves:
+        if not windows or size + move.part.nbytes > budget:
+            windows.append([])
+            size = 0
+        windows[-1].append(move)
+        size += move.part.nbytes
+    return windows
+
+
+def _exchange(window: list[Move], rank: int, piece: Callable[[int], Piece],
+              targets: dict[str, Target | None], group: dist.ProcessGroup | None
+              ) -> list[tuple[str, int]]:
+    """This rank's part in one window of moves, all at once: it posts every send and receive
+    of the window, fills what it reads from its own store meanwhile, then what it received.
+    Returns how this rank got each part it needed (``read`` or ``received``) and its bytes."""
+    posted, received, sent, got = [], [], [], []
+    for tag, move in enumerate(window):  # a tag per move: each receive meets its own send
+        if rank == move.requester and rank != move.sender:
+            data = torch.empty(move.part.sizes, dtype=move.part.torch_dtype)
+            posted.append(dist.irecv(data, move.sender, group=group, tag=tag))
+            received.append((move, data))
+    for tag, move in enumerate(window):
+        if rank != move.sender:
+            continue
+        data = piece(move.old).read(move.box, move.part)
+        if move.requester == rank:
+            target = targets[move.box.key]
             assert target is not None
-            target.fill(part, data)
-            return "read"
-        dist.send(data, requester, group=group)
-    elif rank == requester:
+            target.fill(move.part, data)
+            got.append(("read", move.part.nbytes))
+        else:
+            posted.append(dist.isend(data, move.requester, group=group, tag=tag))
+            sent.append(data)  # kept until its send is done
+    for work in posted:
+        work.wait()
+    for move, data in received:
+        target = targets[move.box.key]
         assert target is not None
-        data = torch.empty(part.sizes, dtype=part.torch_dtype)
-        dist.recv(data, sender, group=group)
-        target.fill(part, data)
-        return "received"
-    return None
+        target.fill(move.part, data)
+        got.append(("received", move.part.nbytes))
+    return got
 
 
 def peer_snapshots(every: int, store: str | None, backend: StateHolder, timeout: timedelta,

@@ -37,7 +37,7 @@ from torch import nn
 
 import mpt
 from mpt.checkpoint.boxes import Box, Target, assign
-from mpt.checkpoint.snapshot import Piece, write_piece
+from mpt.checkpoint.snapshot import Move, Piece, in_windows, write_piece
 from mpt.errors import UsageError
 from mpt.state.flat import FlatPiece
 
@@ -234,6 +234,18 @@ def test_boxes_are_kept_once_and_evenly_and_refill_any_other_cut():
         if ranged.overlap(box) is not None:
             ranged.fill(box, whole[box.offsets[0]:box.offsets[0] + box.sizes[0]])
     assert torch.equal(flat.flat, whole.reshape(-1)[10:30])
+
+
+def test_a_restores_moves_go_in_windows_of_a_bounded_size():
+    def move(rows: int) -> Move:  # rows of 1 KiB
+        part = Box("w", "float32", (64, 256), (0, 0), (rows, 256))
+        return Move(part, part, 0, 0, 1)
+
+    moves = [move(n) for n in (4, 4, 8, 20, 2, 2)]
+    windows = in_windows(moves, 16 << 10)
+    assert [[m.part.sizes[0] for m in w] for w in windows] == [[4, 4, 8], [20], [2, 2]]
+    assert [m for w in windows for m in w] == moves  # every move once, in order
+    assert in_windows([], 16 << 10) == []
 
 
 def test_a_piece_reads_only_the_part_of_a_box_a_rank_needs(tmp_path):
