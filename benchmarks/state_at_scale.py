@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/state_at_scale.py                       # fsdp, 4 nodes -> 3
     .venv/bin/python benchmarks/state_at_scale.py --layout pp2          # pipeline 2 x fsdp 2
+    .venv/bin/python benchmarks/state_at_scale.py --layout pp2 --gpus 2 --reshard-after-forward
     .venv/bin/python benchmarks/state_at_scale.py --embed 1024 --layers 16 --steps 5
 
 A GPT of examples/gpt.py's shape (its output layer untied: weights tied across modules cannot be
@@ -12,8 +13,10 @@ one-process nodes on this host (`mpt launch --nodes 3:4`, the rendezvous on a st
 store holds the pieces of step ``--kill-after`` (its own and the previous node's copy), one
 node is SIGKILLed with its store, and the 3 survivors resume from the peers' snapshot and train
 to ``--steps``; with ``--no-snapshots`` they resume from the disk's step 1 instead (the
-restore times side by side). Under ``--layout pp2`` (2 stages x fsdp 2) the
-job runs at 4 nodes only (3 processes cannot hold 2 stages) and no node is killed.
+restore times side by side). Under ``--layout pp2`` (2 stages x fsdp 2) on 4
+one-process nodes the job runs at 4 nodes only (3 processes cannot hold 2 stages) and no node
+is killed; with ``--gpus 2`` (2 nodes of 2 processes) the second node is killed and the 2
+survivors resume as 2 stages x fsdp 1.
 
 Each worker samples its resident set size (RSS) every 5 ms from before ``mpt.Runtime`` and
 writes, per phase, the peak above the RSS it had before ``rt.setup``; its share is 16 bytes
@@ -43,6 +46,8 @@ from mpt.launchers.spec import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
+PROCESSES = 4
+"""Ranks of the job before a node is lost."""
 STORE = """import sys, time
 from torch.distributed import TCPStore
 store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, wait_for_workers=False)
@@ -131,13 +136,17 @@ def harness(args: argparse.Namespace) -> None:
     layout = ["--pipeline-stages", "2", "--microbatches", "2"] if args.layout == "pp2" else []
     if args.reshard_after_forward:
         layout += ["--fsdp-reshard-after-forward", "yes"]
-    nodes_range = "4:4" if layout else "3:4"
+    count = PROCESSES // args.gpus  # nodes
+    # one node may be lost where the survivors' processes still hold every stage
+    kill = not layout or (PROCESSES - args.gpus) % 2 == 0
+    nodes_range = f"{count - 1 if kill else count}:{count}"
     model = ["--embed", str(args.embed), "--layers", str(args.layers), "--heads",
              str(args.heads), "--block", str(args.block), "--batch", str(args.batch)]
     nodes = []
-    for index in range(4):
+    for index in range(count):
         command = [sys.executable, "-m", "mpt", "launch", "--nodes", nodes_range,
-                   "--master-port", str(port), "--backend", "fsdp", *layout,
+                   "--gpus", str(args.gpus), "--master-port", str(port), "--backend", "fsdp",
+                   *layout,
                    "--host-memory", "lean", "--global-batch-size", str(args.batch),
                    "--checkpoint-dir", str(tmp / "ck"),
                    *(["--snapshot-every", "1"] if args.snapshots else []),
@@ -148,21 +157,21 @@ def harness(args: argparse.Namespace) -> None:
                                       stderr=subprocess.STDOUT, text=True))
     began = time.time()
     try:
-        if not layout:
+        if kill:
             # the kill comes once every store holds its ranks' pieces of that step and their
             # copies (without snapshots: once the step is done)
             pieces = f"step-{args.kill_after:09d}.rank-*.snapshot"
             while not (out / "curve.txt").exists() or len(
                     (out / "curve.txt").read_text().splitlines()) < args.kill_after or (
-                    args.snapshots and any(len(list((shm / f"memory{i}").glob(pieces))) < 2
-                                           for i in range(4))):
+                    args.snapshots and any(len(list((shm / f"memory{i}").glob(pieces)))
+                                           < 2 * args.gpus for i in range(count))):
                 time.sleep(0.5)
                 ended = [node for node in nodes if node.poll() is not None]
                 if ended or time.time() - began > 3600:
                     raise RuntimeError("the job ended or hung before the step to kill at:\n"
                                        + "".join(node.communicate()[0][-3000:]
                                                  for node in ended))
-            victim = 3  # whichever ranks it holds: any node may be lost
+            victim = count - 1  # whichever ranks it holds: any node may be lost
             for pid in [*children(nodes[victim].pid), nodes[victim].pid]:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
@@ -204,6 +213,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
     parser.add_argument("--layout", choices=("fsdp", "pp2"), default="fsdp")
+    parser.add_argument("--gpus", type=int, choices=(1, 2), default=1,
+                        help="processes per node: 4 nodes of 1, or 2 nodes of 2")
     parser.add_argument("--embed", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--heads", type=int, default=16)

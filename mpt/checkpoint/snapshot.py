@@ -207,7 +207,9 @@ class PeerSnapshots:
         self.say = say
         self._writer = BackgroundWriter()
         self._group: dist.ProcessGroup | None = None
-        self._chosen: tuple[int, int, list[int]] | None = None  # step, world, holder by rank
+        self._chosen: tuple[int, int, list[list[int]]] | None = None
+        """The snapshot ``restore`` chose: its step, its world size and, by the rank that wrote
+        each piece, the ranks that hold that piece intact (a node's ranks share its store)."""
         self.restored: Manifest | None = None
         """The manifest of the snapshot ``load`` restored."""
         self.moved: dict[str, int] = {}
@@ -367,13 +369,13 @@ class PeerSnapshots:
         for step, size in sorted({snapshot for kept in every for snapshot in kept}, reverse=True):
             if newer_than is not None and step <= newer_than:
                 break
-            have: dict[int, int] = {}  # rank that wrote a piece -> a rank that holds it intact
+            have: dict[int, list[int]] = {}  # rank that wrote a piece -> ranks holding it
             damaged: set[int] = set()
             for rank, checked in enumerate(gather_object(self.backend, sorted(
                     self._checked(step, size).items()))):
                 for old, ok in checked:
                     if ok:
-                        have.setdefault(old, rank)
+                        have.setdefault(old, []).append(rank)
                     else:
                         damaged.add(old)
             if len(have) == size:
@@ -408,7 +410,7 @@ class PeerSnapshots:
 
         try:
             header = backend.broadcast_object(
-                piece(0).header if rank == holders[0] else None, src=holders[0])
+                piece(0).header if rank == holders[0][0] else None, src=holders[0][0])
             table = [(Box.from_row(row[:5]), row[5]) for row in header["table"]]
             reads = rank_reads(parts, header["state"]) if backend.shards_state else Reads()
             targets = {box.key: _target(box, reads, rank) for box, _ in table}
@@ -418,7 +420,11 @@ class PeerSnapshots:
                       and (spans := target.overlap(box)) is not None}
             requests = gather_object(backend, wanted)
             moves = [Move(Box(box.key, box.dtype, box.shape, tuple(b for b, _ in spans),
-                               tuple(e - b for b, e in spans)), box, old, holders[old],
+                               tuple(e - b for b, e in spans)), box, old,
+                           # a rank whose node's store holds the piece reads it itself;
+                           # the others' requests are spread over its holders
+                           requester if requester in holders[old]
+                           else holders[old][requester % len(holders[old])],
                            requester)
                      for index, (box, old) in enumerate(table)
                      for requester, spans in ((r, w[index]) for r, w in enumerate(requests)
