@@ -6,7 +6,8 @@ group's ranks in rank order, so each group leaves a node over one ring edge: a n
 carries the per-rank bytes of every group that spans nodes and has ranks on it, all at once.
 A collective then takes its ring steps' latency plus the longer of its intra-node edge (the
 device's link, or the collective measured between its ranks where calibrated) and the node's
-link shared by those groups.
+link shared by those groups (its rate, or the collective measured across nodes where the link
+carries such a fit).
 """
 
 from __future__ import annotations
@@ -77,12 +78,14 @@ def collective(kind: str, size: float, plan: ParallelPlan, axis: Axis, cluster: 
     crossing = [nodes for nodes in nodes_of if len(nodes) > 1]
     inside = any(len(group) > len(nodes) for group, nodes in zip(groups, nodes_of, strict=True))
     intra = per_rank / intra_bandwidth if inside else 0.0
-    link_bytes = 0.0
+    link_bytes, link_bandwidth = 0.0, cluster.link.bandwidth
     if crossing:
         busiest = max(sum(node in nodes for nodes in crossing) for node in range(cluster.nodes))
         link_bytes = busiest * per_rank
-        latency = max(latency, cluster.link.latency)
-    seconds = steps * latency + max(intra, link_bytes / cluster.link.bandwidth)
+        between = cluster.link.collectives.get(kind)  # measured across the nodes
+        latency = max(latency, between.latency if between else cluster.link.latency)
+        link_bandwidth = between.bus_bandwidth if between else link_bandwidth
+    seconds = steps * latency + max(intra, link_bytes / link_bandwidth)
     return Transfer(seconds=seconds, per_rank=per_rank, link_bytes=link_bytes,
                     crosses=bool(crossing))
 

@@ -47,6 +47,11 @@ class Link:
     """Seconds one ring step costs whatever its size."""
     source: str = "datasheet"
     """Where the figures come from: ``datasheet`` or the calibration file."""
+    collectives: Mapping[str, CollectiveFit] = field(default_factory=dict)
+    """Measured over this link, by collective (``all_reduce``, ``all_gather``,
+    ``reduce_scatter``): each one's bus bandwidth and latency, which take the place of
+    ``bandwidth`` and ``latency`` for it (a library's collectives differ: gloo's reduce-scatter
+    moves an allreduce's bytes); empty: the ring at ``bandwidth``."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

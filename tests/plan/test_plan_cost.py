@@ -3,6 +3,8 @@ docs/benchmarks.md measured."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from plan_models import mlp
@@ -13,7 +15,7 @@ from mpt.estimate import meta_model
 from mpt.parallel import ParallelPlan
 from mpt.plan.network import Cluster, collective
 from mpt.plan.planner import plan
-from mpt.plan.profiles import device_profile, link_profile
+from mpt.plan.profiles import CollectiveFit, device_profile, link_profile
 from mpt.precision import describe
 
 GRADIENTS = 25_175_040 * 4  # the MLP's fp32 gradients, 100.7 MB
@@ -40,6 +42,21 @@ def test_allreduce_across_two_nodes_is_the_ring_bound() -> None:
                        cluster)
     assert moved.link_bytes == pytest.approx(GRADIENTS)
     assert moved.seconds == pytest.approx(0.806, abs=0.001)
+
+
+def test_a_collective_measured_across_the_nodes_is_priced_by_its_own_fit() -> None:
+    """A link that carries a measured fit prices that collective by it (gloo's reduce-scatter
+    at a fraction of the link's rate) and the others at the link's rate."""
+    slow = CollectiveFit(bus_bandwidth=31.25e6, latency=1e-3)  # a quarter of 1 Gbit/s
+    link = replace(link_profile("1gbit"), collectives={"reduce_scatter": slow})
+    cluster = replace(_cluster(2, 1), link=link)
+    layout = ParallelPlan(dp_shard=2)
+    scattered = collective("reduce_scatter", GRADIENTS, layout, "dp_shard", cluster)
+    assert scattered.link_bytes == pytest.approx(GRADIENTS / 2)  # the ring's bytes still
+    assert scattered.seconds == pytest.approx(1e-3 + GRADIENTS / 2 / 31.25e6)
+    gathered = collective("all_gather", GRADIENTS, layout, "dp_shard", cluster)
+    assert gathered.seconds == pytest.approx(
+        collective("all_gather", GRADIENTS, layout, "dp_shard", _cluster(2, 1)).seconds)
 
 
 def test_bytes_on_the_link_match_the_measured_ones() -> None:
