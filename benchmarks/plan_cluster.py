@@ -166,7 +166,7 @@ def main() -> None:
         rows.append({key: cell[key] for key in ("model", "backend", "nodes", "rate")} | {
             "mpt": cell["mpt_step"], "raw": cell["raw_step"],
             **{how: {"step": p.step, "compute": p.compute, "exposed": p.exposed}
-               for how, p in (("rate", at), ("measured", on))}})
+               for how, p in (("at_rate", at), ("on_link", on))}})
     report(rows)
     out = args.out or args.results.parent / "plan_cluster.json"
     out.write_text(json.dumps(rows, indent=1))
@@ -179,11 +179,11 @@ def report(rows: list[dict[str, Any]]) -> None:
     print("| --- " * 10 + "|")
     for r in rows:
         link = r["rate"] if r["nodes"] > 1 else "-"
-        at, on = r["rate"], r["measured"]
+        at, on = r["at_rate"], r["on_link"]
         print(f"| {r['model']} | {r['backend']} | {r['nodes']} | {link} | {at['step']:.3f} | "
               f"{on['step']:.3f}: {on['compute']:.3f} + {on['exposed']:.3f} | {r['mpt']:.3f} | "
               f"{at['step'] / r['mpt']:.2f} | **{on['step'] / r['mpt']:.2f}** | {r['raw']:.3f} |")
-    for how in ("rate", "measured"):
+    for how in ("at_rate", "on_link"):
         ratios = [r[how]["step"] / r["mpt"] for r in rows]
         if ratios:
             inside = sum(0.8 <= x <= 1.2 for x in ratios)
@@ -195,7 +195,7 @@ def report(rows: list[dict[str, Any]]) -> None:
     for (model, nodes, rate), group in sorted(groups.items()):
         if len(group) < 2:
             continue
-        chosen = min(group, key=lambda r: r["measured"]["step"])
+        chosen = min(group, key=lambda r: r["on_link"]["step"])
         best = min(group, key=lambda r: r["mpt"])
         off = chosen["mpt"] / best["mpt"] - 1
         print(f"{model} {nodes} node(s) {rate}: plan's best {chosen['backend']} measured "

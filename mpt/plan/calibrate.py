@@ -42,7 +42,8 @@ from mpt.plan.network import ring_factor, ring_steps
 from mpt.plan.profiles import CollectiveFit, Device, Link
 
 FORMAT = "mpt-plan-calibration/2"
-"""Version 2 added ``matmul_sweep`` and ``update_seconds``."""
+"""Version 2 added ``matmul_sweep`` and ``update_seconds``; ``fresh_bandwidth`` came later and
+reads as 0 where a file lacks it."""
 SIZES = (1 << 14, 1 << 18, 1 << 21, 1 << 23, 1 << 25)
 """Bytes per collective in the sweep: from latency-bound to bandwidth-bound and as large as
 what training sends (DDP's 25 MiB buckets, fsdp's units): beyond the caches, a message moves
@@ -86,6 +87,9 @@ class Calibration:
     """By dtype, ``rows`` and ``inner``: ``[smallest dimension, FLOP/s]`` pairs (``Device``)."""
     update_seconds: dict[str, float]
     """Seconds of torch's optimizer step per parameter, by ``--optimizer`` name."""
+    fresh_bandwidth: float = 0.0
+    """Bytes per second of first writing a block the host allocator maps anew (``Device``'s);
+    0 on a GPU, and in files measured before it was."""
 
     def device(self, source: str) -> Device:
         """The cost model's device from these figures; ``source`` names the file."""
@@ -102,7 +106,8 @@ class Calibration:
                       overlap=0.0 if self.backend == "gloo" else 1.0,
                       collectives=fits, source=source,
                       device_type="cpu" if self.backend == "gloo" else "cuda",
-                      matmul_sweep=self.matmul_sweep, update_seconds=self.update_seconds)
+                      matmul_sweep=self.matmul_sweep, update_seconds=self.update_seconds,
+                      fresh_bandwidth=self.fresh_bandwidth)
 
 
 def cpu_name() -> str:
@@ -239,8 +244,16 @@ def device_figures(device: torch.device, sync: Callable[[], None]) -> dict[str, 
     copy = _timed(lambda: dst.copy_(src), 5, sync)
     one = torch.ones(1, device=device)
     overhead = _timed(lambda: [one.add_(1) for _ in range(200)], 3, sync) / 200
+    # a block of FRESH_BLOCK or more written where the allocator maps it anew, against the same
+    # write into kept memory (a GPU's caching allocator keeps its blocks: nothing to measure)
+    fresh = 0.0
+    if device.type == "cpu":
+        anew = _timed(lambda: torch.empty_like(dst).fill_(1), 5, sync)
+        kept = _timed(lambda: dst.fill_(1), 5, sync)
+        fresh = dst.nbytes / (anew - kept) if anew > kept else 0.0
     return {"flops": flops, "matmul_sweep": sweeps, "memory_bandwidth": 2 * src.nbytes / copy,
-            "op_overhead": overhead, "update_seconds": update_figures(device, sync)}
+            "op_overhead": overhead, "update_seconds": update_figures(device, sync),
+            "fresh_bandwidth": fresh}
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:

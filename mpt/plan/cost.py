@@ -158,6 +158,7 @@ def op_seconds(op: Op, cluster: Cluster, spec: PrecisionSpec, tp: int) -> float:
     dtype = str(spec.compute).removeprefix("torch.") if matmul else "float32"
     seconds = max(op.flops / device.matmul_flops(dtype, op.shape),
                   op.bytes * width / device.memory_bandwidth)
+    seconds += device.fresh_seconds([int(n * width) for n in op.results])
     return (seconds / tp if op.split else seconds) + device.op_overhead
 
 

@@ -32,6 +32,11 @@ from dataclasses import dataclass, field
 
 from mpt.errors import UsageError
 
+FRESH_BLOCK = 32 << 20
+"""glibc's largest mmap threshold (``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit hosts): a block of
+this size or more is mapped from the kernel at every allocation and unmapped when freed, where
+smaller ones come back from the heap."""
+
 GB = 1e9
 
 
@@ -101,6 +106,18 @@ class Device:
     update_seconds: Mapping[str, float] = field(default_factory=dict)
     """Calibrated only: seconds torch's optimizer step takes per parameter, by ``--optimizer``
     name; empty: the step streams its bytes at the memory bandwidth."""
+    fresh_bandwidth: float = 0.0
+    """Calibrated on a CPU only: bytes per second at which a result of ``FRESH_BLOCK`` bytes
+    or more is first written, beyond a write into memory the process keeps (glibc maps every
+    such block anew from the kernel, which faults and zeroes its pages: a weight gradient of
+    64 MiB each backward); 0: no such cost (a GPU's caching allocator keeps its blocks)."""
+
+    def fresh_seconds(self, results: Sequence[int]) -> float:
+        """What first writing ``results`` (bytes of an op's result tensors) costs beyond the
+        op's own time: the blocks the host allocator maps anew."""
+        if not self.fresh_bandwidth:
+            return 0.0
+        return sum(n for n in results if n >= FRESH_BLOCK) / self.fresh_bandwidth
 
     def matmul_flops(self, dtype: str, shape: Sequence[int] | None = None) -> float:
         """FLOP/s of a matmul in ``dtype`` (the fp32 figure where the dtype was not measured)

@@ -54,6 +54,9 @@ class Op:
     shape: tuple[int, int, int] | None = None
     """A matmul's (rows, inner, columns), each of its batch's matmuls; None for other ops
     (and convolutions, attention kernels): a short dimension runs far below the peak."""
+    results: tuple[int, ...] = ()
+    """Bytes of each tensor it returns (new memory: ``Device.fresh_seconds`` prices the large
+    ones)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -147,8 +150,10 @@ class _Recorder(TorchDispatchMode):
             flops /= 2
         moved = sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
                     if isinstance(t, torch.Tensor))
+        results = tuple(t.numel() * t.element_size() for t in tree_leaves(out)
+                        if isinstance(t, torch.Tensor))
         self.ops.append(Op(flops=flops, bytes=float(moved), split=self.split,
-                           shape=matmul_shape(packet, args)))
+                           shape=matmul_shape(packet, args), results=results))
         return out
 
 

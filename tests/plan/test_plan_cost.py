@@ -15,7 +15,7 @@ from mpt.estimate import meta_model
 from mpt.parallel import ParallelPlan
 from mpt.plan.network import Cluster, collective
 from mpt.plan.planner import plan
-from mpt.plan.profiles import CollectiveFit, device_profile, link_profile
+from mpt.plan.profiles import FRESH_BLOCK, CollectiveFit, device_profile, link_profile
 from mpt.precision import describe
 
 GRADIENTS = 25_175_040 * 4  # the MLP's fp32 gradients, 100.7 MB
@@ -145,6 +145,27 @@ def test_the_workload_records_each_matmuls_shape() -> None:
     assert (16, 1024, 4096) in shapes  # forward
     assert (16, 4096, 4096) in shapes  # an input gradient
     assert (4096, 16, 4096) in shapes  # a weight gradient: the batch is the inner dimension
+
+
+def test_a_result_the_host_maps_anew_costs_its_first_write() -> None:
+    """A weight gradient of 64 MiB is a block glibc maps from the kernel at every backward
+    (docs/benchmarks.md: 28.6 ms to first write on this host, 1.9 to rewrite); one under
+    FRESH_BLOCK comes back from the heap, and a GPU's caching allocator keeps its blocks."""
+    from mpt.plan.cost import op_seconds
+    from mpt.plan.workload import Op, profile
+
+    work = profile(meta_model(mlp), [1024], torch.float32, 8)
+    grads = {op.results for block in work.blocks for op in block.backward if op.flops}
+    assert (4096 * 4096 * 4,) in grads  # the middle layer's weight gradient: 64 MiB
+    cpu = replace(_cluster(1, 1), device=replace(device_profile("h100-sxm"),
+                                                 fresh_bandwidth=2e9))
+    spec = describe("fp32")
+    big, small = Op(flops=0, bytes=0, results=(FRESH_BLOCK,)), Op(flops=0, bytes=0,
+                                                                  results=(FRESH_BLOCK - 1,))
+    assert op_seconds(big, cpu, spec, 1) - op_seconds(small, cpu, spec, 1) == pytest.approx(
+        FRESH_BLOCK / 2e9)
+    gpu = _cluster(1, 1)
+    assert op_seconds(big, gpu, spec, 1) == op_seconds(small, gpu, spec, 1)
 
 
 def test_the_optimizer_step_takes_its_calibrated_time_per_parameter() -> None:
