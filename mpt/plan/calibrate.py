@@ -12,8 +12,9 @@ launch` starts a rank (one intra-op thread):
    N``: a forward, an input gradient) and a short inner dimension (``N x s @ s x N``: a
    weight gradient), on operands rotated through more memory than the caches hold, as a
    training step streams each weight from memory; the bandwidth of a large copy; the time of
-   a one-element op (the dispatch overhead); and the seconds per parameter of each optimizer's
-   torch step (its default path on the device: single-tensor on a CPU, foreach on CUDA).
+   a one-element op (the dispatch overhead); the seconds per parameter of each optimizer's
+   torch step (its default path on the device: single-tensor on a CPU, foreach on CUDA); and,
+   on a CPU, the first write of a 64 MiB block the allocator maps anew, against a kept one.
    Each figure is the median of a few timings after a warm-up.
 
 The file keeps the machine's identity (host name, CPU model, device name, torch); a file from
