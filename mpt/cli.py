@@ -566,8 +566,9 @@ def estimate_memory(
               f"{snap.store / gib:.2f} GiB (the newest two snapshots' pieces of its "
               f"{per_node} rank(s){copies}); taking one adds {snap.adds / 2**20:.0f} MiB per "
               "rank (transfer buffers), a "
-              f"restore {snap.restore_adds / 2**20:.0f} MiB (the largest tensor, one at a "
-              "time). A sharded rt.save adds at most one 256 MiB file per rank.")
+              f"restore {snap.restore_adds / 2**20:.0f} MiB (the parts in flight: a window "
+              "of 16 MiB, or the largest tensor). A sharded rt.save adds at most one 256 MiB "
+              "file per rank.")
     if layout.pp > 1:
         _print_stages(net, layout, spec, states)
 

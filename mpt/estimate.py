@@ -146,7 +146,8 @@ class SnapshotEstimate:
     """What taking a snapshot adds to a rank's resident memory: the two transfer buffers (and,
     from a GPU, a host copy of one tensor at a time, not counted)."""
     restore_adds: int
-    """What a restore adds to a rank: one stored box at a time, at most the largest tensor."""
+    """What a restore adds to a rank: the parts in flight, a window of at most ``CHUNK`` bytes
+    (or one part larger than that, at most the largest tensor)."""
 
 
 def snapshot_estimate(model: nn.Module, *, weight_bytes: int, master_bytes: int,
@@ -164,4 +165,4 @@ def snapshot_estimate(model: nn.Module, *, weight_bytes: int, master_bytes: int,
     largest = max((p.numel() * max(p.element_size(), 4) for p in model.parameters()),
                   default=0)
     return SnapshotEstimate(piece=piece, store=KEEP * copies * piece * per_node,
-                            adds=2 * CHUNK, restore_adds=largest)
+                            adds=2 * CHUNK, restore_adds=max(CHUNK, largest))
