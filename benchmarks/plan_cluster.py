@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -41,40 +40,6 @@ INPUTS = {"mlp": ([1024], torch.float32), "resnet18": ([3, 32, 32], torch.float3
 """Each model's input per sample, as ``scaling.batches`` makes it."""
 LABELS = {"deepspeed": "--backend deepspeed --zero-stage 1"}
 """The plan's layout of a backend that `scaling.py` runs with its defaults (ZeRO stage 1)."""
-
-
-def _calibrate_rank(rank: int, world: int, port: int, out: str) -> None:
-    import torch.distributed as dist
-
-    from mpt.plan import calibrate
-
-    torch.set_num_threads(1)  # as `mpt launch` starts a rank
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    try:
-        collectives = calibrate.sweep(world, torch.device("cpu"), lambda: None)
-        dist.barrier()
-        figures = calibrate.device_figures(torch.device("cpu"), lambda: None)
-    finally:
-        dist.destroy_process_group()
-    if rank == 0:
-        Path(out).write_text(json.dumps({"collectives": collectives, "figures": figures}))
-
-
-def calibrated(processes: int, out: Path) -> Any:
-    """This machine's ``Calibration`` measured by ``processes`` ranks at once."""
-    import torch.multiprocessing as mp
-
-    from mpt.plan import calibrate
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_calibrate_rank, args=(processes, port, str(out)), nprocs=processes)
-    found = json.loads(out.read_text())
-    return calibrate.Calibration(identity=calibrate.identity(), ranks=processes,
-                                 backend="gloo", memory=2.0**34,
-                                 collectives=found["collectives"], **found["figures"])
 
 
 def sweep_worker(out: str) -> None:
@@ -144,12 +109,14 @@ def main() -> None:
     cells = [c for c in json.loads(args.results.read_text())
              if c["compression"] == "none" and c["model"] in INPUTS
              and (c["nodes"] == 1 or c["rate"] != UNSHAPED)]
+    from mpt.plan import calibrate
+
     by_processes = {}
     for processes in sorted({max(c["nodes"], 2) for c in cells}):
         print(f"calibrating: {processes} processes at once", flush=True)
-        by_processes[processes] = calibrated(
-            processes, args.results.parent / f"calibration-{processes}.json"
-        ).device(f"{processes} processes")
+        found = calibrate.measure(processes)  # what `mpt plan --calibrate` measures
+        calibrate.save(found, args.results.parent / f"calibration-{processes}.json")
+        by_processes[processes] = found.device(f"{processes} processes")
     devices = {c["nodes"]: by_processes[max(c["nodes"], 2)] for c in cells}
     links = {}
     for nodes, rate in sorted({(c["nodes"], c["rate"]) for c in cells if c["nodes"] > 1}):
