@@ -95,6 +95,8 @@ def predicted(cell: dict[str, Any], device: Any, link: Any) -> Any:
 
 
 def main() -> None:
+    from mpt.plan import calibrate
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("results", type=Path, nargs="?", help="scaling.py's results.json")
     parser.add_argument("--out", type=Path, default=None,
@@ -109,8 +111,6 @@ def main() -> None:
     cells = [c for c in json.loads(args.results.read_text())
              if c["compression"] == "none" and c["model"] in INPUTS
              and (c["nodes"] == 1 or c["rate"] != UNSHAPED)]
-    from mpt.plan import calibrate
-
     by_processes = {}
     for processes in sorted({max(c["nodes"], 2) for c in cells}):
         print(f"calibrating: {processes} processes at once", flush=True)
