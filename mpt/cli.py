@@ -513,6 +513,7 @@ def estimate_memory(
     from rich.table import Table
 
     from mpt.backends import registered
+    from mpt.checkpoint.snapshot import CHUNK
     from mpt.estimate import (
         activation_bytes,
         example_input,
@@ -567,8 +568,8 @@ def estimate_memory(
               f"{per_node} rank(s){copies}); taking one adds {snap.adds / 2**20:.0f} MiB per "
               "rank (transfer buffers), a "
               f"restore {snap.restore_adds / 2**20:.0f} MiB (the parts in flight: a window "
-              "of 16 MiB, or the largest tensor). A sharded rt.save adds at most one 256 MiB "
-              "file per rank.")
+              f"of {CHUNK >> 20} MiB, or the largest tensor). A sharded rt.save adds at most "
+              "one 256 MiB file per rank.")
     if layout.pp > 1:
         _print_stages(net, layout, spec, states)
 

@@ -312,7 +312,7 @@ class PeerSnapshots:
             return
         path = os.path.join(self.store, mine.name)
         sizes = torch.tensor([os.path.getsize(path)]), torch.zeros(1, dtype=torch.int64)
-        _both(dist.isend(sizes[0], self.peer, group=group),
+        _wait(dist.isend(sizes[0], self.peer, group=group),
               dist.irecv(sizes[1], self.source, group=group))
         theirs = PieceId(mine.step, self.source, mine.world_size)
         out, into = torch.empty(CHUNK, dtype=torch.uint8), torch.empty(CHUNK,
@@ -328,7 +328,7 @@ class PeerSnapshots:
                                                                                    receive))
                     if n_out:
                         os.preadv(source, [memoryview(out.numpy())[:n_out]], start)
-                    _both(dist.isend(out[:n_out], self.peer, group=group) if n_out else None,
+                    _wait(dist.isend(out[:n_out], self.peer, group=group) if n_out else None,
                           dist.irecv(into[:n_in], self.source, group=group) if n_in else None)
                     _write_all(fd, memoryview(into.numpy())[:n_in])
                 os.ftruncate(fd, receive)
@@ -457,7 +457,8 @@ class PeerSnapshots:
         self._writer.close()
 
 
-def _both(*works: Any) -> None:
+def _wait(*works: Any) -> None:
+    """Wait for every started send and receive (None: none started)."""
     for work in works:
         if work is not None:
             work.wait()
@@ -527,8 +528,7 @@ def _exchange(window: list[Move], rank: int, piece: Callable[[int], Piece],
         else:
             posted.append(dist.isend(data, move.requester, group=group, tag=tag))
             sent.append(data)  # kept until its send is done
-    for work in posted:
-        work.wait()
+    _wait(*posted)
     for move, data in received:
         target = targets[move.box.key]
         assert target is not None
