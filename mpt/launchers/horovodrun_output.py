@@ -28,6 +28,11 @@ from mpt.launchers.logs import DEFAULT_TEE, move_earlier_logs
 RANK_LINE = re.compile(r"[^\[\n]*\[(\d+)\]<(?:stdout|stderr)>:(.*)", re.DOTALL)
 """A line horovodrun relays from a rank (after an optional timestamp)."""
 
+SHELL_REPORTS = frozenset({"Terminated", "Killed"})
+"""What the shell horovodrun starts each rank in (``sh -c``) writes on the rank's stderr when
+horovodrun stops the rank with a signal after another failed: horovodrun's words, not the
+rank's, so they go with horovodrun's own lines."""
+
 HOROVODRUN_LOG = "horovodrun.log"
 """horovodrun's own lines (not a rank's), under ``--log-dir``."""
 
@@ -61,6 +66,8 @@ class RankOutput:
     def write(self, line: str, console: TextIO) -> None:
         """One line (with its newline) that horovodrun wrote on ``console``'s stream."""
         found = RANK_LINE.fullmatch(line)
+        if found is not None and found.group(2).strip() in SHELL_REPORTS:
+            found = None
         if self.log_dir is None:
             if found is None:
                 with self._lock:

@@ -25,6 +25,15 @@ def test_its_report_is_held_back_once_a_rank_has_spoken():
     assert console.getvalue() == "[0]<stderr>:mpt: error: refused\n"
 
 
+def test_the_shells_report_of_a_rank_it_stopped_is_held_back_with_its_own_lines():
+    console, output = io.StringIO(), RankOutput(None)
+    for line in ["[0]<stderr>:mpt: error: refused\n", "[1]<stderr>:Terminated\n",
+                 "[1]<stderr>:Killed\n", *REPORT]:
+        output.write(line, console)
+    output.close()
+    assert console.getvalue() == "[0]<stderr>:mpt: error: refused\n"
+
+
 def test_its_lines_are_all_there_is_when_no_rank_spoke():
     out, err, output = io.StringIO(), io.StringIO(), RankOutput(None)
     output.write("ssh: connect to host h1 port 22: Connection refused\n", err)
