@@ -13,9 +13,9 @@ one-process nodes on this host (`mpt launch --nodes 3:4`, the rendezvous on a st
 store holds the pieces of step ``--kill-after`` (its own and the previous node's copy), one
 node is SIGKILLed with its store, and the 3 survivors resume from the peers' snapshot and train
 to ``--steps``; with ``--no-snapshots`` they resume from the disk's step 1 instead (the
-restore times side by side). Under ``--layout pp2`` (2 stages x fsdp 2) on 4
-one-process nodes the job runs at 4 nodes only (3 processes cannot hold 2 stages) and no node
-is killed; with ``--gpus 2`` (2 nodes of 2 processes) the second node is killed and the 2
+restore times side by side). Under ``--layout pp2`` (``--pipeline-stages 2,1``: 2 stages x fsdp
+2 at 4 processes) the 3 survivors, which 2 stages do not divide, resume without a pipeline as
+fsdp 3; with ``--gpus 2`` (2 nodes of 2 processes) the second node is killed and the 2
 survivors resume as 2 stages x fsdp 1.
 
 Each worker samples its resident set size (RSS) every 5 ms from before ``mpt.Runtime`` and
@@ -133,13 +133,12 @@ def harness(args: argparse.Namespace) -> None:
     port = free_port()
     store = subprocess.Popen([sys.executable, "-c", STORE, str(port)])
     time.sleep(2)
-    layout = ["--pipeline-stages", "2", "--microbatches", "2"] if args.layout == "pp2" else []
+    # 2 stages where they divide the world, none where they do not (3 processes)
+    layout = ["--pipeline-stages", "2,1", "--microbatches", "2"] if args.layout == "pp2" else []
     if args.reshard_after_forward:
         layout += ["--fsdp-reshard-after-forward", "yes"]
     count = PROCESSES // args.gpus  # nodes
-    # one node may be lost where the survivors' processes still hold every stage
-    kill = not layout or (PROCESSES - args.gpus) % 2 == 0
-    nodes_range = f"{count - 1 if kill else count}:{count}"
+    nodes_range = f"{count - 1}:{count}"
     model = ["--embed", str(args.embed), "--layers", str(args.layers), "--heads",
              str(args.heads), "--block", str(args.block), "--batch", str(args.batch)]
     nodes = []
@@ -157,26 +156,25 @@ def harness(args: argparse.Namespace) -> None:
                                       stderr=subprocess.STDOUT, text=True))
     began = time.time()
     try:
-        if kill:
-            # the kill comes once every store holds its ranks' pieces of that step and their
-            # copies (without snapshots: once the step is done)
-            pieces = f"step-{args.kill_after:09d}.rank-*.snapshot"
-            while not (out / "curve.txt").exists() or len(
-                    (out / "curve.txt").read_text().splitlines()) < args.kill_after or (
-                    args.snapshots and any(len(list((shm / f"memory{i}").glob(pieces)))
-                                           < 2 * args.gpus for i in range(count))):
-                time.sleep(0.5)
-                ended = [node for node in nodes if node.poll() is not None]
-                if ended or time.time() - began > 3600:
-                    raise RuntimeError("the job ended or hung before the step to kill at:\n"
-                                       + "".join(node.communicate()[0][-3000:]
-                                                 for node in ended))
-            victim = count - 1  # whichever ranks it holds: any node may be lost
-            for pid in [*children(nodes[victim].pid), nodes[victim].pid]:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            shutil.rmtree(shm / f"memory{victim}", ignore_errors=True)
-            print(f"killed node {victim} after step {args.kill_after}", flush=True)
+        # the kill comes once every store holds its ranks' pieces of that step and their
+        # copies (without snapshots: once the step is done)
+        pieces = f"step-{args.kill_after:09d}.rank-*.snapshot"
+        while not (out / "curve.txt").exists() or len(
+                (out / "curve.txt").read_text().splitlines()) < args.kill_after or (
+                args.snapshots and any(len(list((shm / f"memory{i}").glob(pieces)))
+                                       < 2 * args.gpus for i in range(count))):
+            time.sleep(0.5)
+            ended = [node for node in nodes if node.poll() is not None]
+            if ended or time.time() - began > 3600:
+                raise RuntimeError("the job ended or hung before the step to kill at:\n"
+                                   + "".join(node.communicate()[0][-3000:]
+                                             for node in ended))
+        victim = count - 1  # whichever ranks it holds: any node may be lost
+        for pid in [*children(nodes[victim].pid), nodes[victim].pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(shm / f"memory{victim}", ignore_errors=True)
+        print(f"killed node {victim} after step {args.kill_after}", flush=True)
         outputs = [node.communicate(timeout=7200)[0] for node in nodes]
     finally:
         for node in nodes:

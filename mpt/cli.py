@@ -111,6 +111,8 @@ def _run_option(setting: dataclasses.Field[Any]) -> inspect.Parameter:
                                  default=False, annotation=Annotated[bool, typer.Option(
                                      flag_of(setting.name), help=help_text)])
     default = setting.default if isinstance(setting.default, str | int) else None
+    if isinstance(setting.default, tuple):
+        default = ",".join(map(str, setting.default))
     return inspect.Parameter(setting.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
                              default=None if default is None else str(default),
                              annotation=Annotated[str | None, typer.Option(
@@ -373,7 +375,7 @@ def _print_plan(spec: LaunchSpec, cuda_devices: int) -> None:
                   f"{spec.backend}, precision {spec.run.precision}, rendezvous "
                   f"{spec.master_addr}:{spec.master_port}")
     run = spec.run
-    pipeline = run.pipeline
+    pipeline = run.pipeline_at(spec.world.world_size)
     layout = spec.layout
     replicas = layout.dp_size
     # Each rank's coordinate on every axis in use, where more than one is.

@@ -101,7 +101,7 @@ def connect(env: Mapping[str, str], config: RunConfig | None = None, *,
     device = torch.device(device_name(world.local_rank, torch.cuda.is_available()))
     backend_class = get_backend(config.backend)
     layout = config.layout(world.world_size)
-    pipeline = config.pipeline
+    pipeline = config.pipeline_at(world.world_size)
     topology = Topology(plan=layout, rank=world.rank, computes_loss=pipeline is None or (
         pipeline.holder(pipeline.chunks - 1) == layout.stage(world.rank)))
     total = config.global_batch_size

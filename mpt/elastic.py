@@ -165,12 +165,14 @@ def describe_sizes(nodes: NodeRange, gpus: int, layout: Callable[[int], Parallel
     ``--dry-run`` of ``--nodes MIN:MAX``)."""
     plans = ({} if global_batch_size is None
              else plan_sizes(global_batch_size, nodes, gpus, layout, accumulate))
+    layouts = {count: layout(count * gpus) for count in nodes.sizes}
+    split = any(plan.model_size > 1 for plan in layouts.values())  # then say each size's layout
     lines = []
-    for count in nodes.sizes:
-        replicas = layout(count * gpus).dp_size
+    for count, plan in layouts.items():
         how = (plans[count].describe() if count in plans else
-               f"the script's per-rank batch, global batch {replicas} x that x accumulation")
-        lines.append(f"{count} node(s), {count * gpus} process(es): {how}")
+               f"the script's per-rank batch, global batch {plan.dp_size} x that x accumulation")
+        at = f" ({plan.describe()})" if split else ""
+        lines.append(f"{count} node(s), {count * gpus} process(es){at}: {how}")
     return lines
 
 
@@ -210,12 +212,14 @@ class Resize:
 
 def resize(manifest: Mapping[str, Any], *, world_size: int, plan: BatchPlan | None,
            samples_per_step: int | None, lr_scaling: str | None = None,
-           layout: ParallelPlan | None = None, now: float | None = None) -> Resize | None:
+           layout: Callable[[int], ParallelPlan] | None = None,
+           now: float | None = None) -> Resize | None:
     """The resize a resume from a checkpoint with ``manifest`` (its ``world_size``, ``step``,
     ``saved_at``) makes, or None at the same world size. With a ``plan`` the global batch is
     kept, and the learning rate; without one the per-rank batch is kept, the global batch
     follows the world and ``lr_scaling`` (``--lr-scaling``) rescales the learning rate to the
-    new data-parallel size (``layout``'s at each world; default: data parallelism alone)."""
+    new data-parallel size (``layout``: the job's layout at a world, ``RunConfig.layout``, whose
+    stages may differ between the two; default: data parallelism alone)."""
     old = int(manifest["world_size"])
     if old == world_size:
         return None
@@ -225,8 +229,9 @@ def resize(manifest: Mapping[str, Any], *, world_size: int, plan: BatchPlan | No
         how = f"{plan.describe()} (kept; lr unchanged)"
         total: int | None = plan.global_batch_size
     else:
-        span = 1 if layout is None else layout.model_size
-        ratio = lr_factor(lr_scaling, world_size // span) / lr_factor(lr_scaling, old // span)
+        replicas = (lambda world: world) if layout is None else (
+            lambda world: layout(world).dp_size)
+        ratio = lr_factor(lr_scaling, replicas(world_size)) / lr_factor(lr_scaling, replicas(old))
         lr = f"; lr x {ratio:.4g} (--lr-scaling {lr_scaling})" if lr_scaling else ""
         if samples_per_step:
             before = samples_per_step * old // world_size
@@ -240,7 +245,8 @@ def resize(manifest: Mapping[str, Any], *, world_size: int, plan: BatchPlan | No
 
 
 def report_resize(manifest: Manifest, *, world_size: int, plan: BatchPlan | None,
-                  samples_per_step: int | None, lr_scaling: str | None, layout: ParallelPlan,
+                  samples_per_step: int | None, lr_scaling: str | None,
+                  layout: Callable[[int], ParallelPlan],
                   say: Callable[[str], None],
                   log: Callable[[dict[str, float]], None]) -> Resize | None:
     """After ``rt.resume()`` loaded the checkpoint of ``manifest``: say and log a resize, if

@@ -23,7 +23,7 @@ from mpt.environments.host_memory import HOST_MEMORY, parse_host_memory
 from mpt.errors import UsageError
 from mpt.parallel import ParallelPlan
 from mpt.parse import parse_bool, parse_int, parse_number
-from mpt.pipeline.config import PipelinePlan, plan_pipeline
+from mpt.pipeline.config import PipelinePlan, parse_stages, plan_pipeline
 
 VARIABLE = "MPT_RUN_CONFIG"
 """The one environment variable that carries the run's settings from `mpt launch` to workers."""
@@ -121,9 +121,11 @@ class RunConfig:
                               parse=parse_int, metavar="STEPS")
     metrics_all_ranks: bool = _setting(False, "Every rank writes metrics, not only rank 0.",
                                        parse=parse_bool)
-    pipeline_stages: int = _setting(
-        1, "Cut the model into P pipeline stages over ranks (ddp, fsdp); the world is P x the "
-        "data-parallel size (docs/pipeline.md).", parse=parse_int, metavar="P")
+    pipeline_stages: tuple[int, ...] = _setting(
+        (1,), "Cut the model into P pipeline stages over ranks (ddp, fsdp); the world is P x the "
+        "data-parallel size (docs/pipeline.md). Counts in order of preference, such as 2,1, let "
+        "an elastic job run at each world the first that divides it (its checkpoints and "
+        "snapshots load at any count).", parse=parse_stages, metavar="P")
     tensor_parallel: int = _setting(
         1, "Split each layer the model's tensor_parallel_plan() names over T ranks of a node "
         "(ddp, fsdp); the world is T x the pipeline stages x the data-parallel size "
@@ -145,6 +147,9 @@ class RunConfig:
         from mpt.precision import LossScaleConfig, check_precision
         from mpt.scaling import check_lr_scaling
 
+        # A count given in code (pipeline_stages=2) is the one-count tuple the flag parses to.
+        object.__setattr__(self, "pipeline_stages",
+                           parse_stages("--pipeline-stages", self.pipeline_stages))
         backend = get_backend(self.backend)
         values = backend.check_options(self.backend_options)
         backend.check_comm(self.grad_comm, values)
@@ -166,13 +171,18 @@ class RunConfig:
 
             check_root("--checkpoint-dir", self.checkpoint_dir)
             check_resume("--resume", self.resume)
-        if self.pipeline is not None and not backend.pipelines:
-            raise UsageError("--pipeline-stages", self.pipeline_stages, f"--backend "
+        if self.pipeline_split is not None and len(self.pipeline_stages) > 1:
+            raise UsageError("--pipeline-split", self.pipeline_split, "it names where the "
+                             "stages of one count start, and --pipeline-stages lists "
+                             f"{self._stages_text}", "drop --pipeline-split (each count is "
+                             "then balanced by parameter count), or pass one stage count")
+        pipelines = [plan for plan in map(self._pipeline, self.pipeline_stages) if plan]
+        if pipelines and not backend.pipelines:
+            raise UsageError("--pipeline-stages", self._stages_text, f"--backend "
                              f"{self.backend} cannot cut a model into pipeline stages",
                              f"use --backend {offering('pipelines')}, or drop "
                              "--pipeline-stages")
-        if self.pipeline is not None:
-            pipeline = self.pipeline
+        for pipeline in pipelines:
             refusal = backend.pipeline_refusal(pipeline.schedule, pipeline.split_backward, values)
             if refusal is not None:
                 raise UsageError(*refusal)
@@ -205,27 +215,44 @@ class RunConfig:
     def _model_split(self) -> str | None:
         """The flag that splits one model over several ranks (pipeline stages, tensor
         parallelism), None where every rank holds a whole one."""
-        if self.pipeline is not None:
+        if any(map(self._pipeline, self.pipeline_stages)):
             return "--pipeline-stages"
         return "--tensor-parallel" if self.tensor_parallel > 1 else None
 
     @property
-    def pipeline(self) -> PipelinePlan | None:
-        """The pipeline plan (checked: schedule, micro-batches, split), None for one stage."""
-        if self.pipeline_stages == 1 and self.pipeline_split is None:
+    def _stages_text(self) -> str:
+        """``--pipeline-stages`` as written: ``2`` or ``2,1``."""
+        return ",".join(map(str, self.pipeline_stages))
+
+    def stages_at(self, world_size: int) -> int:
+        """The pipeline stages at ``world_size`` processes: the first of ``pipeline_stages``
+        whose model replicas (with ``tensor_parallel``) divide the world, else the first
+        (whose layout then refuses that world)."""
+        span = self.tensor_parallel
+        return next((p for p in self.pipeline_stages if world_size % (p * span) == 0),
+                    self.pipeline_stages[0])
+
+    def _pipeline(self, stages: int) -> PipelinePlan | None:
+        """The plan of ``stages`` stages (checked: schedule, micro-batches, split), None for
+        one stage."""
+        if stages == 1 and self.pipeline_split is None:
             return None
-        return plan_pipeline(self.pipeline_stages, self.pipeline_schedule, self.microbatches,
+        return plan_pipeline(stages, self.pipeline_schedule, self.microbatches,
                              self.pipeline_split)
 
+    def pipeline_at(self, world_size: int) -> PipelinePlan | None:
+        """The pipeline plan at ``world_size`` processes, None where it runs one stage."""
+        return self._pipeline(self.stages_at(world_size))
+
     def layout(self, world_size: int) -> ParallelPlan:
-        """The job's parallel layout at ``world_size`` processes: the pipeline's stages, and the
-        backend's data axes over the ranks they leave (a UsageError names the flag when they do
-        not divide the world). Every worker computes it at its world, the launcher at each world
-        the job may reach."""
+        """The job's parallel layout at ``world_size`` processes: the pipeline's stages there,
+        and the backend's data axes over the ranks they leave (a UsageError names the flag
+        when they do not divide the world). Every worker computes it at its world, the
+        launcher at each world the job may reach."""
         from mpt.backends import get_backend
 
         return get_backend(self.backend).layout_of(world_size, self.backend_options,
-                                                   pp=self.pipeline_stages,
+                                                   pp=self.stages_at(world_size),
                                                    tp=self.tensor_parallel)
 
     @property

@@ -59,6 +59,18 @@ def test_an_elastic_range_needs_no_quotes_in_yaml(tmp_path, mpt):
     assert "4 node(s), 4 process(es): global batch 12 = 4 process(es) x 3 per micro-batch" in out
 
 
+def test_an_elastic_pipeline_lists_a_stage_count_for_the_worlds_its_stages_do_not_divide(mpt):
+    flags = ("launch", "--nodes", "3:4", "--backend", "fsdp", "--master-port", "29555",
+             "--dry-run")
+    code, out, err = mpt(*flags, "--pipeline-stages", "2", SCRIPT)
+    assert code == 2 and "--pipeline-stages=2" in err and "at 3 node(s)" in err
+    assert "--pipeline-stages 2,1" in err
+    code, out, err = mpt(*flags, "--pipeline-stages", "2,1", SCRIPT)
+    assert code == 0, err
+    assert "3 node(s), 3 process(es) (3 rank(s) sharding the state)" in out
+    assert "4 node(s), 4 process(es) (2 pipeline stage(s) x 2 rank(s) sharding the state)" in out
+
+
 @pytest.mark.parametrize(("text", "words"), [
     ("gpus: 2\nprecison: bf16-mixed\n", ["precison=bf16-mixed", "no such option", "precision"]),
     ("gpus: two\n", ["gpus=two", "whole number"]),

@@ -81,7 +81,7 @@ class CheckpointSession:
             return report_resize(
                 saved, world_size=run.world.world_size, plan=run.batch_plan,
                 samples_per_step=monitor.samples_per_step, lr_scaling=config.lr_scaling,
-                layout=run.topology.plan, say=say, log=monitor.log)
+                layout=run.config.layout, say=say, log=monitor.log)
 
         return cls(backend=state, pairs=pairs, loaders=loaders, root=config.checkpoint_dir,
                    resume=config.resume or "auto", async_save=config.async_save,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from mpt.errors import UsageError
 
@@ -58,6 +59,26 @@ class PipelinePlan:
     def bubble(self) -> float:
         """The idle fraction of a step of GPipe or 1F1B: (P - 1) / (M + P - 1)."""
         return (self.stages - 1) / (self.microbatches + self.stages - 1)
+
+
+def parse_stages(argument: str, value: Any) -> tuple[int, ...]:
+    """``--pipeline-stages``: P, or stage counts in order of preference (``2,1``), of which each
+    world of an elastic job runs the first that divides it."""
+    items = value if isinstance(value, list | tuple) else str(value).split(",")
+    try:
+        counts = tuple(int(str(item).strip()) for item in items)
+    except ValueError:
+        raise UsageError(argument, value, "it is not a whole number, nor such numbers "
+                         "separated by commas", f"pass {argument} 2, or 2,1") from None
+    if not counts or min(counts) < 1:
+        raise UsageError(argument, value, "every stage count must be at least 1",
+                         f"pass {argument} 1 (no pipeline), 2, ..., or counts in order of "
+                         "preference such as 2,1")
+    if len(set(counts)) < len(counts):
+        raise UsageError(argument, value, "a stage count is listed twice",
+                         f"pass each count once, e.g. {argument} "
+                         f"{','.join(map(str, dict.fromkeys(counts)))}")
+    return counts
 
 
 def plan_pipeline(stages: int, schedule: str, microbatches: int | None,

@@ -88,11 +88,12 @@ def layout(net: nn.Module, backend: str, options: Mapping[str, Any], pp: int, tp
         settings["microbatches"] = microbatches
     config = RunConfig.parse(settings)
     plan = config.layout(world)
+    pipeline = config.pipeline_at(world)
     if pp > 1:
         stage_blocks(net, pp)
     if tp > 1:
         tensor_plan(net, tp)
-    microbatches = config.pipeline.microbatches if config.pipeline is not None else 1
+    microbatches = pipeline.microbatches if pipeline is not None else 1
     per_replica, left = divmod(batch, plan.dp_size)
     if left or per_replica % microbatches:
         raise UsageError("--batch", batch, f"it does not split into {plan.dp_size} replica(s) "

@@ -70,7 +70,11 @@ STEPS = 10
 GLOBAL_BATCH = 12  # 3 x 4 and 2 x 6
 SAMPLES, PER_EPOCH = 48, 4  # as in elastic_train.py: 4 steps per epoch
 BACKENDS = {"ddp": ("--backend", "ddp"), "fsdp": ("--backend", "fsdp"),
-            "deepspeed": ("--backend", "deepspeed", "--zero-stage", "2")}
+            "deepspeed": ("--backend", "deepspeed", "--zero-stage", "2"),
+            # no pipeline at 3 processes (2 stages do not divide them), 2 stages x fsdp 1 at 2
+            "fsdp-pp": ("--backend", "fsdp", "--pipeline-stages", "2,1")}
+WORKER_FLAGS = {"fsdp-pp": ("--forward-backward",)}
+"""The worker's own flags where a backend's layout needs them."""
 JOB_TIMEOUT = 240  # seconds any launcher of a case may run (2 busy cores)
 
 
@@ -205,8 +209,11 @@ def test_a_resize_keeps_the_global_batch_or_else_the_per_rank_batch():
     assert scaled is not None and scaled.lr_ratio == pytest.approx(4 / 3)
     assert scaled.line().endswith("(--lr-scaling linear)")
     assert resize(saved, world_size=6, plan=None, samples_per_step=None, lr_scaling="sqrt",
-                  layout=ParallelPlan(pp=3, dp_replicate=2)
+                  layout=lambda world: ParallelPlan.for_world(world, pp=3)
                   ).lr_ratio == pytest.approx((2 / 1) ** 0.5)  # replicas 1 -> 2
+    stages = mpt.RunConfig.parse({"pipeline_stages": "2,1"}).layout  # 2 stages at 4, none at 3
+    assert resize(saved | {"world_size": 4}, world_size=3, plan=None, samples_per_step=None,
+                  lr_scaling="linear", layout=stages).lr_ratio == pytest.approx(3 / 2)
 
 
 def test_a_resize_without_a_global_batch_rescales_lr_of_optimizer_and_scheduler(tmp_path):
@@ -310,7 +317,7 @@ class Job:
                 "--global-batch-size", str(GLOBAL_BATCH), "--checkpoint-dir", str(self.ck),
                 "--run-dir", str(self.run_dir), *flags, *node_flags, worker("elastic_train.py"),
                 str(self.out), "--steps", str(steps), "--sleep", str(sleep), "--save-every",
-                str(save_every))
+                str(save_every), *WORKER_FLAGS.get(backend, ()))
             self.nodes.append(Node(subprocess.Popen(
                 command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                 env=launch_env())))
@@ -380,7 +387,7 @@ def reference_curve(tmp: Path, backend: str, segments: tuple[tuple[int, int], ..
                               *BACKENDS[backend], "--global-batch-size", str(GLOBAL_BATCH),
                               "--checkpoint-dir", str(ck), worker("elastic_train.py"),
                               str(out), "--steps", str(steps), "--stop-at", str(stop),
-                              "--sleep", "0")
+                              "--sleep", "0", *WORKER_FLAGS.get(backend, ()))
         done = subprocess.run(command, capture_output=True, text=True, timeout=JOB_TIMEOUT,
                               env=launch_env())
         assert done.returncode == 0, done.stderr[-4000:]
@@ -497,6 +504,15 @@ def test_a_lost_node_costs_at_most_one_step_with_snapshots_on_the_next_node(tmp_
 @pytest.mark.parametrize("backend", ["fsdp", "deepspeed"])
 def test_snapshot_shrink_under_sharding_backends(tmp_path, backend):
     snapshot_shrink(tmp_path, backend)
+
+
+@pytest.mark.slow
+def test_a_lost_node_changes_the_layout_to_the_stages_the_new_world_holds(tmp_path):
+    """fsdp at 3 processes, a pipeline of 2 stages at 2: the survivors restore the peers'
+    snapshot into the other layout, on the curve of static runs of the two."""
+    snapshot_shrink(tmp_path, "fsdp-pp")
+    starts = (tmp_path / "elastic" / "out" / "resumed.txt").read_text().splitlines()
+    assert [line.split()[1::2] for line in (starts[0], starts[-1])] == [["3", "1"], ["2", "2"]]
 
 
 @pytest.mark.slow

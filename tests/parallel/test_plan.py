@@ -63,6 +63,23 @@ def test_fsdp_replicate_splits_the_data_ranks_into_hsdp_groups():
         RunConfig(backend="fsdp", backend_options={"replicate": 3}).layout(4)
 
 
+def test_stage_counts_in_order_of_preference_give_each_world_the_first_that_divides():
+    from mpt.run_config import RunConfig
+
+    run = RunConfig.parse({"backend": "fsdp", "pipeline_stages": "2,1"})
+    assert run.pipeline_stages == (2, 1)
+    assert run.layout(4) == ParallelPlan(pp=2, dp_shard=2) and run.pipeline_at(4).stages == 2
+    assert run.layout(3) == ParallelPlan(dp_shard=3) and run.pipeline_at(3) is None
+    assert RunConfig(pipeline_stages=2).pipeline_stages == (2,)  # a count given in code
+    with pytest.raises(UsageError, match=r"--pipeline-stages=3 .*pass --pipeline-stages one of"):
+        RunConfig.parse({"pipeline_stages": "3"}).layout(4)
+    for value, words in (("2,2", "listed twice"), ("2,0", "at least 1"), ("2,x", "whole")):
+        with pytest.raises(UsageError, match=rf"--pipeline-stages={value} .*{words}"):
+            RunConfig.parse({"pipeline_stages": value})
+    with pytest.raises(UsageError, match=r"--pipeline-split=h.1 .*lists 2,1"):
+        RunConfig.parse({"backend": "fsdp", "pipeline_stages": "2,1", "pipeline_split": "h.1"})
+
+
 def test_describe_names_the_axes_in_use():
     assert ParallelPlan(pp=2, dp_replicate=3).describe() == (
         "2 pipeline stage(s) x 3 data-parallel replica(s)")

@@ -15,7 +15,7 @@ What it writes into OUT:
 - ``curve.txt`` (rank 0): ``step world_size loss time`` per step, every attempt appending, where
   ``loss`` is the mean over the ranks of the step's loss, i.e. the loss of the global batch, and
   ``time`` is when the step completed;
-- ``resumed.txt`` (rank 0): ``attempt world_size step`` per start;
+- ``resumed.txt`` (rank 0): ``attempt world_size step stages`` per start;
 - ``seen-rank<r>.txt``: ``start step sample`` for every sample the rank trained on, where
   ``start`` is the same for every rank of one start of the gang (the latest start that ran a
   step is the one whose step counts).
@@ -66,7 +66,7 @@ loader = rt.setup_dataloader(DataLoader(data, batch_size=rt.batch_size, shuffle=
 step = rt.resume()["step"]
 if rt.rank == 0:
     with open(out / "resumed.txt", "a") as f:
-        print(attempt, rt.world_size, step, file=f, flush=True)
+        print(attempt, rt.world_size, step, rt.topology.stages, file=f, flush=True)
 
 start = rt.all_reduce(torch.tensor([time.time()], dtype=torch.float64), "max").item()
 last = args.stop_at or args.steps
@@ -81,8 +81,9 @@ with open(out / "curve.txt", "a") as curve, open(out / f"seen-rank{rt.rank}.txt"
             rt.step()
             step += 1
             mean = rt.all_reduce(loss.detach().clone(), "mean")
-            seen.write("".join(f"{start!r} {step} {i}\n" for i in index.tolist()))
-            seen.flush()
+            if rt.topology.stage == 0:  # a pipeline's stages read the same rows: one says
+                seen.write("".join(f"{start!r} {step} {i}\n" for i in index.tolist()))
+                seen.flush()
             if rt.rank == 0:
                 print(step, rt.world_size, repr(mean.item()), repr(time.time()), file=curve,
                       flush=True)
