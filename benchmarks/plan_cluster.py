@@ -6,19 +6,19 @@
 
 `scaling.py` measures each cell as one job of N one-process nodes (network namespaces, each
 node's link shaped to the cell's rate) that all share this machine's cores. This script then
-calibrates the machine the same way, once per node count: max(N, 2) processes of one thread
-each measure at once what `mpt plan --calibrate` measures (``mpt.plan.calibrate``: matmuls by
-dtype and shape, copy bandwidth, op overhead, optimizer steps; collectives between them), so
-that the figures share the cores as the cell's N nodes did; rank 0's are kept. Each cell is
-then priced by ``mpt.plan.planner.plan`` on a cluster of N nodes x 1 device of those figures,
-linked at the cell's rate (``--link``'s profile: the rate, 5 us a ring step), and again on the
-link measured: per (nodes, rate), the same sweep of collectives run across the emulated nodes
-themselves (an `mpt launch` job on a fresh cluster shaped alike), each collective's bus
-bandwidth and latency given to the plan. It prints both predictions, measured (mpt's step and
-the raw library's, the medians `scaling.py` reports) and their ratios, and, per (model, nodes,
-rate), whether the layout the plan ranks first among the measured ones measured within 10 % of
-the best measured. The goal of issue 36: every ratio within 0.8-1.2, every best within 10 %.
-The calibrations run after the cells, never beside them.
+calibrates the same way: per (nodes, rate), `mpt plan --calibrate --nodes N --nr R` runs on
+every node of a fresh cluster shaped alike, so that the device figures (matmuls by dtype and
+shape, copy bandwidth, op overhead, optimizer steps; ``mpt.plan.calibrate``) are measured by N
+one-thread processes at once, sharing the cores as the cell's nodes did, and every collective's
+bus bandwidth and latency is measured across the nodes; one node's cells are calibrated by 2
+processes. Each cell is then priced by ``mpt.plan.planner.plan`` on a cluster of N nodes x 1
+device of those figures, linked at the cell's rate (``--link``'s profile: the rate, 5 us a ring
+step), and again on the link measured (what `mpt plan --calibration FILE` uses by default).
+It prints both predictions, measured (mpt's step and the raw library's, the medians `scaling.py`
+reports) and their ratios, and, per (model, nodes, rate), whether the layout the plan ranks
+first among the measured ones measured within 10 % of the best measured. The goal of issue 36:
+every ratio within 0.8-1.2, every best within 10 %. The calibrations run after the cells, never
+beside them.
 A benchmark, not a test: it prints figures and never fails on them.
 """
 
@@ -42,37 +42,23 @@ LABELS = {"deepspeed": "--backend deepspeed --zero-stage 1"}
 """The plan's layout of a backend that `scaling.py` runs with its defaults (ZeRO stage 1)."""
 
 
-def sweep_worker(out: str) -> None:
-    """One node's rank of the link's sweep (started by `mpt launch` on each emulated node):
-    ``mpt.plan.calibrate.sweep`` between the nodes; rank 0 writes the fits to ``out``."""
-    import mpt
+def calibrated_cluster(nodes: int, rate: str, folder: Path) -> Any:
+    """`mpt plan --calibrate --nodes N` on each of ``nodes`` emulated nodes shaped at ``rate``
+    (a fresh cluster shaped as the cell's): the device figures of N one-thread processes at
+    once, and every collective measured across the nodes."""
+    from mpt.cluster import EmulatedCluster, LinkShape, run_nodes
     from mpt.plan import calibrate
 
-    rt = mpt.Runtime()
-    fits = calibrate.sweep(rt.world_size, torch.device("cpu"), lambda: None)
-    if rt.rank == 0:
-        Path(out).write_text(json.dumps(fits))
-    rt.close()
-
-
-def measured_link(nodes: int, rate: str, folder: Path) -> Any:
-    """The link of ``nodes`` emulated nodes shaped at ``rate``, each collective measured across
-    them (the sweep `mpt plan --calibrate` runs between a machine's ranks) as a ``Link``."""
-    from mpt.cluster import EmulatedCluster, LinkShape, launch_command, run_nodes
-    from mpt.plan.profiles import CollectiveFit, Link
-
-    out = folder / f"link-{nodes}-{rate}.json"
+    out = folder / f"calibration-{nodes}-{rate}.json"
     out.unlink(missing_ok=True)
     with EmulatedCluster(nodes=nodes, shape=LinkShape(rate=rate)) as cluster:
-        commands = [launch_command(cluster, nr, Path(__file__).resolve(), ["--sweep", str(out)])
-                    for nr in range(nodes)]
-        run = run_nodes(cluster, commands, timeout=600, env={"OMP_NUM_THREADS": "1"})
+        commands = [[sys.executable, "-m", "mpt", "plan", "--calibrate", "--nodes", str(nodes),
+                     "--nr", str(nr), "--master-addr", cluster.members[0].address,
+                     "--output", str(out)] for nr in range(nodes)]
+        run = run_nodes(cluster, commands, timeout=900, env={"OMP_NUM_THREADS": "1"})
     if not run.ok or not out.exists():
-        raise RuntimeError(f"the link's sweep failed:\n{run.report()[-3000:]}")
-    fits = {name: CollectiveFit(**fit) for name, fit in json.loads(out.read_text()).items()}
-    ring = fits["all_reduce"]
-    return Link(name=f"{rate}, measured", bandwidth=ring.bus_bandwidth, latency=ring.latency,
-                source=str(out), collectives=fits)
+        raise RuntimeError(f"the calibration failed:\n{run.report()[-3000:]}")
+    return calibrate.load(out)
 
 
 def predicted(cell: dict[str, Any], device: Any, link: Any) -> Any:
@@ -98,33 +84,28 @@ def main() -> None:
     from mpt.plan import calibrate
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("results", type=Path, nargs="?", help="scaling.py's results.json")
+    parser.add_argument("results", type=Path, help="scaling.py's results.json")
     parser.add_argument("--out", type=Path, default=None,
                         help="write the rows as JSON here (default: beside RESULTS)")
-    parser.add_argument("--sweep", metavar="OUT", help=argparse.SUPPRESS)  # a node's rank
     args = parser.parse_args()
-    if args.sweep:
-        sweep_worker(args.sweep)
-        return
-    if args.results is None:
-        parser.error("pass scaling.py's results.json")
     cells = [c for c in json.loads(args.results.read_text())
              if c["compression"] == "none" and c["model"] in INPUTS
              and (c["nodes"] == 1 or c["rate"] != UNSHAPED)]
-    by_processes = {}
-    for processes in sorted({max(c["nodes"], 2) for c in cells}):
-        print(f"calibrating: {processes} processes at once", flush=True)
-        found = calibrate.measure(processes)  # what `mpt plan --calibrate` measures
-        calibrate.save(found, args.results.parent / f"calibration-{processes}.json")
-        by_processes[processes] = found.device(f"{processes} processes")
-    devices = {c["nodes"]: by_processes[max(c["nodes"], 2)] for c in cells}
-    links = {}
+    devices, links = {}, {}
+    if any(c["nodes"] == 1 for c in cells):
+        print("calibrating: 2 processes at once", flush=True)
+        found = calibrate.measure(2)  # `mpt plan --calibrate` on one node
+        calibrate.save(found, args.results.parent / "calibration-1.json")
+        devices[1, UNSHAPED] = found.device("2 processes")
     for nodes, rate in sorted({(c["nodes"], c["rate"]) for c in cells if c["nodes"] > 1}):
-        print(f"measuring the link: {nodes} nodes at {rate}", flush=True)
-        links[nodes, rate] = measured_link(nodes, rate, args.results.parent)
+        print(f"calibrating: `mpt plan --calibrate` on {nodes} nodes at {rate}", flush=True)
+        found = calibrated_cluster(nodes, rate, args.results.parent)
+        devices[nodes, rate] = found.device(f"{nodes} nodes")
+        links[nodes, rate] = found.measured_link(f"{nodes} nodes at {rate}")
     rows = []
     for cell in sorted(cells, key=lambda c: (c["model"], c["nodes"], c["rate"], c["backend"])):
-        device, link = devices[cell["nodes"]], links.get((cell["nodes"], cell["rate"]))
+        key = (cell["nodes"], cell["rate"] if cell["nodes"] > 1 else UNSHAPED)
+        device, link = devices[key], links.get(key)
         at = predicted(cell, device, None)
         on = at if link is None else predicted(cell, device, link)  # one node: no link
         if at is None or on is None:

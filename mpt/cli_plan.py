@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -27,9 +27,10 @@ def plan_command(
         "device).")] = None,
     nodes: Annotated[int, typer.Option(help="Nodes of the cluster.")] = 1,
     gpus: Annotated[int, typer.Option(help="Devices (ranks) per node.")] = 1,
-    link: Annotated[str, typer.Option(
+    link: Annotated[str | None, typer.Option(
         help="Each node's link to the others: 100gbit, 200gbit, 400gbit, ..., or a rate "
-        "such as 25gbit.")] = "100gbit",
+        "such as 25gbit (default: the --calibration's link measured across nodes, else "
+        "100gbit).")] = None,
     device: Annotated[str, typer.Option(
         help="Datasheet device profile: h100-sxm, h200, a100-sxm-80gb, a100-sxm-40gb, "
         "p100-pcie.")
@@ -50,15 +51,31 @@ def plan_command(
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON for tools.")] = False,
     calibrate: Annotated[bool, typer.Option(
         "--calibrate", help="Measure this machine (matmuls by dtype, memory, collectives "
-        "between 2 processes) and save the figures.")] = False,
+        "between its --gpus processes, at least 2) and save the figures; with --nodes N, run "
+        "it on every node with its --nr: the link between the nodes is measured too.")
+    ] = False,
     output: Annotated[Path, typer.Option(
-        metavar="FILE", help="With --calibrate: where the figures go.")
+        metavar="FILE", help="With --calibrate: where the figures go (on node 0).")
     ] = Path("mpt-calibration.json"),
+    nr: Annotated[int, typer.Option(help="With --calibrate --nodes N: this node's rank, "
+                                    "0..N-1.")] = 0,
+    master_addr: Annotated[str, typer.Option(
+        help="With --calibrate --nodes N: node 0's address.")] = "127.0.0.1",
+    master_port: Annotated[int, typer.Option(
+        help="With --calibrate --nodes N: a free port on node 0.")] = 29500,
 ) -> None:
     """Rank every layout mpt can run for MODEL on --nodes x --gpus: memory per rank, step time
     (compute, exposed communication, pipeline bubble), bytes per link, and what limits each."""
     if calibrate:
-        _calibrate(output)
+        from mpt.environments.world import World
+
+        # one node: a collective needs two processes, on a port of this machine's choosing
+        world = World(nodes=nodes, gpus=gpus if nodes > 1 else max(gpus, 2), nr=nr,
+                      master_addr=master_addr, master_port=master_port,
+                      source="mpt plan --calibrate")
+        found = _calibrate(world)
+        if found is not None:
+            _say_calibrated(found, output)
         return
     if model is None:
         raise UsageError("MODEL", "(none)", "no model to plan for",
@@ -76,13 +93,17 @@ def plan_command(
             raise UsageError(flag, count, "it must be at least 1", f"pass {flag} 1 or more")
     one_of(*OPTIMIZER_STATES)("--optimizer", optimizer)
     dtype = getattr(torch, one_of(*INPUT_DTYPES)("--input-dtype", input_dtype))
+    measured = None
     if calibration is not None:
         from mpt.plan import calibrate as calibrated
 
-        chosen = calibrated.load(calibration).device(str(calibration))
+        found = calibrated.load(calibration)
+        chosen = found.device(str(calibration))
+        measured = None if link is not None else found.measured_link(str(calibration))
     else:
         chosen = device_profile(device)
-    cluster = Cluster(nodes=nodes, gpus=gpus, device=chosen, link=link_profile(link))
+    cluster = Cluster(nodes=nodes, gpus=gpus, device=chosen,
+                      link=measured or link_profile(link or "100gbit"))
     net = meta_model(load_model(model))
     shape = _input_shape(input_shape, net)
     result = plan(net, cluster, precision=precision,
@@ -118,15 +139,28 @@ def _input_shape(given: str | None, net: object) -> list[int]:
                      "128 --input-dtype int64 for 128 tokens")
 
 
-def _calibrate(output: Path) -> None:
+def _calibrate(world: Any) -> Any:
+    """The figures ``world``'s processes on this node measure with every other node's (None
+    on nodes other than node 0)."""
     from mpt.plan import calibrate
 
-    err.print("measuring: collectives between 2 processes, then matmuls by shape, memory, op "
-              "overhead and optimizer steps (about 30 s on 2 CPU cores)")
-    found = calibrate.measure()
+    across = f" and across {world.nodes} nodes" if world.nodes > 1 else ""
+    err.print(f"measuring: collectives between {world.gpus} process(es) per node{across}, then "
+              "matmuls by shape, memory, op overhead and optimizer steps (about 30 s on 2 CPU "
+              "cores)")
+    return calibrate.measure(world.gpus) if world.nodes == 1 else calibrate.measure_nodes(world)
+
+
+def _say_calibrated(found: Any, output: Path) -> None:
+    from mpt.plan import calibrate
+
     calibrate.save(found, output)
     flops = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in found.flops.items())
+    between = (f"across {found.nodes} nodes: allreduce bus bandwidth "
+               f"{found.link['all_reduce']['bus_bandwidth'] / 1e9:.2f} GB/s; " if found.link
+               else "")
     err.print(f"wrote {output}: matmul GFLOP/s {flops}; memory "
-              f"{found.memory_bandwidth / 1e9:.1f} GB/s; allreduce bus bandwidth "
-              f"{found.collectives['all_reduce']['bus_bandwidth'] / 1e9:.2f} GB/s "
-              f"({found.backend}, {found.ranks} processes). Use it with --calibration {output}")
+              f"{found.memory_bandwidth / 1e9:.1f} GB/s; {between}allreduce bus bandwidth "
+              f"within a node {found.collectives['all_reduce']['bus_bandwidth'] / 1e9:.2f} GB/s "
+              f"({found.backend}, {found.ranks} process(es) per node). Use it with "
+              f"--calibration {output}")

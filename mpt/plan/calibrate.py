@@ -17,13 +17,22 @@ launch` starts a rank (one intra-op thread):
    on a CPU, the first write of a 64 MiB block the allocator maps anew, against a kept one.
    Each figure is the median of a few timings after a warm-up.
 
-The file keeps the machine's identity (host name, CPU model, device name, torch); a file from
-another machine is refused where it is loaded, and so is one of an older format. Only one
-machine is measured: the inter-node link still comes from ``--link``.
+Across nodes (``--nodes N --nr R --master-addr HOST`` on every node, as `mpt launch` is
+started), each node starts its ``--gpus`` processes and all of them meet in one process group:
+step 1 runs within each node (where a node has 2 or more processes), then the same sweep runs
+over every rank of every node (the link between the nodes, as nccl-tests' busbw measures it
+across hosts); node 0 writes the file. A node of one process has no collective of its own: its
+figures are the link's.
+
+The file keeps the machine's identity (host name, CPU model, device name, torch) and every
+node's host name; a file from another machine is refused where it is loaded, and so is one of
+an older format.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import json
 import os
 import platform
@@ -38,6 +47,7 @@ from typing import Any
 
 import torch
 
+from mpt.environments.world import World
 from mpt.errors import UsageError
 from mpt.plan.network import ring_factor, ring_steps
 from mpt.plan.profiles import CollectiveFit, Device, Link
@@ -57,6 +67,9 @@ COLD_BYTES = 1 << 26
 """Bytes each matmul timing rotates its operands through: twice this machine's L3 (32 MiB)."""
 SLOW = 0.05
 """Seconds of one matmul above which its timing needs no cold copies (and takes no repeats)."""
+MEET_TIMEOUT = 300
+"""Seconds the nodes wait for each other (at the start, and in each collective) before a
+calibration fails instead of hanging."""
 OPTIMIZERS: dict[str, tuple[str, dict[str, float]]] = {
     "adam": ("Adam", {}), "adamw": ("AdamW", {}), "sgd": ("SGD", {}),
     "sgd-momentum": ("SGD", {"momentum": 0.9}), "rmsprop": ("RMSprop", {}),
@@ -91,6 +104,23 @@ class Calibration:
     fresh_bandwidth: float = 0.0
     """Bytes per second of first writing a block the host allocator maps anew (``Device``'s);
     0 on a GPU, and in files measured before it was."""
+    nodes: int = 1
+    """Nodes measured at once (1: this machine alone)."""
+    hosts: list[str] = dataclasses.field(default_factory=list)
+    """Every node's host name (empty in files measured before several nodes could be)."""
+    link: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    """Like ``collectives``, over every rank of every node: the link between the nodes (empty
+    for one node)."""
+
+    def measured_link(self, source: str) -> Link | None:
+        """The link between the nodes as measured, None where one node was."""
+        if not self.link:
+            return None
+        fits = {name: CollectiveFit(**fit) for name, fit in self.link.items()}
+        ring = fits["all_reduce"]
+        return Link(name=f"measured across {self.nodes} nodes ({self.backend})",
+                    bandwidth=ring.bus_bandwidth, latency=ring.latency, source=source,
+                    collectives=fits)
 
     def device(self, source: str) -> Device:
         """The cost model's device from these figures; ``source`` names the file."""
@@ -152,9 +182,10 @@ def _timed(run: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> fl
     return statistics.median(times)
 
 
-def sweep(world: int, device: torch.device, sync: Callable[[], None]
-          ) -> dict[str, dict[str, float]]:
-    """Every collective's fit over ``SIZES`` (collective: every rank calls it)."""
+def sweep(world: int, device: torch.device, sync: Callable[[], None],
+          group: Any = None) -> dict[str, dict[str, float]]:
+    """Every collective's fit over ``SIZES`` between the ``world`` ranks of ``group`` (default:
+    every rank; collective: each of them calls it)."""
     import torch.distributed as dist
 
     gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -164,9 +195,10 @@ def sweep(world: int, device: torch.device, sync: Callable[[], None]
     for size in SIZES:
         whole = torch.ones(size // 4, device=device)
         part = torch.ones(size // 4 // world, device=device)
-        runs = {"all_reduce": lambda whole=whole: dist.all_reduce(whole),
-                "all_gather": lambda whole=whole, part=part: gather(whole, part),
-                "reduce_scatter": lambda whole=whole, part=part: scatter(part, whole)}
+        runs = {"all_reduce": lambda whole=whole: dist.all_reduce(whole, group=group),
+                "all_gather": lambda whole=whole, part=part: gather(whole, part, group=group),
+                "reduce_scatter": lambda whole=whole, part=part: scatter(part, whole,
+                                                                         group=group)}
         for name, run in runs.items():
             seconds = _timed(run, 5, sync)
             points[name].append((ring_factor(name, world) * size, seconds))
@@ -257,12 +289,13 @@ def device_figures(device: torch.device, sync: Callable[[], None]) -> dict[str, 
             "fresh_bandwidth": fresh}
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
+def _worker(local_rank: int, world: World, out: str) -> None:
     import torch.distributed as dist
 
+    world = dataclasses.replace(world, local_rank=local_rank)
     torch.set_num_threads(1)  # as `mpt launch` starts each rank
-    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world.gpus
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
 
@@ -270,34 +303,54 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         if cuda:
             torch.cuda.synchronize(device)
 
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world)
+    dist.init_process_group("nccl" if cuda else "gloo",
+                            init_method=f"tcp://{world.master_addr}:{world.master_port}",
+                            rank=world.rank, world_size=world.world_size,
+                            timeout=datetime.timedelta(seconds=MEET_TIMEOUT))
     try:
-        collectives = sweep(world, device, sync)
+        # every rank makes every node's group, in the same order (torch's rule for new_group)
+        nodes = [dist.new_group([rank for nr, _, rank in world.all_processes() if nr == node])
+                 for node in range(world.nodes)]
+        within = sweep(world.gpus, device, sync, nodes[world.nr]) if world.gpus > 1 else {}
+        dist.barrier()
+        link = sweep(world.world_size, device, sync) if world.nodes > 1 else {}
         dist.barrier()
         figures = device_figures(device, sync)
+        hosts: list[Any] = [None] * world.world_size
+        dist.all_gather_object(hosts, socket.gethostname())
     finally:
         dist.destroy_process_group()
-    if rank:
+    if world.rank:
         return
     memory = (torch.cuda.get_device_properties(device).total_memory if cuda
-              else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world)
+              else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world.gpus)
     Path(out).write_text(json.dumps({
-        "ranks": world, "backend": "nccl" if cuda else "gloo", "collectives": collectives,
+        "ranks": world.gpus, "nodes": world.nodes, "hosts": sorted(set(hosts)),
+        "backend": "nccl" if cuda else "gloo", "collectives": within or link, "link": link,
         "memory": memory, **figures}))
 
 
 def measure(ranks: int = 2) -> Calibration:
     """Measure this machine with ``ranks`` processes."""
-    import torch.multiprocessing as mp
-
     with socket.socket() as probe:  # a free port for the rendezvous
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
+    found = measure_nodes(World(gpus=ranks, master_port=port, source="mpt plan --calibrate"))
+    assert found is not None  # one node is node 0
+    return found
+
+
+def measure_nodes(world: World) -> Calibration | None:
+    """Measure this node's processes of ``world`` with every other node's (each node calls
+    this with its ``nr``); node 0 returns the figures, the others None."""
+    import torch.multiprocessing as mp
+
     with tempfile.TemporaryDirectory() as folder:
-        out = str(Path(folder) / "figures.json")
-        mp.spawn(_worker, args=(ranks, port, out), nprocs=ranks, join=True)
-        figures = json.loads(Path(out).read_text())
+        path = Path(folder) / "figures.json"
+        mp.spawn(_worker, args=(world, str(path)), nprocs=world.gpus, join=True)
+        if world.nr:
+            return None
+        figures = json.loads(path.read_text())
     return Calibration(identity=identity(), **figures)
 
 
@@ -326,7 +379,8 @@ def load(path: Path) -> Calibration:
                          "pass a file written by `mpt plan --calibrate --output FILE`")
     found = Calibration(**data)
     here = identity()
-    differ = [key for key in ("host", "cpu", "device") if found.identity.get(key) != here[key]]
+    differ = [key for key in ("host", "cpu", "device") if found.identity.get(key) != here[key]
+              and not (key == "host" and here[key] in found.hosts)]
     if differ:
         key = differ[0]
         raise UsageError("--calibration", path, f"it was measured on {key} "

@@ -81,3 +81,71 @@ def test_calibration_of_an_older_format_is_refused(monkeypatch, capsys, tmp_path
     code, _, err = _run(monkeypatch, capsys, f"{MODELS}:mlp", "--calibration", str(old))
     assert code == 2 and err.count("\n") == 1
     assert "mpt-plan-calibration/1" in err and f"mpt plan --calibrate --output {old}" in err
+
+
+def _calibration(tmp_path: Path, **fields) -> Path:
+    from mpt.plan import calibrate
+
+    fit = {"latency": 1e-4, "bus_bandwidth": 1e9}
+    path = tmp_path / "cal.json"
+    calibrate.save(calibrate.Calibration(
+        identity=calibrate.identity(), ranks=1, backend="gloo", flops={"float32": 1e11},
+        memory_bandwidth=1e10, op_overhead=1e-6, memory=1e10,
+        collectives={"all_reduce": fit}, matmul_sweep={}, update_seconds={}, **fields), path)
+    return path
+
+
+def test_a_link_measured_across_nodes_prices_the_plan_unless_link_is_given(
+        monkeypatch, capsys, tmp_path) -> None:
+    from mpt.plan import calibrate
+
+    slow = {name: {"latency": 1e-3, "bus_bandwidth": 1e8}
+            for name in ("all_reduce", "all_gather", "reduce_scatter")}
+    path = _calibration(tmp_path, nodes=2, hosts=[calibrate.identity()["host"], "node1"],
+                        link=slow)
+    args = (f"{MODELS}:mlp", "--nodes", "2", "--calibration", str(path), "--json")
+    code, out, _ = _run(monkeypatch, capsys, *args)
+    measured = json.loads(out)
+    assert code == 0 and measured["cluster"]["link"] == "measured across 2 nodes (gloo)"
+    code, out, _ = _run(monkeypatch, capsys, *args, "--link", "100gbit")
+    given = json.loads(out)
+    assert code == 0 and "measured" not in given["cluster"]["link"]
+    # 0.1 GB/s against 100 Gbit/s: the same layout's step is slower on the measured link
+    assert measured["fitting"][0]["step_s"] > given["fitting"][0]["step_s"]
+
+
+def test_a_calibration_of_several_nodes_serves_each_of_them(monkeypatch, capsys,
+                                                            tmp_path) -> None:
+    from mpt.plan import calibrate
+
+    here = calibrate.identity()["host"]
+    path = tmp_path / "cal.json"
+    _calibration(tmp_path, nodes=2, hosts=["node0", here]).replace(path)
+    found = json.loads(path.read_text())
+    found["identity"]["host"] = "node0"  # node 0 wrote it; this machine was node 1
+    path.write_text(json.dumps(found))
+    code, _, err = _run(monkeypatch, capsys, f"{MODELS}:mlp", "--calibration", str(path))
+    assert code == 0, err
+
+
+@pytest.mark.slow
+def test_calibrate_across_two_nodes_measures_the_link_between_them(tmp_path, free_port) -> None:
+    """Two `mpt plan --calibrate --nodes 2` on this host, as on two nodes: node 0 writes the
+    file, with the sweep across the nodes; node 1 writes nothing."""
+    import subprocess
+
+    from mpt.plan import calibrate
+
+    outputs = [tmp_path / f"node{nr}.json" for nr in range(2)]
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "mpt", "plan", "--calibrate", "--nodes", "2", "--nr", str(nr),
+         "--master-port", str(free_port), "--output", str(outputs[nr])],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for nr in range(2)]
+    said = [node.communicate(timeout=600)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], said
+    assert not outputs[1].exists() and "across 2 nodes: allreduce bus bandwidth" in said[0]
+    found = calibrate.load(outputs[0])
+    assert found.nodes == 2 and found.ranks == 1 and found.hosts == [found.identity["host"]]
+    assert set(found.link) == {"all_reduce", "all_gather", "reduce_scatter"}
+    assert all(fit["bus_bandwidth"] > 0 for fit in found.link.values())
+    assert found.collectives == found.link  # one process per node: no collective within one
