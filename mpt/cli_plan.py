@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 
 from mpt.errors import UsageError
 from mpt.estimate import OPTIMIZER_STATES
+
+if TYPE_CHECKING:
+    from mpt.environments.world import World
+    from mpt.plan.calibrate import Calibration
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 out = Console(highlight=False, soft_wrap=True)
@@ -139,7 +143,7 @@ def _input_shape(given: str | None, net: object) -> list[int]:
                      "128 --input-dtype int64 for 128 tokens")
 
 
-def _calibrate(world: Any) -> Any:
+def _calibrate(world: World) -> Calibration | None:
     """The figures ``world``'s processes on this node measure with every other node's (None
     on nodes other than node 0)."""
     from mpt.plan import calibrate
@@ -151,7 +155,7 @@ def _calibrate(world: Any) -> Any:
     return calibrate.measure(world.gpus) if world.nodes == 1 else calibrate.measure_nodes(world)
 
 
-def _say_calibrated(found: Any, output: Path) -> None:
+def _say_calibrated(found: Calibration, output: Path) -> None:
     from mpt.plan import calibrate
 
     calibrate.save(found, output)

@@ -342,10 +342,13 @@ class Backend(ABC):
 
     @classmethod
     def step_traffic(cls, options: Mapping[str, Any], plan: ParallelPlan, spec: PrecisionSpec,
-                     parameters: float, microbatches: int = 1) -> Traffic:
+                     parameters: float, microbatches: int = 1,
+                     module: nn.Module | None = None) -> Traffic:
         """What the backend with ``options`` sends per optimizer step in ``plan`` for a rank
         that trains ``parameters`` parameters (its stage's, its tensor-parallel share) in
-        ``spec``, with ``microbatches`` per step under a pipeline, and what it may hide behind.
+        ``spec``, with ``microbatches`` per step under a pipeline, and what it may hide behind;
+        ``module``, the stage (on the meta device), for a backend whose buffers follow how it
+        groups the modules.
 
         The default, whole replicas (ddp, apex, horovod): one allreduce of the gradients in
         ``spec.reduce``, bucketed and started from backward hooks, so it may hide behind the

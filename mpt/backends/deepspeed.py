@@ -249,7 +249,8 @@ class DeepSpeedBackend(DDPBackend):
 
     @classmethod
     def step_traffic(cls, options: Mapping[str, Any], plan: ParallelPlan, spec: PrecisionSpec,
-                     parameters: float, microbatches: int = 1) -> Traffic:
+                     parameters: float, microbatches: int = 1,
+                     module: torch.nn.Module | None = None) -> Traffic:
         """In the mode's dtype (``_width``): ZeRO-0 the gradients' allreduce after the
         backward; ZeRO-1 the same, then an all-gather of the updated parameters; ZeRO-2 a
         reduce-scatter of the gradients and the all-gather; ZeRO-3 the parameters all-gathered

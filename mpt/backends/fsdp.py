@@ -96,14 +96,21 @@ def units(model: nn.Module, wrap: frozenset[str] | None) -> list[nn.Module]:
     return found
 
 
-def largest_unit(model: nn.Module, wrap: frozenset[str] | None) -> int:
-    """Parameters of the largest unit, the root's own included: what one gather holds whole."""
-    sizes, taken = [], set()
+def unit_parameters(model: nn.Module, wrap: frozenset[str] | None) -> list[list[int]]:
+    """Each unit's parameters (their element counts), the root's own last: what each gather
+    holds whole."""
+    found: list[list[int]] = []
+    taken: set[int] = set()
     for unit in [*units(model, wrap), model]:
         own = [p for p in unit.parameters() if id(p) not in taken]
         taken.update(id(p) for p in own)
-        sizes.append(sum(p.numel() for p in own))
-    return max(sizes)
+        found.append([p.numel() for p in own])
+    return found
+
+
+def largest_unit(model: nn.Module, wrap: frozenset[str] | None) -> int:
+    """Parameters of the largest unit, the root's own included: what one gather holds whole."""
+    return max(sum(unit) for unit in unit_parameters(model, wrap))
 
 
 class FSDPBackend(DDPBackend):
@@ -244,7 +251,8 @@ class FSDPBackend(DDPBackend):
 
     @classmethod
     def step_traffic(cls, options: Mapping[str, Any], plan: ParallelPlan, spec: PrecisionSpec,
-                     parameters: float, microbatches: int = 1) -> Traffic:
+                     parameters: float, microbatches: int = 1,
+                     module: nn.Module | None = None) -> Traffic:
         """Each unit's parameters all-gathered in the forward and, resharded after it (the
         default, not under a pipeline), again in the backward; gradients reduce-scattered;
         all of it prefetched or overlapped over the whole step. Under a pipeline that once per
@@ -256,7 +264,11 @@ class FSDPBackend(DDPBackend):
         an all-gather copies the rank's shard into the flat input and the gathered output out
         into the unsharded parameters; a reduce-scatter copies the unsharded gradients into its
         flat input (``chunk_cat``) and divides the shard it gets back: per gather, the shard
-        and the whole unit, per reduce-scatter the whole unit and the shard."""
+        and the whole unit, per reduce-scatter the whole unit and the shard.
+
+        Each of those buffers is allocated anew (``Traffic.fresh``; of ``module``'s units, where
+        it is given): per gather the flat output and each gathered parameter's storage, per
+        reduce-scatter its flat input and the shard it returns."""
         grads, weights = parameters * spec.reduce.itemsize, parameters * spec.params.itemsize
         reshard = options.get("reshard_after_forward")
         if reshard is None:
@@ -272,8 +284,17 @@ class FSDPBackend(DDPBackend):
                                     size=grads / plan.dp_shard * times, what="gradient shard"))
         around = 1 + 1 / plan.dp_shard  # the whole tensor and its shard
         copies = ((2 if reshard else 1) * weights + grads) * times * around
+        fresh: list[float] = []
+        if module is not None:
+            held = unit_parameters(module, cls.check_options(options)["wrap"])
+            share = parameters / max(1, sum(map(sum, held)))  # a tensor-parallel rank's part
+            for unit in held:
+                gathered = [n * share * spec.params.itemsize for n in unit]
+                reduced = sum(unit) * share * spec.reduce.itemsize
+                fresh += ([sum(gathered), *gathered] * (2 if reshard else 1)
+                          + [reduced, reduced / plan.dp_shard]) * times
         return Traffic(collectives=tuple(found), window="step", shards_optimizer=True,
-                       copies=copies)
+                       copies=copies, fresh=tuple(fresh))
 
     # -- life cycle ---------------------------------------------------------------------------
     group_alone = True  # fully_shard needs a group at 1 rank too (a 2-rank checkpoint resumes)

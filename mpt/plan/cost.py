@@ -210,7 +210,9 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
     terms["pipeline sends"] = 2 * m * p2p.seconds
     held, trained = _memory(layout, model, stages, work, spec, slowest,
                             cluster.device.device_type)
-    flow = get_backend(layout.backend).step_traffic(layout.options, plan, spec, trained, m)
+    stage = model.net if plan.pp == 1 else _stage_module(model, stages[slowest])
+    flow = get_backend(layout.backend).step_traffic(layout.options, plan, spec, trained, m,
+                                                    module=stage)
     dp_seconds, dp_link, dp_rank, crosses = _data_parallel(flow, plan, cluster)
     window = {"backward": terms["backward"], "step": terms["forward"] + terms["backward"],
               "none": 0.0}[flow.window] * cluster.device.overlap
@@ -239,8 +241,11 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
 def copy_seconds(flow: Traffic, cluster: Cluster) -> float:
     """The backend's copies into and out of its collectives' buffers (``Traffic.copies``):
     each byte read and written once, at the memory bandwidth (which counts both: the
-    calibration's is twice a 64 MiB copy's bytes over its time, a datasheet's HBM's)."""
-    return 2 * flow.copies / cluster.device.memory_bandwidth
+    calibration's is twice a 64 MiB copy's bytes over its time, a datasheet's HBM's); and the
+    first write of the buffers it allocates anew (``Traffic.fresh``)."""
+    device = cluster.device
+    return (2 * flow.copies / device.memory_bandwidth
+            + device.fresh_seconds([int(n) for n in flow.fresh]))
 
 
 def optimizer_seconds(parameters: float, model: Model, cluster: Cluster) -> float:
@@ -312,14 +317,13 @@ def _memory(layout: Layout, model: Model, stages: list[list[str]], work: Workloa
     """What a rank of the fullest stage holds, and the parameters a rank of stage ``slowest``
     (the one whose time the step is) trains: its tp share."""
     plan = layout.plan
-    modules = dict(model.net.named_modules())
     by_name = {block.name: block for block in work.blocks}
     cls = get_backend(layout.backend)
     sharded = cls.step_traffic(layout.options, plan, spec, 0.0).shards_optimizer
     best: Held | None = None
     trained = 0.0
     for index, names in enumerate(stages):
-        stage = nn.ModuleList(modules.get(n, model.net) for n in names)
+        stage = _stage_module(model, names)
         share, params = _tp_share(stage, model, plan.tp)
         rows = cls.estimate_memory(stage, spec, model.optimizer_states, plan.dp_shard,
                                    dict(layout.options))
@@ -341,6 +345,12 @@ def _memory(layout: Layout, model: Model, stages: list[list[str]], work: Workloa
             trained = params * share
     assert best is not None  # at least one stage
     return best, trained
+
+
+def _stage_module(model: Model, names: list[str]) -> nn.Module:
+    """The blocks ``names`` of ``model`` as one module (a block not found: the whole net)."""
+    modules = dict(model.net.named_modules())
+    return nn.ModuleList(modules.get(n, model.net) for n in names)
 
 
 def _step_transient(stage: nn.Module, states: int, share: float, shards: int,

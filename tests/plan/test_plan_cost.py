@@ -168,6 +168,36 @@ def test_a_result_the_host_maps_anew_costs_its_first_write() -> None:
     assert op_seconds(big, gpu, spec, 1) == op_seconds(small, gpu, spec, 1)
 
 
+def test_fsdp_allocates_its_gathered_units_and_reduced_gradients_anew() -> None:
+    """torch's _fsdp_collectives allocate per all-gather the flat output and each parameter's
+    gathered storage, per reduce-scatter the flat input and the shard it returns: the MLP's
+    64 MiB layer (a unit of its own) lists them, resharding after the forward gathers twice,
+    and on a host they cost their first write (docs/benchmarks.md: 0.15 s a step of the
+    one-rank fsdp MLP over plain torch, which this term predicts); not on a GPU."""
+    spec, middle = describe("fp32"), 4096 * 4096 * 4
+    net = meta_model(mlp)
+    fsdp = get_backend("fsdp")
+    flow = fsdp.step_traffic({}, ParallelPlan(dp_shard=2), spec, 25_175_040, module=net)
+    assert flow.fresh.count(middle + 4096 * 4) == 3  # two gathers' outputs, the reduce's input
+    assert flow.fresh.count(middle) == 2  # the weight's gathered storage, twice
+    assert (middle + 4096 * 4) / 2 in flow.fresh  # the reduced shard
+    kept = fsdp.step_traffic({"reshard_after_forward": False}, ParallelPlan(dp_shard=2), spec,
+                             25_175_040, module=net)
+    assert kept.fresh.count(middle) == 1
+    assert get_backend("ddp").step_traffic({}, ParallelPlan(dp_replicate=2), spec, 25_175_040,
+                                           module=net).fresh == ()
+    host = replace(_cluster(1, 2), device=replace(device_profile("h100-sxm"),
+                                                  fresh_bandwidth=2e9))
+    cpu = plan(net, host, precision="fp32", batch=16, input_shape=[1024],
+               input_dtype=torch.float32)
+    gpu = _plan(1, 2)
+    for result, fresh in ((cpu, sum(n for n in flow.fresh if n >= FRESH_BLOCK) / 2e9),
+                          (gpu, 0.0)):
+        p = _by_label(result, "--backend fsdp")
+        copied = 2 * 4.5 * GRADIENTS / result.cluster.device.memory_bandwidth
+        assert p.terms["buffer copies"] == pytest.approx(copied + fresh)
+
+
 def test_the_optimizer_step_takes_its_calibrated_time_per_parameter() -> None:
     """Calibrated: torch's step per parameter; datasheet: its bytes at the memory
     bandwidth."""
