@@ -110,13 +110,17 @@ def _run_option(setting: dataclasses.Field[Any]) -> inspect.Parameter:
         return inspect.Parameter(setting.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
                                  default=False, annotation=Annotated[bool, typer.Option(
                                      flag_of(setting.name), help=help_text)])
-    default = setting.default if isinstance(setting.default, str | int) else None
-    if isinstance(setting.default, tuple):
-        default = ",".join(map(str, setting.default))
     return inspect.Parameter(setting.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                             default=None if default is None else str(default),
+                             default=_default_text(setting),
                              annotation=Annotated[str | None, typer.Option(
                                  metavar=metavar, help=help_text)])
+
+
+def _default_text(setting: dataclasses.Field[Any]) -> str | None:
+    """A setting's default as its option takes it (None: not shown, e.g. a dict's)."""
+    if isinstance(setting.default, tuple):  # --pipeline-stages 2,1
+        return ",".join(map(str, setting.default))
+    return str(setting.default) if isinstance(setting.default, str | int) else None
 
 
 def _parameter(flag: str) -> str:
@@ -325,9 +329,9 @@ def _runtime_flags(given: dict[str, Any], backend_flags: dict[str, Any],
     from mpt.backends import get_backend
 
     options = get_backend(backend).options
-    defaults = {s.name: s.default for s in dataclasses.fields(RunConfig)}
+    defaults = {s.name: _default_text(s) for s in dataclasses.fields(RunConfig)}
     flags = {**{flag_of(k): v for k, v in given.items() if v is not None and v is not False
-                and str(v) != str(defaults.get(k))},
+                and str(v) != defaults.get(k)},
              **{options[k].flag or k: v for k, v in backend_flags.items()}}
     return tuple(flag if value is True else f"{flag} {value}" for flag, value in flags.items())
 

@@ -37,7 +37,8 @@ def test_workers_inherit_the_settings():
     run = RunConfig(backend="ddp", precision="fp16-mixed", loss_scale="128", accumulate=2)
     env = worker_env(LaunchSpec(script=SCRIPT, gpus=2, run=run), failure_dir="/tmp/notes")
     assert RunConfig.from_env(env) == run  # one variable carries them all
-    assert json.loads(env["MPT_RUN_CONFIG"]) == {**RunConfig().values(), "backend": "ddp",
+    spelled = json.loads(json.dumps(RunConfig().values()))  # JSON's lists for tuples
+    assert json.loads(env["MPT_RUN_CONFIG"]) == {**spelled, "backend": "ddp",
                                                  "precision": "fp16-mixed", "loss_scale": "128",
                                                  "accumulate": 2}
     assert env["MPT_LAUNCHER_PID"].isdigit()

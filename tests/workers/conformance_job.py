@@ -32,7 +32,8 @@ micro = GLOBAL_BATCH // (rt.topology.dp_size * accumulate)
 loader = rt.setup_dataloader(DataLoader(Images(), batch_size=micro, shuffle=True,
                                         drop_last=True))
 # torch's schedule cuts a batch into M consecutive chunks (tensor_split along dim 0)
-chunks = rt.config.pipeline.microbatches if rt.config.pipeline else 1
+pipeline = rt.config.pipeline_at(rt.world_size)
+chunks = pipeline.microbatches if pipeline else 1
 losses, indices, stepped = [], [], []
 for x, y, index in loader:
     loss = rt.forward_backward(x, y, loss_fn)
