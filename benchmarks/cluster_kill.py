@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 from sharded_memory import RssSampler
@@ -59,7 +60,11 @@ def worker(args: argparse.Namespace) -> None:
 
     import mpt
 
+    # torch's notes on a Linear's output view and on DTensor's random ops: one line per rank
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+    warnings.filterwarnings("ignore", message="DTensor random operators")
     rt = mpt.Runtime()
+    torch.manual_seed(0)  # the same initial weights in the job that never lost a node
     model = make_model(args.blocks, args.width)
     before = sampler.reset()
     model, _ = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
