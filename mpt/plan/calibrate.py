@@ -1,7 +1,7 @@
 """`mpt plan --calibrate`: measure this machine's figures for the cost model, and load them.
 
-Two real processes (``torch.multiprocessing``, gloo on a CPU, NCCL on GPUs) each as `mpt
-launch` starts a rank (one intra-op thread):
+``--gpus`` real processes, at least 2 on one machine (``torch.multiprocessing``, gloo on a
+CPU, NCCL on GPUs), each as `mpt launch` starts a rank (one intra-op thread):
 
 1. a sweep of allreduce, all-gather and reduce-scatter sizes (16 KiB - 32 MiB) between them,
    each fitted by least squares to ``t = latency + ring factor x size / bus bandwidth``
