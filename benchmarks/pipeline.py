@@ -24,7 +24,8 @@ each rank's state about 1 / (P x D) of the one-process figure; ddp: 1 / P).
 runs on two emulated nodes (mpt.cluster; needs root) joined by links of --rate, one process per
 node, an MLP of --layers Linear layers --width wide, for batch sizes from 16 up: P = 2 (a stage
 per node: activations cross the link) against D = 2 (DDP: the gradients' allreduce crosses it),
-and prints where P = 2 stops beating D = 2.
+and prints where P = 2 stops beating D = 2. With ``--calibration FILE`` (`mpt plan --calibrate
+--nodes 2` on two such nodes) it prints `mpt plan`'s prediction of both beside them.
 A benchmark, not a test: it prints figures and never fails on them.
 """
 
@@ -152,6 +153,7 @@ def crossover(args: argparse.Namespace) -> None:
     print(f"MLP {args.layers} x {args.width} ({grads / 1e6:.1f} MB of fp32 gradients), "
           f"2 nodes x 1 process, links of {args.rate}, M = {args.microbatches}")
     print(f"{'global batch':>12}{'P=2 ms':>9}{'D=2 ms':>9}{'activations MB':>16}  faster")
+    predicted = planned(args) if args.calibration else None
     batch = 16
     while batch <= args.max_batch:
         args.batch_size = batch
@@ -159,11 +161,48 @@ def crossover(args: argparse.Namespace) -> None:
                             str(args.microbatches))
         data = on_two_nodes(args)
         sent = 2 * batch * args.width * 4 / 1e6  # forward activations and their gradients
+        plan = ""
+        if predicted is not None:
+            p2, d2 = predicted(batch)
+            plan = (f"  planned P=2 {p2 * 1e3:.1f} ms ({p2 / pipe:.2f}), D=2 {d2 * 1e3:.1f} ms "
+                    f"({d2 / data:.2f}): {'P=2' if p2 < d2 else 'D=2'}")
         print(f"{batch:>12}{pipe * 1e3:>9.1f}{data * 1e3:>9.1f}{sent:>16.2f}  "
-              f"{'P=2' if pipe < data else 'D=2'}")
+              f"{'P=2' if pipe < data else 'D=2'}{plan}")
         if data <= pipe:
             break
         batch *= 4
+
+
+def planned(args: argparse.Namespace) -> Callable[[int], tuple[float, float]]:
+    """`mpt plan`'s step of P = 2 (M = --microbatches) and of D = 2 at a global batch, on two
+    nodes of ``--calibration``'s figures and its link measured across them."""
+    import torch
+    from torch import nn
+
+    from mpt.estimate import meta_model
+    from mpt.plan import calibrate
+    from mpt.plan.cost import predict
+    from mpt.plan.layouts import layout
+    from mpt.plan.network import Cluster
+    from mpt.plan.planner import model_of
+    from mpt.precision import describe
+
+    found = calibrate.load(Path(args.calibration))
+    link = found.measured_link(args.calibration)
+    if link is None:
+        raise SystemExit(f"{args.calibration} measured no link: run `mpt plan --calibrate "
+                         "--nodes 2` on the two nodes")
+    cluster = Cluster(nodes=2, gpus=1, device=found.device(args.calibration), link=link)
+    net = meta_model(lambda: nn.Sequential(*(layer for _ in range(args.layers) for layer in (
+        nn.Linear(args.width, args.width), nn.ReLU()))))
+    model, spec = model_of(net, [args.width], torch.float32, "adamw"), describe("fp32")
+
+    def steps(batch: int) -> tuple[float, float]:
+        return tuple(predict(layout(net, "ddp", {}, pp, 1, world=2, precision="fp32",
+                                    batch=batch, microbatches=args.microbatches if pp > 1
+                                    else None), model, cluster, spec).step for pp in (2, 1))
+
+    return steps
 
 
 def main() -> None:
@@ -184,6 +223,8 @@ def main() -> None:
     parser.add_argument("--rate", default="1gbit", help="--crossover: each node's link")
     parser.add_argument("--width", type=int, default=0, help="an MLP this wide, not the GPT")
     parser.add_argument("--max-batch", type=int, default=4096, help="--crossover: last batch")
+    parser.add_argument("--calibration", help="--crossover: `mpt plan`'s prediction from this "
+                        "calibration of two nodes")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
