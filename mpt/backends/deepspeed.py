@@ -256,7 +256,16 @@ class DeepSpeedBackend(DDPBackend):
         reduce-scatter of the gradients and the all-gather; ZeRO-3 the parameters all-gathered
         for the forward and again for the backward, the gradients reduce-scattered. mpt leaves
         ``overlap_comm`` at DeepSpeed's default: off for stages 0-2, on for stage 3 (which then
-        prefetches over the whole step)."""
+        prefetches over the whole step).
+
+        Around them ZeRO-1 and 2 (DeepSpeed 0.19's ``stage_1_and_2.py``, contiguous gradients
+        as by default) allocate anew at every step: the reduction bucket, into which every
+        gradient is copied (ZeRO-1 in fp32, ZeRO-2 in the mode's dtype; ``reduce_bucket_size``
+        elements, of which the gradients' are written), the rank's partition of the reduced
+        gradients copied out of it, each of that partition's gradients in fp64 for the norm
+        (``get_norm_dtype``), and the partition flattened for the optimizer. The copies are
+        ``Traffic.copies``, the blocks ``Traffic.fresh`` (each parameter's from ``module``, where
+        it is given). ZeRO-0 and 3 modelled without them."""
         stage = cls._planned_stage(options)
         size = parameters * cls._width(spec)
         axis: Axis = "dp_shard" if stage else "dp_replicate"
@@ -266,8 +275,19 @@ class DeepSpeedBackend(DDPBackend):
         found: tuple[Collective, ...] = (
             (gradients,) if stage == 0 else (gradients, gather) if stage < 3
             else (gather, gather, gradients))
+        copies, fresh = 0.0, ()
+        if stage in (1, 2):
+            bucket = parameters * (4 if stage == 1 else cls._width(spec))
+            partition = size / plan.dp_shard
+            copies = bucket + 2 * partition
+            norms: list[float] = []
+            if module is not None:
+                counts = [p.numel() for p in module.parameters() if p.requires_grad]
+                share = parameters / max(1, sum(counts)) / plan.dp_shard
+                norms = [8 * n * share for n in counts]
+            fresh = (bucket, partition, partition, *norms)
         return Traffic(collectives=found, window="step" if stage == 3 else "none",
-                       shards_optimizer=stage > 0)
+                       shards_optimizer=stage > 0, copies=copies, fresh=tuple(fresh))
 
     @classmethod
     def default_precision(cls, options: Mapping[str, Any]) -> str | None:

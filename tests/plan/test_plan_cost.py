@@ -198,6 +198,23 @@ def test_fsdp_allocates_its_gathered_units_and_reduced_gradients_anew() -> None:
         assert p.terms["buffer copies"] == pytest.approx(copied + fresh)
 
 
+def test_deepspeed_zero_1_and_2_copy_into_buffers_allocated_at_every_step() -> None:
+    """DeepSpeed 0.19's stage_1_and_2.py: every gradient into the reduction bucket, the rank's
+    partition out of it, each of the partition's gradients in fp64 for the norm, the partition
+    flattened: the MLP's 100.7 MB at 2 ranks. ZeRO-0 and 3: none modelled."""
+    spec, params, net = describe("fp32"), 25_175_040, meta_model(mlp)
+    ds = get_backend("deepspeed")
+    flow = ds.step_traffic({"zero_stage": 1}, ParallelPlan(dp_shard=2), spec, params, module=net)
+    assert flow.copies == pytest.approx(GRADIENTS + GRADIENTS)  # the bucket, 2 x a half
+    assert flow.fresh[:3] == pytest.approx((GRADIENTS, GRADIENTS / 2, GRADIENTS / 2))
+    assert max(flow.fresh[3:]) == pytest.approx(8 * (4096 * 4096) / 2)  # the fp64 norm copy
+    assert sum(flow.fresh[3:]) == pytest.approx(8 * params / 2)
+    for stage in (0, 3):
+        other = ds.step_traffic({"zero_stage": stage}, ParallelPlan(dp_shard=2), spec, params,
+                                module=net)
+        assert other.copies == 0 and other.fresh == ()
+
+
 def test_the_optimizer_step_takes_its_calibrated_time_per_parameter() -> None:
     """Calibrated: torch's step per parameter; datasheet: its bytes at the memory
     bandwidth."""
