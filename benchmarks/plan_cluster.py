@@ -34,9 +34,10 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scaling import BATCH, UNSHAPED, build_model
+from scaling import BATCH, GPT, UNSHAPED, build_model
 
-INPUTS = {"mlp": ([1024], torch.float32), "resnet18": ([3, 32, 32], torch.float32)}
+INPUTS = {"mlp": ([1024], torch.float32), "resnet18": ([3, 32, 32], torch.float32),
+          "gpt": ([GPT["block"]], torch.int64)}
 """Each model's input per sample, as ``scaling.batches`` makes it."""
 LABELS = {"deepspeed": "--backend deepspeed --zero-stage 1"}
 """The plan's layout of a backend that `scaling.py` runs with its defaults (ZeRO stage 1)."""

@@ -43,9 +43,15 @@ BATCH = 8
 UNSHAPED = "100gbit"
 
 
+GPT = {"vocab": 256, "block": 64, "layers": 4, "heads": 8, "embed": 512}
+"""examples/gpt.py's model for ``--models gpt``: 12.8 M parameters (51.1 MB of fp32
+gradients), 64 tokens per sample."""
+
+
 def build_model(name: str):  # -> nn.Module (torch is imported inside, for the driver's sake)
-    """The communication-bound MLP (25.2 M parameters, 100.7 MB of fp32 gradients) or
-    examples/imagenet.py's default model: torchvision's ResNet-18, 10 classes, 32 px."""
+    """The communication-bound MLP (25.2 M parameters, 100.7 MB of fp32 gradients),
+    examples/imagenet.py's default model (torchvision's ResNet-18, 10 classes, 32 px) or
+    examples/gpt.py's model of ``GPT``'s shape."""
     import torch
     from torch import nn
 
@@ -53,9 +59,25 @@ def build_model(name: str):  # -> nn.Module (torch is imported inside, for the d
     if name == "mlp":
         return nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
                              nn.Linear(4096, 1024))
+    if name == "gpt":
+        sys.path.insert(0, str(ROOT / "examples"))
+        from gpt import GPT as Model
+        from gpt import GPTConfig
+
+        return Model(GPTConfig(**GPT))
     import torchvision
 
     return torchvision.models.get_model("resnet18", weights=None, num_classes=10)
+
+
+def loss_of(name: str):  # -> the loss of ``name``'s output and target
+    from torch import nn
+
+    if name == "mlp":
+        return nn.MSELoss()
+    if name == "gpt":  # logits (batch, tokens, vocab) against the next tokens
+        return lambda logits, y: nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+    return nn.CrossEntropyLoss()
 
 
 def batches(name: str, rank: int, count: int):
@@ -65,6 +87,10 @@ def batches(name: str, rank: int, count: int):
     if name == "mlp":
         return [(torch.randn(BATCH, 1024, generator=g), torch.randn(BATCH, 1024, generator=g))
                 for _ in range(count)]
+    if name == "gpt":
+        shape = (BATCH, GPT["block"])
+        return [(torch.randint(0, GPT["vocab"], shape, generator=g),
+                 torch.randint(0, GPT["vocab"], shape, generator=g)) for _ in range(count)]
     return [(torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,),
                                                                         generator=g))
             for _ in range(count)]
@@ -78,11 +104,11 @@ def tx_bytes() -> int:
         return 0
 
 
-def raw_side(backend: str, model, rt):
-    """The library by hand on ``model`` (a twin of mpt's), its gradients reduced as the run's
-    ``--grad-compression`` says (none, fp16, bf16), DDP's buckets capped at its
-    ``--bucket-mb`` (Horovod's fusion threshold and DeepSpeed's buckets are the ones mpt set in
-    the same process): a step function."""
+def raw_side(backend: str, model, rt, loss_fn):
+    """The library by hand on ``model`` (a twin of mpt's) with ``loss_fn``, its gradients
+    reduced as the run's ``--grad-compression`` says (none, fp16, bf16), DDP's buckets capped
+    at its ``--bucket-mb`` (Horovod's fusion threshold and DeepSpeed's buckets are the ones mpt
+    set in the same process): a step function."""
     import torch
     from torch import nn
 
@@ -90,8 +116,6 @@ def raw_side(backend: str, model, rt):
 
     compression, bucket_mb = rt.config.grad_compression, rt.config.bucket_mb
     wire = CAST_DTYPES.get(compression)
-
-    loss_fn = nn.MSELoss() if isinstance(model, nn.Sequential) else nn.CrossEntropyLoss()
 
     def sgd_step(module, opt):
         """The plain loop's step, on ``module`` (a DDP wrapper, a sharded or a plain model)."""
@@ -172,7 +196,6 @@ def worker(args: argparse.Namespace) -> None:
 
     import torch
     import torch.distributed as dist
-    from torch import nn
 
     import mpt
 
@@ -182,7 +205,7 @@ def worker(args: argparse.Namespace) -> None:
     params = sum(p.numel() for p in base.parameters())
     twin = copy.deepcopy(base)
     model, _ = rt.setup(base, torch.optim.SGD(base.parameters(), lr=1e-3, momentum=0.9))
-    loss_fn = nn.MSELoss() if args.model == "mlp" else nn.CrossEntropyLoss()
+    loss_fn = loss_of(args.model)
 
     def mpt_step(x, y) -> None:
         with rt.autocast():
@@ -190,7 +213,7 @@ def worker(args: argparse.Namespace) -> None:
         rt.backward(loss)
         rt.step()
 
-    sides = {"mpt": mpt_step, "raw": raw_side(rt.backend.name, twin, rt)}
+    sides = {"mpt": mpt_step, "raw": raw_side(rt.backend.name, twin, rt, loss_fn)}
     data = batches(args.model, rt.rank, args.steps)
     times: dict[str, list[float]] = {"mpt": [], "raw": []}
     sent: dict[str, list[float]] = {"mpt": [], "raw": []}
