@@ -229,9 +229,9 @@ def resize(manifest: Mapping[str, Any], *, world_size: int, plan: BatchPlan | No
         how = f"{plan.describe()} (kept; lr unchanged)"
         total: int | None = plan.global_batch_size
     else:
-        replicas = (lambda world: world) if layout is None else (
-            lambda world: layout(world).dp_size)
-        ratio = lr_factor(lr_scaling, replicas(world_size)) / lr_factor(lr_scaling, replicas(old))
+        at = layout or (lambda world: ParallelPlan(dp_replicate=world))
+        ratio = (lr_factor(lr_scaling, at(world_size).dp_size)
+                 / lr_factor(lr_scaling, at(old).dp_size))
         lr = f"; lr x {ratio:.4g} (--lr-scaling {lr_scaling})" if lr_scaling else ""
         if samples_per_step:
             before = samples_per_step * old // world_size

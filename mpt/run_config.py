@@ -176,13 +176,12 @@ class RunConfig:
                              "stages of one count start, and --pipeline-stages lists "
                              f"{self._stages_text}", "drop --pipeline-split (each count is "
                              "then balanced by parameter count), or pass one stage count")
-        pipelines = [plan for plan in map(self._pipeline, self.pipeline_stages) if plan]
-        if pipelines and not backend.pipelines:
+        if self._pipelined and not backend.pipelines:
             raise UsageError("--pipeline-stages", self._stages_text, f"--backend "
                              f"{self.backend} cannot cut a model into pipeline stages",
                              f"use --backend {offering('pipelines')}, or drop "
                              "--pipeline-stages")
-        for pipeline in pipelines:
+        for pipeline in filter(None, map(self._pipeline, self.pipeline_stages)):
             refusal = backend.pipeline_refusal(pipeline.schedule, pipeline.split_backward, values)
             if refusal is not None:
                 raise UsageError(*refusal)
@@ -215,9 +214,14 @@ class RunConfig:
     def _model_split(self) -> str | None:
         """The flag that splits one model over several ranks (pipeline stages, tensor
         parallelism), None where every rank holds a whole one."""
-        if any(map(self._pipeline, self.pipeline_stages)):
+        if self._pipelined:
             return "--pipeline-stages"
         return "--tensor-parallel" if self.tensor_parallel > 1 else None
+
+    @property
+    def _pipelined(self) -> bool:
+        """Whether some world of the run cuts the model into stages."""
+        return max(self.pipeline_stages) > 1 or self.pipeline_split is not None
 
     @property
     def _stages_text(self) -> str:

@@ -275,7 +275,7 @@ class DeepSpeedBackend(DDPBackend):
         found: tuple[Collective, ...] = (
             (gradients,) if stage == 0 else (gradients, gather) if stage < 3
             else (gather, gather, gradients))
-        copies, fresh = 0.0, ()
+        copies, fresh = 0.0, ()  # ZeRO-0 and 3: none modelled
         if stage in (1, 2):
             bucket = parameters * (4 if stage == 1 else cls._width(spec))
             partition = size / plan.dp_shard
@@ -287,7 +287,7 @@ class DeepSpeedBackend(DDPBackend):
                 norms = [8 * n * share for n in counts]
             fresh = (bucket, partition, partition, *norms)
         return Traffic(collectives=found, window="step" if stage == 3 else "none",
-                       shards_optimizer=stage > 0, copies=copies, fresh=tuple(fresh))
+                       shards_optimizer=stage > 0, copies=copies, fresh=fresh)
 
     @classmethod
     def default_precision(cls, options: Mapping[str, Any]) -> str | None:

@@ -418,17 +418,7 @@ class PeerSnapshots:
             wanted = {i: spans for i, (box, _) in enumerate(table)
                       if (target := targets[box.key]) is not None
                       and (spans := target.overlap(box)) is not None}
-            requests = gather_object(backend, wanted)
-            moves = [Move(Box(box.key, box.dtype, box.shape, tuple(b for b, _ in spans),
-                               tuple(e - b for b, e in spans)), box, old,
-                           # a rank whose node's store holds the piece reads it itself;
-                           # the others' requests are spread over its holders
-                           requester if requester in holders[old]
-                           else holders[old][requester % len(holders[old])],
-                           requester)
-                     for index, (box, old) in enumerate(table)
-                     for requester, spans in ((r, w[index]) for r, w in enumerate(requests)
-                                              if index in w)]
+            moves = _moves(table, gather_object(backend, wanted), holders)
             self.moved = {"read": 0, "received": 0}
             for window in in_windows(moves, CHUNK):
                 for how, nbytes in _exchange(window, rank, piece, targets, group):
@@ -488,6 +478,26 @@ class Move:
     old: int
     sender: int
     requester: int
+
+
+def _moves(table: list[tuple[Box, int]], requests: list[dict[int, list[tuple[int, int]]]],
+           holders: list[list[int]]) -> list[Move]:
+    """Every move of a restore, in the order every rank walks them: per stored box (in the
+    piece of the rank that wrote it), the part each requester asked for (``requests[r]``:
+    spans by box index), from one of the ranks holding that piece. A requester whose node's
+    store holds the piece reads it itself; the others' requests are spread over its holders."""
+    found = []
+    for index, (box, old) in enumerate(table):
+        have = holders[old]
+        for requester, asked in enumerate(requests):
+            if index not in asked:
+                continue
+            spans = asked[index]
+            part = Box(box.key, box.dtype, box.shape, tuple(b for b, _ in spans),
+                       tuple(e - b for b, e in spans))
+            sender = requester if requester in have else have[requester % len(have)]
+            found.append(Move(part, box, old, sender, requester))
+    return found
 
 
 def in_windows(moves: list[Move], budget: int) -> list[list[Move]]:

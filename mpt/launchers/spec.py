@@ -121,19 +121,19 @@ class LaunchSpec:
         if self.elastic:
             check_elastic(self.node_range, self.backend)
         run = self.run
-        if self.elastic and len(run.pipeline_stages) == 1 and run.pipeline_stages[0] > 1:
-            span = run.pipeline_stages[0] * run.tensor_parallel
-            odd = [n for n in self.node_range.sizes if (n * self.gpus) % span]
-            if odd:  # a one-count pipeline cannot run there: offer a fallback count
-                raise UsageError("--pipeline-stages", run.pipeline_stages[0], f"its model "
-                                 f"replicas of {span} process(es) do not divide the world at "
-                                 f"{', '.join(map(str, odd))} node(s) of --nodes "
-                                 f"{self.node_range}", "list counts in order of preference "
-                                 f"(e.g. --pipeline-stages {run.pipeline_stages[0]},1: no "
-                                 "pipeline where it does not divide), or a --nodes range "
-                                 "it divides")
         for count in self.node_range.sizes:  # the layout every world of the job has
-            run.layout(count * self.gpus)
+            try:
+                run.layout(count * self.gpus)
+            except UsageError as exc:
+                if not (self.elastic and exc.argument == "--pipeline-stages"
+                        and len(run.pipeline_stages) == 1):
+                    raise
+                stages = run.pipeline_stages[0]  # offer a fallback count for such worlds
+                raise UsageError("--pipeline-stages", stages, f"{exc.problem} at {count} "
+                                 f"node(s) of --nodes {self.node_range}", "list counts in "
+                                 f"order of preference (e.g. --pipeline-stages {stages},1: no "
+                                 "pipeline where it does not divide), or a --nodes range it "
+                                 "divides") from None
         tp = self.run.tensor_parallel
         if tp > 1 and self.gpus % tp:  # a tp group's per-layer collectives stay in one node
             fits = divisors(self.gpus)

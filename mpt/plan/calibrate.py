@@ -116,29 +116,30 @@ class Calibration:
         """The link between the nodes as measured, None where one node was."""
         if not self.link:
             return None
-        fits = {name: CollectiveFit(**fit) for name, fit in self.link.items()}
-        ring = fits["all_reduce"]
-        return Link(name=f"measured across {self.nodes} nodes ({self.backend})",
-                    bandwidth=ring.bus_bandwidth, latency=ring.latency, source=source,
-                    collectives=fits)
+        return _link(f"measured across {self.nodes} nodes ({self.backend})", self.link, source)
 
     def device(self, source: str) -> Device:
         """The cost model's device from these figures; ``source`` names the file."""
-        fits = {name: CollectiveFit(**fit) for name, fit in self.collectives.items()}
-        ring = fits["all_reduce"]
+        within = _link(f"calibrated {self.backend}", self.collectives, source)
         return Device(name=f"calibrated {self.identity['device']}", flops=self.flops,
                       memory_bandwidth=self.memory_bandwidth, memory=self.memory,
-                      intra_node=Link(name=f"calibrated {self.backend}",
-                                      bandwidth=ring.bus_bandwidth, latency=ring.latency,
-                                      source=source),
+                      intra_node=within,
                       op_overhead=self.op_overhead,
                       # gloo's collectives run on the cores that compute (no engine of their
                       # own): docs/benchmarks.md's scaling runs show nothing hidden on them.
                       overlap=0.0 if self.backend == "gloo" else 1.0,
-                      collectives=fits, source=source,
+                      collectives=within.collectives, source=source,
                       device_type="cpu" if self.backend == "gloo" else "cuda",
                       matmul_sweep=self.matmul_sweep, update_seconds=self.update_seconds,
                       fresh_bandwidth=self.fresh_bandwidth)
+
+
+def _link(name: str, fits: dict[str, dict[str, float]], source: str) -> Link:
+    """A link of measured collective ``fits``, its ring figures the allreduce's."""
+    collectives = {kind: CollectiveFit(**fit) for kind, fit in fits.items()}
+    ring = collectives["all_reduce"]
+    return Link(name=name, bandwidth=ring.bus_bandwidth, latency=ring.latency, source=source,
+                collectives=collectives)
 
 
 def cpu_name() -> str:

@@ -55,8 +55,8 @@ class Op:
     """A matmul's (rows, inner, columns), each of its batch's matmuls; None for other ops
     (and convolutions, attention kernels): a short dimension runs far below the peak."""
     results: tuple[int, ...] = ()
-    """Bytes of each tensor it returns (new memory: ``Device.fresh_seconds`` prices the large
-    ones)."""
+    """Bytes of each tensor it returns in new memory (none for an in-place or ``out=`` op):
+    ``Device.fresh_seconds`` prices the large ones."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -150,8 +150,9 @@ class _Recorder(TorchDispatchMode):
             flops /= 2
         moved = sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
                     if isinstance(t, torch.Tensor))
-        results = tuple(t.numel() * t.element_size() for t in tree_leaves(out)
-                        if isinstance(t, torch.Tensor))
+        # an in-place or out= op returns memory it was given: nothing new to write first
+        results = () if any(r.alias_info is not None for r in func._schema.returns) else tuple(
+            t.numel() * t.element_size() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         self.ops.append(Op(flops=flops, bytes=float(moved), split=self.split,
                            shape=matmul_shape(packet, args), results=results))
         return out
