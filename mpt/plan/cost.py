@@ -4,15 +4,16 @@ and pipeline bubble, bytes on the links, and what limits it.
 The step, for a rank of the slowest pipeline stage:
 
 - compute: every op of the stage's forward and backward (``mpt.plan.workload``) at
-  ``max(FLOPs / matmul throughput, bytes / memory bandwidth) + op overhead``, the throughput
-  the compute dtype's at the matmul's shape where the device was calibrated (a skinny matmul
-  runs far below a square one), its peak otherwise; the ops a tensor-parallel plan splits
-  divided by T; then the optimizer step: the calibrated seconds per parameter of torch's own
-  step, or, on a datasheet profile, 4 x (3 + 2 x states) bytes per parameter it steps (read
-  weight, gradient and states, write weight and states) at the memory bandwidth; then the
-  backend's copies into and out of its collectives' buffers (``Traffic.copies``: DDP's buckets,
-  fsdp's all-gather and reduce-scatter inputs and outputs), read and written once each at the
-  memory bandwidth, never hidden (they run on the rank's own cores or stream).
+  ``max(FLOPs / matmul throughput, bytes / memory bandwidth) + op overhead``, the throughput the
+  compute dtype's at the matmul's shape (a convolution's: its im2col GEMM's) where the device was
+  calibrated (a skinny matmul runs far below a square one), its peak otherwise; the ops a
+  tensor-parallel plan splits divided by T; then the optimizer step: the calibrated seconds
+  per parameter of torch's own step, or, on a datasheet profile, 4 x (3 + 2 x states) bytes
+  per parameter it steps (read weight, gradient and states, write weight and states) at the
+  memory bandwidth; then the backend's copies into and out of its collectives' buffers
+  (``Traffic.copies``: DDP's buckets, fsdp's all-gather and reduce-scatter inputs and
+  outputs), read and written once each at the memory bandwidth, never hidden (they run on the
+  rank's own cores or stream).
 - tensor parallelism: the plan's allreduces of activations, in the forward and the backward, on
   the critical path (each waits for its matmul and the next op waits for it).
 - pipeline (1F1B/GPipe, M micro-batches, P stages): M micro-batches of compute, a bubble of

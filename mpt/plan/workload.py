@@ -22,6 +22,7 @@ allreduces per transformer block).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,8 +53,9 @@ class Op:
     """Whether it runs on 1/T of the features under tensor parallelism: inside a module the
     plan splits, or between a colwise module and the rowwise one that sums its result."""
     shape: tuple[int, int, int] | None = None
-    """A matmul's (rows, inner, columns), each of its batch's matmuls; None for other ops
-    (and convolutions, attention kernels): a short dimension runs far below the peak."""
+    """A matmul's (rows, inner, columns), each of its batch's matmuls, or a convolution's
+    GEMM in its im2col form; None for other ops (attention kernels among them): a short
+    dimension runs far below the peak."""
     results: tuple[int, ...] = ()
     """Bytes of each tensor it returns in new memory (none for an in-place or ``out=`` op):
     ``Device.fresh_seconds`` prices the large ones."""
@@ -109,12 +111,51 @@ MATMULS = {torch.ops.aten.mm: 0, torch.ops.aten.addmm: 1, torch.ops.aten.bmm: 0,
 """Matmul ops, by the position of their first factor among the arguments."""
 
 
-def matmul_shape(packet: Any, args: Any) -> tuple[int, int, int] | None:
-    """(rows, inner, columns) of a matmul op's call, None for any other op."""
-    if packet not in MATMULS:
-        return None
-    first, second = args[MATMULS[packet]], args[MATMULS[packet] + 1]
-    return int(first.shape[-2]), int(first.shape[-1]), int(second.shape[-1])
+Shape = tuple[int, int, int]
+
+
+def matmul_shapes(func: Any, args: Any, kwargs: dict[str, Any]) -> list[Shape | None]:
+    """The (rows, inner, columns) of each matmul an op's call runs, in equal shares of its
+    FLOPs: one for a matmul; for a convolution, the GEMM of its im2col form (a forward, or each
+    gradient its backward computes); ``[None]`` for any other op."""
+    packet = func.overloadpacket
+    if packet in MATMULS:
+        first, second = args[MATMULS[packet]], args[MATMULS[packet] + 1]
+        return [(int(first.shape[-2]), int(first.shape[-1]), int(second.shape[-1]))]
+    if packet is torch.ops.aten.convolution:
+        x, weight = args[0], args[1]
+        return [_conv_gemms(x, weight, _argument(func, args, kwargs, "stride"),
+                            _argument(func, args, kwargs, "padding"),
+                            _argument(func, args, kwargs, "dilation"),
+                            _argument(func, args, kwargs, "transposed"),
+                            _argument(func, args, kwargs, "output_padding"),
+                            _argument(func, args, kwargs, "groups"))["output"]]
+    if packet is torch.ops.aten.convolution_backward:
+        gemms = _conv_gemms(args[1], args[2], *(_argument(func, args, kwargs, name) for name in (
+            "stride", "padding", "dilation", "transposed", "output_padding", "groups")))
+        mask = _argument(func, args, kwargs, "output_mask")  # input, weight, bias
+        wanted = [name for name, on in zip(("input", "weight"), mask[:2], strict=True) if on]
+        return [gemms[name] for name in wanted] or [None]
+    return [None]
+
+
+def _conv_gemms(x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int],
+                padding: Sequence[int], dilation: Sequence[int], transposed: bool,
+                output_padding: Sequence[int], groups: int) -> dict[str, Shape]:
+    """A convolution's forward (``output``) and gradients (``input``, ``weight``) as the GEMMs
+    of its im2col form, per group. A transposed convolution is the input gradient of the
+    ordinary one from its output to its input, so its forward and input gradient swap."""
+    kernel = weight.shape[2:]
+    # the ordinary convolution's kernel slides over its output: a transposed one's input
+    slides = x.shape[2:] if transposed else [
+        (size + 2 * pad - dil * (k - 1) - 1) // step + 1 for size, pad, dil, k, step
+        in zip(x.shape[2:], padding, dilation, kernel, stride, strict=True)]
+    patch, out = weight.shape[1] * math.prod(kernel), weight.shape[0] // groups
+    rows = int(x.shape[0] * math.prod(slides))
+    forward, backward = (rows, int(patch), int(out)), (rows, int(out), int(patch))
+    return {"output": backward if transposed else forward,
+            "input": forward if transposed else backward,
+            "weight": (int(out), rows, int(patch))}
 
 
 def _argument(func: Any, args: Any, kwargs: dict[str, Any], name: str) -> Any:
@@ -153,8 +194,10 @@ class _Recorder(TorchDispatchMode):
         # an in-place or out= op returns memory it was given: nothing new to write first
         results = () if any(r.alias_info is not None for r in func._schema.returns) else tuple(
             t.numel() * t.element_size() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
-        self.ops.append(Op(flops=flops, bytes=float(moved), split=self.split,
-                           shape=matmul_shape(packet, args), results=results))
+        shapes = matmul_shapes(func, args, kwargs)
+        self.ops.extend(Op(flops=flops / len(shapes), bytes=moved / len(shapes), split=self.split,
+                           shape=shape, results=results if index == 0 else ())
+                        for index, shape in enumerate(shapes))
         return out
 
 

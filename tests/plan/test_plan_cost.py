@@ -147,6 +147,29 @@ def test_the_workload_records_each_matmuls_shape() -> None:
     assert (4096, 16, 4096) in shapes  # a weight gradient: the batch is the inner dimension
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_a_convolution_is_priced_as_the_gemms_of_its_im2col_form(transposed: bool) -> None:
+    """Forward, input gradient and weight gradient each as the GEMM that im2col makes of them
+    (a transposed convolution's forward and input gradient swapped), their FLOPs torch's."""
+    from torch import nn
+
+    from mpt.plan.workload import profile
+
+    conv = (nn.ConvTranspose2d if transposed else nn.Conv2d)(8, 16, 3, stride=2, padding=1)
+    net = nn.Sequential(nn.Linear(4, 8 * 10 * 10), nn.Unflatten(1, (8, 10, 10)), conv)
+    work = profile(net.to("meta"), [4], torch.float32, 2)
+    convs = [(op.shape, op.flops) for block in work.blocks
+             for op in (*block.forward, *block.backward) if op.flops and 800 not in op.shape]
+    # the ordinary convolution slides its 8 x 3 x 3 patch over a 5 x 5 output (2 samples: 50
+    # rows) to 16 channels; the transposed one undoes a 16 x 3 x 3 patch over its 10 x 10 input
+    rows, patch, out = (200, 16 * 9, 8) if transposed else (50, 8 * 9, 16)
+    gemm = (rows, out, patch) if transposed else (rows, patch, out)
+    gradient = (rows, patch, out) if transposed else (rows, out, patch)
+    assert sorted(shape for shape, _ in convs) == sorted([gemm, gradient, (out, rows, patch)])
+    flops = 2 * rows * patch * out
+    assert all(f == flops for _, f in convs)
+
+
 def test_a_result_the_host_maps_anew_costs_its_first_write() -> None:
     """A weight gradient of 64 MiB is a block glibc maps from the kernel at every backward
     (docs/benchmarks.md: 28.6 ms to first write on this host, 1.9 to rewrite); one under
