@@ -253,6 +253,9 @@ def _block_cost(model: nn.Module, name: str, block: nn.Module, x: torch.Tensor,
     handles = _mark_planned(model, block, plan, recorder, sums)
     if input_grad and x.is_floating_point():
         x = x.detach().requires_grad_(True)
+    # the backward's gradients are dropped after it: left, the next profile of the model (at
+    # another micro-batch size) would record an accumulation into each of them
+    grads = [(p, p.grad) for p in block.parameters()]
     try:
         with recorder:
             out = block(x)
@@ -264,6 +267,8 @@ def _block_cost(model: nn.Module, name: str, block: nn.Module, x: torch.Tensor,
     finally:
         for handle in handles:
             handle.remove()
+        for parameter, grad in grads:
+            parameter.grad = grad
     saved, input_kept, output_kept = _saved(block, x)
     size = x.numel() * x.element_size()
     cost = BlockCost(name=name, forward=forward, backward=backward, activations=saved,

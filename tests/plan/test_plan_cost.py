@@ -147,6 +147,17 @@ def test_the_workload_records_each_matmuls_shape() -> None:
     assert (4096, 16, 4096) in shapes  # a weight gradient: the batch is the inner dimension
 
 
+def test_profiling_a_model_again_records_the_same_backward() -> None:
+    """`mpt plan` profiles one meta model at every micro-batch size its layouts use: the
+    gradients of one profile must not turn the next one's backward into an accumulation."""
+    from mpt.plan.workload import profile
+
+    net = meta_model(mlp)
+    first, again = (profile(net, [1024], torch.float32, 16) for _ in range(2))
+    assert [b.backward for b in again.blocks] == [b.backward for b in first.blocks]
+    assert all(p.grad is None for p in net.parameters())
+
+
 @pytest.mark.parametrize("transposed", [False, True])
 def test_a_convolution_is_priced_as_the_gemms_of_its_im2col_form(transposed: bool) -> None:
     """Forward, input gradient and weight gradient each as the GEMM that im2col makes of them
