@@ -5,15 +5,20 @@
     .venv/bin/mpt launch --gpus 2 --backend fsdp --host-memory lean benchmarks/plan_memory.py
     .venv/bin/mpt launch --gpus 2 --backend fsdp --host-memory lean \
         benchmarks/plan_memory.py --batch 2048      # activations beside the state
+    .venv/bin/mpt launch --gpus 2 --backend deepspeed --host-memory lean benchmarks/plan_memory.py
+    .venv/bin/mpt launch --gpus 4 --pipeline-stages 2 --backend fsdp --host-memory lean \
+        benchmarks/plan_memory.py                   # the fullest stage's ranks
 
 Every rank builds the MLP of tests/plan/plan_models.py (25.2 M parameters, 403 MB of fp32 Adam
-state) and trains it for ``--steps`` steps of ``--batch`` samples per rank. The kernel keeps the
-process's peak resident set size (``VmHWM``, restarted just before the model is built); the
-measured figure is that peak above the RSS at the restart (the process, torch, mpt's modules and
-the process group are not what the model costs, and the plan does not count them). Then the
+state) and trains it for ``--steps`` steps of ``--batch`` samples per replica
+(``rt.forward_backward``: a pipeline's micro-batches among them). The kernel keeps the process's
+peak resident set size (``VmHWM``, restarted just before the model is built); the measured
+figure is that peak above the RSS at the restart (the process, torch, mpt's modules and the
+process group are not what the model costs, and the plan does not count them). Then the
 rank prices its own launch with the cost model (``mpt.plan.cost.predict`` of the launch's
-backend, precision, ranks and batch: the memory `mpt plan` prints for that layout) and prints
-both with their ratio.
+backend, precision, ranks, pipeline stages and batch: the memory `mpt plan` prints for that
+layout, a pipeline's for its fullest stage) and rank 0 prints it beside the highest rank's
+peak, with their ratio.
 
 ``--host-memory lean`` returns every freed block of 1 MiB or more to the OS at once, so the
 resident set is what the run holds; under the default (``fast``) glibc keeps freed blocks for
@@ -30,6 +35,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 import mpt
 from mpt.estimate import meta_model
@@ -73,8 +79,11 @@ def predicted(rt: mpt.Runtime, batch: int) -> Prediction:
     time); the throughput figures below are placeholders no memory term reads."""
     net = meta_model(mlp)
     spec = rt.precision.spec
-    chosen = layout(net, rt.backend.name, rt.backend.option_values, 1, 1,
-                    world=rt.world_size, precision=spec.name, batch=batch * rt.world_size)
+    pipeline = rt.config.pipeline_at(rt.world_size)
+    chosen = layout(net, rt.backend.name, rt.config.backend_options, rt.topology.plan.pp, 1,
+                    world=rt.world_size, precision=spec.name,
+                    batch=batch * rt.topology.dp_size,
+                    microbatches=pipeline.microbatches if pipeline else None)
     host = Device(name="cpu", flops={"float32": 1e11}, memory_bandwidth=1e10,
                   memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
                   intra_node=link_profile("10gbit"), device_type=rt.device.type)
@@ -96,7 +105,7 @@ def main() -> None:
     net, _optimizer = rt.setup(net, torch.optim.Adam(net.parameters(), lr=1e-4))
     for _ in range(args.steps):
         x = torch.randn(args.batch, INPUT, device=rt.device)
-        rt.backward(net(x).square().mean())
+        rt.forward_backward(x, torch.zeros_like(x), torch.nn.functional.mse_loss)
         rt.step()
     rt.barrier()
     measured = peak_rss() - before
@@ -109,14 +118,21 @@ def main() -> None:
              f"{plan.activations / MiB:.0f} or the step's temporaries "
              f"{plan.transient / MiB:.0f} less the {plan.released / MiB:.0f} the backward "
              f"frees, whichever is more, MiB")
-    row = (f"rank {rt.rank}: {rt.backend.name}, {rt.world_size} ranks, batch {args.batch}/rank, "
-           f"{rt.precision.spec.name}: predicted {plan.total_memory / MiB:.0f} MiB ({parts}); "
-           f"measured peak RSS +{measured / MiB:.0f} MiB above {before / MiB:.0f} MiB; "
-           f"predicted / measured {plan.total_memory / measured:.2f}")
+    pp = rt.topology.plan.pp
+    stages = f", stage {rt.topology.stage} of {pp}" if pp > 1 else ""
+    row = (f"rank {rt.rank}: {rt.backend.name}, {rt.world_size} ranks{stages}, batch "
+           f"{args.batch}/replica, {rt.precision.spec.name}: measured peak RSS "
+           f"+{measured / MiB:.0f} MiB above {before / MiB:.0f} MiB")
+    peaks: list[int] = [0] * rt.world_size
+    dist.all_gather_object(peaks, measured)
     for rank in range(rt.world_size):
         rt.barrier()
         if rank == rt.rank:
             print(row, flush=True)
+    if rt.is_global_zero:  # a pipeline's plan prices its fullest stage: the highest peak
+        print(f"predicted {plan.total_memory / MiB:.0f} MiB ({parts}); the highest rank's peak "
+              f"+{max(peaks) / MiB:.0f} MiB; predicted / measured "
+              f"{plan.total_memory / max(peaks):.2f}", flush=True)
     rt.close()
 
 

@@ -23,6 +23,7 @@ from mpt.backends.powersgd import DEFAULT_RANK, DEFAULT_START_STEP, PowerSGD, po
 from mpt.comm import GradComm
 from mpt.errors import UsageError
 from mpt.estimate import Buffers, MemoryEstimate
+from mpt.parallel import ParallelPlan
 from mpt.parse import parse_int
 from mpt.precision import PrecisionSpec
 
@@ -133,7 +134,8 @@ class DDPBackend(Backend):
 
     @classmethod
     def estimate_buffers(cls, stage: nn.Module, spec: PrecisionSpec, row: MemoryEstimate,
-                         share: float, options: Mapping[str, Any]) -> Buffers:
+                         share: float, plan: ParallelPlan, options: Mapping[str, Any]
+                         ) -> Buffers:
         """torch's DDP (``gradient_as_bucket_view`` off) keeps its buckets, a copy of the
         gradients; under ``--pipeline-stages`` or ``--tensor-parallel`` mpt's one flat bucket
         takes their place, the same size."""

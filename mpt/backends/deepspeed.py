@@ -237,10 +237,27 @@ class DeepSpeedBackend(DDPBackend):
 
     @classmethod
     def estimate_buffers(cls, stage: nn.Module, spec: PrecisionSpec, row: MemoryEstimate,
-                         share: float, options: Mapping[str, Any]) -> Buffers:
-        """None: DeepSpeed's bucket and staging buffers are not modelled (and DDP's buckets,
-        which this class would inherit, are not among them)."""
-        return Buffers()
+                         share: float, plan: ParallelPlan, options: Mapping[str, Any]
+                         ) -> Buffers:
+        """ZeRO-1 and 2: the reduction bucket and the rank's partition copied out of it
+        (``_zero_buffers``), counted through the step, whose own copies (the partition's
+        gradients in fp64 for the norm, the partition flattened) take their place. ZeRO-0 and
+        3: none modelled (DDP's buckets, which this class would inherit, are not DeepSpeed's)."""
+        zero = cls._planned_stage(options)
+        if zero not in (1, 2):
+            return Buffers()
+        trained = share * sum(p.numel() for p in stage.parameters() if p.requires_grad)
+        return Buffers(held=int(sum(cls._zero_buffers(zero, spec, trained, plan.dp_shard))))
+
+    @classmethod
+    def _zero_buffers(cls, zero: int, spec: PrecisionSpec, parameters: float, shards: int
+                      ) -> tuple[float, float]:
+        """Bytes of ZeRO-1/2's reduction bucket, into which every gradient is copied (ZeRO-1
+        in fp32, ZeRO-2 in the mode's dtype), and of the rank's partition of the reduced
+        gradients copied out of it, for a rank that trains ``parameters`` split ``shards``
+        ways."""
+        return (parameters * (4 if zero == 1 else cls._width(spec)),
+                parameters * cls._width(spec) / shards)
 
     @classmethod
     def plan_variants(cls, world_size: int) -> list[dict[str, Any]]:
@@ -277,8 +294,7 @@ class DeepSpeedBackend(DDPBackend):
             else (gather, gather, gradients))
         copies, fresh = 0.0, ()  # ZeRO-0 and 3: none modelled
         if stage in (1, 2):
-            bucket = parameters * (4 if stage == 1 else cls._width(spec))
-            partition = size / plan.dp_shard
+            bucket, partition = cls._zero_buffers(stage, spec, parameters, plan.dp_shard)
             copies = bucket + 2 * partition
             norms: list[float] = []
             if module is not None:

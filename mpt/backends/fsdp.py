@@ -236,13 +236,21 @@ class FSDPBackend(DDPBackend):
 
     @classmethod
     def estimate_buffers(cls, stage: nn.Module, spec: PrecisionSpec, row: MemoryEstimate,
-                         share: float, options: Mapping[str, Any]) -> Buffers:
+                         share: float, plan: ParallelPlan, options: Mapping[str, Any]
+                         ) -> Buffers:
         """The unit fully_shard gathers ahead (it prefetches the next one) beside the one that
         runs, which the row counts with its unsharded gradients; all three are freed after the
-        backward."""
-        wrap = cls.check_options(options)["wrap"]
-        gathered = int(spec.params.itemsize * largest_unit(stage, wrap) * share)
-        return Buffers(held=gathered, released=3 * gathered)
+        backward. Under a pipeline, unless ``--fsdp-reshard-after-forward yes``: the stage's
+        weights and gradients whole instead (torch's ``PipelineStage`` keeps them over the
+        micro-batches, and nothing is gathered ahead), and the flat input of a unit's
+        reduce-scatter (its gradients copied), all freed after the last backward."""
+        values = cls.check_options(options)
+        unit = int(spec.params.itemsize * largest_unit(stage, values["wrap"]) * share)
+        if plan.pp == 1 or values["reshard_after_forward"]:
+            return Buffers(held=unit, released=3 * unit)
+        trained = sum(p.numel() for p in stage.parameters() if p.requires_grad)
+        whole = int(spec.params.itemsize * share * (parameter_counts(stage)[0] + trained))
+        return Buffers(held=whole - unit, released=whole + unit)
 
     @classmethod
     def plan_variants(cls, world_size: int) -> list[dict[str, Any]]:

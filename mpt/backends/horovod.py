@@ -49,6 +49,8 @@ from torch import nn
 from mpt.backends.base import Availability, Backend, BackendOption, LaunchOption
 from mpt.comm import GradComm
 from mpt.errors import MissingDependencyError, UsageError
+from mpt.estimate import Buffers, MemoryEstimate
+from mpt.parallel import ParallelPlan
 from mpt.parse import one_of, parse_size
 from mpt.precision import PrecisionSpec
 
@@ -62,7 +64,9 @@ INSTALL = ("run `mpt install horovod` (builds Horovod 0.28.1 patched for C++20 a
 
 OPS = ("average", "sum", "adasum")
 FUSION_THRESHOLD = "HOROVOD_FUSION_THRESHOLD"
-"""Bytes of Horovod's tensor-fusion buffer (default 128 MiB), read by ``hvd.init()``."""
+"""Bytes of Horovod's tensor-fusion buffer, read by ``hvd.init()``."""
+FUSION_DEFAULT = 128 * 2**20
+"""Horovod's tensor-fusion buffer where ``FUSION_THRESHOLD`` is not set."""
 _COLLECTIVE_OPS = {"mean": "Average", "sum": "Sum", "max": "Max", "min": "Min"}
 
 
@@ -251,6 +255,15 @@ class HorovodBackend(Backend):
                                 "use --grad-compression fp16, or --backend ddp or apex for "
                                 "powersgd")
         return None
+
+    @classmethod
+    def estimate_buffers(cls, stage: nn.Module, spec: PrecisionSpec, row: MemoryEstimate,
+                         share: float, plan: ParallelPlan, options: Mapping[str, Any]
+                         ) -> Buffers:
+        """The copy of every gradient mpt hands to Horovod's allreduce (kept from step to
+        step) and the part of Horovod's tensor-fusion buffer the fused gradients write: at
+        most its default 128 MiB (``--bucket-mb``, which sets it, is not an option here)."""
+        return Buffers(held=row.gradients + min(FUSION_DEFAULT, row.gradients))
 
     @classmethod
     def availability(cls) -> Availability:

@@ -25,12 +25,14 @@ The step, for a rank of the slowest pipeline stage:
 
 Memory per rank, at the higher of two peaks: the backend's ``estimate_row`` of its
 ``estimate_memory`` for the stage's blocks at the shard size, its tp-split parameters over T,
-and its ``estimate_buffers`` (DDP's buckets, fsdp's prefetched unit); then either the
+and its ``estimate_buffers`` (DDP's buckets, fsdp's prefetched unit or, under a pipeline, its
+stage kept gathered, Horovod's copies and fusion buffer, ZeRO-1/2's bucket), and under a
+pipeline torch's receive buffers, one per micro-batch; then either the
 backward's activations (what autograd saves, a tensor two blocks save counted once, times the
 micro-batches 1F1B keeps in flight on the first stage, min(M, P); under tp, the activations
 of split ops over T by their share of the forward's bytes; 16-bit under a cast model) or the
 optimizer step's temporaries, less what the backward frees before the step (fsdp's gathered
-units). Not counted: the allocator's slack, the process, horovod's and DeepSpeed's buffers.
+units). Not counted: the allocator's slack, the process, DeepSpeed ZeRO-0's and 3's buffers.
 """
 
 from __future__ import annotations
@@ -335,8 +337,9 @@ def _memory(layout: Layout, model: Model, stages: list[list[str]], work: Workloa
         saved = activation_width(spec) * sum(
             (b.activations - (b.shared_input if i else 0))
             * (1 - _split_share(b) + _split_share(b) / plan.tp) for i, b in enumerate(blocks))
-        beyond = cls.estimate_buffers(stage, spec, row, share, layout.options)
-        found = Held(row=row, activations=int(saved * in_flight), buffers=beyond.held,
+        beyond = cls.estimate_buffers(stage, spec, row, share, plan, layout.options)
+        found = Held(row=row, activations=int(saved * in_flight),
+                     buffers=beyond.held + _receive_buffers(stages, index, by_name, layout, spec),
                      transient=_step_transient(stage, model.optimizer_states, share,
                                                plan.dp_shard if sharded else 1, device_type),
                      released=beyond.released)
@@ -346,6 +349,18 @@ def _memory(layout: Layout, model: Model, stages: list[list[str]], work: Workloa
             trained = params * share
     assert best is not None  # at least one stage
     return best, trained
+
+
+def _receive_buffers(stages: list[list[str]], index: int, by_name: Mapping[str, BlockCost],
+                     layout: Layout, spec: PrecisionSpec) -> int:
+    """What torch's ``PipelineStage`` allocates at its first step and keeps, for each
+    micro-batch: a stage's input where another stage sends it, and the gradient of its output
+    where another stage sends that back."""
+    if layout.plan.pp == 1:
+        return 0
+    inputs = by_name[stages[index - 1][-1]].output_bytes if index > 0 else 0
+    outputs = by_name[stages[index][-1]].output_bytes if index < len(stages) - 1 else 0
+    return int(layout.microbatches * activation_width(spec) * (inputs + outputs))
 
 
 def _stage_module(model: Model, names: list[str]) -> nn.Module:

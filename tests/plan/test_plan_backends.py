@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from torch import nn
@@ -51,12 +53,29 @@ def test_the_row_and_the_buffers_follow_the_options() -> None:
     deepspeed = get_backend("deepspeed")
     rows = deepspeed.estimate_memory(net, spec, 2, 4, {})
     assert deepspeed.estimate_row(rows, {"zero_stage": 2}).label == "deepspeed --zero-stage 2"
-    assert deepspeed.estimate_buffers(net, spec, rows[0], 1.0, {}) == Buffers()
+    alone, four = ParallelPlan(), ParallelPlan(dp_shard=4)
+
+    def buffers(name: str, row: MemoryEstimate, plan: ParallelPlan, **options: Any) -> Buffers:
+        return get_backend(name).estimate_buffers(net, spec, row, 1.0, plan, options)
+
+    # ZeRO-1's fp32 bucket of every gradient and the rank's quarter copied out of it
+    trained = 2 * (64 * 64 + 64)
+    assert buffers("deepspeed", rows[0], four, zero_stage=1) == Buffers(held=5 * trained)
+    assert buffers("deepspeed", rows[0], four, zero_stage=3) == Buffers()
     row = MemoryEstimate(label="ddp", parameters=10, gradients=10, optimizer=20)
-    assert get_backend("apex").estimate_buffers(net, spec, row, 1.0, {}) == Buffers(held=10)
-    assert get_backend("horovod").estimate_buffers(net, spec, row, 1.0, {}) == Buffers()
-    gathered = get_backend("fsdp").estimate_buffers(net, spec, row, 1.0, {})
+    assert buffers("apex", row, alone) == Buffers(held=10)
+    # the gradients' copies and the fusion buffer they fill, at most Horovod's 128 MiB
+    assert buffers("horovod", row, alone) == Buffers(held=20)
+    big = replace(row, gradients=2**30)
+    assert buffers("horovod", big, alone) == Buffers(held=2**30 + 2**27)
+    gathered = buffers("fsdp", row, alone)
     assert gathered.released == 3 * gathered.held > 0
+    # under a pipeline the stage stays gathered, weights and gradients, over the micro-batches
+    piped = buffers("fsdp", row, ParallelPlan(pp=2, dp_shard=2))
+    whole = 4 * 2 * trained
+    assert piped == Buffers(held=whole - gathered.held, released=whole + gathered.held)
+    assert buffers("fsdp", row, ParallelPlan(pp=2, dp_shard=2),
+                   reshard_after_forward="yes") == gathered
 
 
 def test_whole_replicas_allreduce_their_gradients_behind_the_backward() -> None:

@@ -111,6 +111,23 @@ def test_a_pipeline_that_reshards_sends_fsdps_collectives_per_micro_batch() -> N
     assert [c.size for c in kept.collectives] == [4e6, 4e6]
 
 
+@pytest.mark.parametrize("microbatches", [2, 4])
+def test_a_pipeline_stage_keeps_a_receive_buffer_per_micro_batch(microbatches: int) -> None:
+    """torch's PipelineStage allocates, for every micro-batch, the input another stage sends
+    it: the MLP's fullest stage (its last two Linears) receives 4096 features a row, whatever
+    the global batch's split, beside DDP's bucket (a copy of the stage's gradients)."""
+    from mpt.plan.cost import predict
+    from mpt.plan.layouts import layout
+    from mpt.plan.planner import model_of
+
+    net = meta_model(mlp)
+    chosen = layout(net, "ddp", {}, 2, 1, world=2, precision="fp32", batch=64,
+                    microbatches=microbatches)
+    found = predict(chosen, model_of(net, [1024], torch.float32, "adam"), _cluster(1, 2),
+                    describe("fp32"))
+    assert found.buffers - found.memory.gradients == 64 * 4096 * 4
+
+
 def _calibrated(**figures) -> Cluster:
     from mpt.plan.profiles import Device
 
