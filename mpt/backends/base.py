@@ -335,10 +335,10 @@ class Backend(ABC):
         return Buffers()
 
     @classmethod
-    def plan_variants(cls, world_size: int) -> list[dict[str, Any]]:
-        """The option sets that change the layout or what is sent, which `mpt plan` compares
-        at ``world_size`` ranks (each with every pipeline and tensor-parallel size). The
-        default: the backend's defaults alone."""
+    def plan_variants(cls, world_size: int, pp: int) -> list[dict[str, Any]]:
+        """The option sets that change the layout, what is sent or what is kept, which `mpt
+        plan` compares at ``world_size`` ranks in ``pp`` pipeline stages (each with every
+        tensor-parallel size). The default: the backend's defaults alone."""
         return [{}]
 
     @classmethod

@@ -260,7 +260,7 @@ class DeepSpeedBackend(DDPBackend):
                 parameters * cls._width(spec) / shards)
 
     @classmethod
-    def plan_variants(cls, world_size: int) -> list[dict[str, Any]]:
+    def plan_variants(cls, world_size: int, pp: int) -> list[dict[str, Any]]:
         """Every ZeRO stage."""
         return [{"zero_stage": stage} for stage in range(4)]
 

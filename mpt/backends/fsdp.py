@@ -253,9 +253,14 @@ class FSDPBackend(DDPBackend):
         return Buffers(held=whole - unit, released=whole + unit)
 
     @classmethod
-    def plan_variants(cls, world_size: int) -> list[dict[str, Any]]:
-        """Every ``--fsdp-replicate`` that divides the world (1: plain fsdp, more: HSDP)."""
-        return [{"replicate": r} for r in divisors(world_size)]
+    def plan_variants(cls, world_size: int, pp: int) -> list[dict[str, Any]]:
+        """Every ``--fsdp-replicate`` that divides the world (1: plain fsdp, more: HSDP); under
+        a pipeline each also with ``--fsdp-reshard-after-forward yes``, which trades M x the
+        collectives for a stage that is never kept gathered."""
+        found: list[dict[str, Any]] = [{"replicate": r} for r in divisors(world_size)]
+        if pp > 1:
+            found += [{**options, "reshard_after_forward": True} for options in found]
+        return found
 
     @classmethod
     def step_traffic(cls, options: Mapping[str, Any], plan: ParallelPlan, spec: PrecisionSpec,

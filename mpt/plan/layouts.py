@@ -1,7 +1,8 @@
 """Every layout mpt can run for a model on a cluster, built the way `mpt launch` builds it.
 
 Each combination of backend, the option sets it declares worth comparing
-(``Backend.plan_variants``: DeepSpeed's ZeRO stages, fsdp's HSDP replicas), pipeline stages P
+(``Backend.plan_variants``: DeepSpeed's ZeRO stages, fsdp's HSDP replicas and resharding under a
+pipeline), pipeline stages P
 and tensor-parallel size T goes through ``RunConfig`` and ``RunConfig.layout`` (the
 launcher's own checks: backend capabilities, precision, divisibility of the world), then
 the checks the model meets when it is set up (``stage_blocks`` for P, ``tensor_plan`` for T)
@@ -45,7 +46,8 @@ def _flags(backend: str, options: Mapping[str, Any], pp: int, tp: int) -> tuple[
     flags = [f"--backend {backend}"]
     for name, value in options.items():
         if value != cls.options[name].default:
-            flags.append(f"{cls.options[name].flag} {value}")
+            shown = ("yes" if value else "no") if isinstance(value, bool) else value
+            flags.append(f"{cls.options[name].flag} {shown}")
     if pp > 1:
         flags.append(f"--pipeline-stages {pp}")
     if tp > 1:
@@ -64,8 +66,8 @@ def layouts(net: nn.Module, *, nodes: int, gpus: int, precision: str, batch: int
     found: list[Layout] = []
     refused: list[Refused] = []
     for backend, cls in sorted(registered().items()):
-        for options in cls.plan_variants(world):
-            for pp in divisors(world):
+        for pp in divisors(world):
+            for options in cls.plan_variants(world, pp):
                 for tp in divisors(gpus):
                     flags = _flags(backend, options, pp, tp)
                     try:

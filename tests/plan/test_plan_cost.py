@@ -128,6 +128,25 @@ def test_a_pipeline_stage_keeps_a_receive_buffer_per_micro_batch(microbatches: i
     assert found.buffers - found.memory.gradients == 64 * 4096 * 4
 
 
+def test_a_pipeline_over_fsdp_that_fits_only_resharding_is_planned_so() -> None:
+    """fsdp under a pipeline keeps each stage gathered by default; `mpt plan` prices the
+    resharding variant beside it, which fits where the default is short."""
+    h100 = device_profile("h100-sxm")
+    kept, resharded = ("--backend fsdp --pipeline-stages 2",
+                       "--backend fsdp --fsdp-reshard-after-forward yes --pipeline-stages 2")
+    roomy = plan(meta_model(mlp), Cluster(nodes=1, gpus=4, device=h100,
+                                          link=link_profile("1gbit")),
+                 precision="fp32", batch=32, input_shape=[1024], input_dtype=torch.float32)
+    assert _by_label(roomy, resharded).total_memory < _by_label(roomy, kept).total_memory
+    assert _by_label(roomy, resharded).step > _by_label(roomy, kept).step  # M x the gathers
+    room = (_by_label(roomy, resharded).total_memory + _by_label(roomy, kept).total_memory) / 2
+    tight = plan(meta_model(mlp), Cluster(nodes=1, gpus=4, device=replace(h100, memory=room),
+                                          link=link_profile("1gbit")),
+                 precision="fp32", batch=32, input_shape=[1024], input_dtype=torch.float32)
+    assert resharded in {p.layout.label for p in tight.fitting}
+    assert _by_label(tight, kept).short > 0
+
+
 def _calibrated(**figures) -> Cluster:
     from mpt.plan.profiles import Device
 
