@@ -1,14 +1,14 @@
 """Every layout mpt can run for a model on a cluster, built the way `mpt launch` builds it.
 
 Each combination of backend, the option sets it declares worth comparing
-(``Backend.plan_variants``: DeepSpeed's ZeRO stages, fsdp's HSDP replicas and resharding under a
-pipeline), pipeline stages P
-and tensor-parallel size T goes through ``RunConfig`` and ``RunConfig.layout`` (the
-launcher's own checks: backend capabilities, precision, divisibility of the world), then
-the checks the model meets when it is set up (``stage_blocks`` for P, ``tensor_plan`` for T)
-and the batch's (it must split over the replicas and the micro-batches). A refused
-combination keeps mpt's one-line reason. T stays within a node (tp groups are a node's
-consecutive ranks); the pipeline runs mpt's default schedule, 1F1B with 2P micro-batches.
+(``Backend.plan_variants``: DeepSpeed's ZeRO stages, fsdp's HSDP replicas and, under a
+pipeline, its resharding), pipeline stages P and tensor-parallel size T goes through
+``RunConfig`` and ``RunConfig.layout`` (the launcher's own checks: backend capabilities,
+precision, divisibility of the world), then the checks the model meets when it is set up
+(``stage_blocks`` for P, ``tensor_plan`` for T) and the batch's (it must split over the
+replicas and the micro-batches). A refused combination keeps mpt's one-line reason. T stays
+within a node (tp groups are a node's consecutive ranks); the pipeline runs mpt's default
+schedule, 1F1B with 2P micro-batches.
 """
 
 from __future__ import annotations
