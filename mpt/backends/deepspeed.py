@@ -64,6 +64,11 @@ if TYPE_CHECKING:  # it imports deepspeed, which is imported only once a run ask
     from mpt.backends.deepspeed_state import FlatState
 
 INSTALL = 'pip install "deepspeed>=0.19,<0.20"'
+ZERO_REDUCE_BUCKET = 5e8
+"""DeepSpeed's default ``reduce_bucket_size``, in elements (``runtime/zero/config.py``)."""
+ZERO3_MAX_LIVE = 1e9
+"""DeepSpeed's default ``stage3_max_live_parameters``, in elements: how many a rank keeps
+gathered at once."""
 
 
 def _import_deepspeed(device_type: str, local_rank: int | None = None) -> Any:
@@ -241,13 +246,31 @@ class DeepSpeedBackend(DDPBackend):
                          ) -> Buffers:
         """ZeRO-1 and 2: the reduction bucket and the rank's partition copied out of it
         (``_zero_buffers``), counted through the step, whose own copies (the partition's
-        gradients in fp64 for the norm, the partition flattened) take their place. ZeRO-0 and
-        3: none modelled (DDP's buckets, which this class would inherit, are not DeepSpeed's)."""
+        gradients in fp64 for the norm, the partition flattened) take their place.
+
+        ZeRO-3 (DeepSpeed 0.19's ``stage3.py`` at its defaults): every parameter gathered whole
+        from the forward through the backward (``stage3_max_live_parameters`` and
+        ``stage3_max_reuse_distance``, 1e9 elements each, keep them), the contiguous
+        gradients' bucket (``reduce_bucket_size``, 5e8 elements, empty until written: as far
+        as the gradients reach), the copy of it that ``reduce_scatter_coalesced`` concatenates
+        to reduce-scatter, and the largest gradient whole before it is copied into the bucket;
+        all but the bucket are freed before the step.
+
+        ZeRO-0: none modelled (DDP's buckets, which this class would inherit, are not
+        DeepSpeed's)."""
         zero = cls._planned_stage(options)
-        if zero not in (1, 2):
-            return Buffers()
-        trained = share * sum(p.numel() for p in stage.parameters() if p.requires_grad)
-        return Buffers(held=int(sum(cls._zero_buffers(zero, spec, trained, plan.dp_shard))))
+        trained = [share * p.numel() for p in stage.parameters() if p.requires_grad]
+        if zero in (1, 2):
+            return Buffers(held=int(sum(cls._zero_buffers(zero, spec, sum(trained),
+                                                          plan.dp_shard))))
+        if zero == 3:
+            width = cls._width(spec)
+            gathered = width * min(share * parameter_counts(stage)[0], ZERO3_MAX_LIVE)
+            bucket = width * min(sum(trained), ZERO_REDUCE_BUCKET)
+            largest = width * max(trained, default=0)
+            return Buffers(held=int(gathered + 2 * bucket + largest),
+                           released=int(gathered + bucket + largest))
+        return Buffers()
 
     @classmethod
     def _zero_buffers(cls, zero: int, spec: PrecisionSpec, parameters: float, shards: int

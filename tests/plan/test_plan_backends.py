@@ -66,7 +66,12 @@ def test_the_row_and_the_buffers_follow_the_options() -> None:
     # ZeRO-1's fp32 bucket of every gradient and the rank's quarter copied out of it
     trained = 2 * (64 * 64 + 64)
     assert buffers("deepspeed", rows[0], four, zero_stage=1) == Buffers(held=5 * trained)
-    assert buffers("deepspeed", rows[0], four, zero_stage=3) == Buffers()
+    # ZeRO-3 keeps every parameter gathered through the backward, fills its bucket with every
+    # gradient, concatenates a copy of it to reduce-scatter and has the largest gradient whole
+    # before the bucket takes it
+    assert buffers("deepspeed", rows[0], four, zero_stage=3) == Buffers(
+        held=4 * trained * 3 + 4 * 64 * 64, released=4 * trained * 2 + 4 * 64 * 64)
+    assert buffers("deepspeed", rows[0], four, zero_stage=0) == Buffers()
     row = MemoryEstimate(label="ddp", parameters=10, gradients=10, optimizer=20)
     assert buffers("apex", row, alone) == Buffers(held=10)
     # the gradients' copies and the fusion buffer they fill, at most Horovod's 128 MiB
