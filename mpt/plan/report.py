@@ -80,7 +80,7 @@ def print_tables(result: Plan, script: str, console: Console) -> None:
         console.print(lacking)
     console.print(f"{len(result.refused)} other combinations are refused by mpt (--json lists "
                   "each with its reason). Not counted in memory: the allocator's slack, the "
-                  "process (a few hundred MiB), horovod's and DeepSpeed's buffers.")
+                  "process (a few hundred MiB), DeepSpeed ZeRO-0's buffers.")
     if result.fitting:
         console.print("best: " + launch_line(result.best, cluster, script, result.batch,
                                              result.precision), markup=False)
