@@ -112,6 +112,8 @@ MATMULS = {torch.ops.aten.mm: 0, torch.ops.aten.addmm: 1, torch.ops.aten.bmm: 0,
 
 
 Shape = tuple[int, int, int]
+CONVOLUTION = ("stride", "padding", "dilation", "transposed", "groups")
+"""The arguments of a convolution (and of its backward) that shape its GEMMs."""
 
 
 def matmul_shapes(func: Any, args: Any, kwargs: dict[str, Any]) -> list[Shape | None]:
@@ -122,26 +124,20 @@ def matmul_shapes(func: Any, args: Any, kwargs: dict[str, Any]) -> list[Shape | 
     if packet in MATMULS:
         first, second = args[MATMULS[packet]], args[MATMULS[packet] + 1]
         return [(int(first.shape[-2]), int(first.shape[-1]), int(second.shape[-1]))]
-    if packet is torch.ops.aten.convolution:
-        x, weight = args[0], args[1]
-        return [_conv_gemms(x, weight, _argument(func, args, kwargs, "stride"),
-                            _argument(func, args, kwargs, "padding"),
-                            _argument(func, args, kwargs, "dilation"),
-                            _argument(func, args, kwargs, "transposed"),
-                            _argument(func, args, kwargs, "output_padding"),
-                            _argument(func, args, kwargs, "groups"))["output"]]
-    if packet is torch.ops.aten.convolution_backward:
-        gemms = _conv_gemms(args[1], args[2], *(_argument(func, args, kwargs, name) for name in (
-            "stride", "padding", "dilation", "transposed", "output_padding", "groups")))
-        mask = _argument(func, args, kwargs, "output_mask")  # input, weight, bias
-        wanted = [name for name, on in zip(("input", "weight"), mask[:2], strict=True) if on]
-        return [gemms[name] for name in wanted] or [None]
-    return [None]
+    if packet not in (torch.ops.aten.convolution, torch.ops.aten.convolution_backward):
+        return [None]
+    shaping = [_argument(func, args, kwargs, name) for name in CONVOLUTION]
+    if packet is torch.ops.aten.convolution:  # (input, weight, ...)
+        return [_conv_gemms(args[0], args[1], *shaping)["output"]]
+    gemms = _conv_gemms(args[1], args[2], *shaping)  # (grad_output, input, weight, ...)
+    mask = _argument(func, args, kwargs, "output_mask")  # input, weight, bias
+    wanted = [name for name, on in zip(("input", "weight"), mask[:2], strict=True) if on]
+    return [gemms[name] for name in wanted] or [None]
 
 
 def _conv_gemms(x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int],
                 padding: Sequence[int], dilation: Sequence[int], transposed: bool,
-                output_padding: Sequence[int], groups: int) -> dict[str, Shape]:
+                groups: int) -> dict[str, Shape]:
     """A convolution's forward (``output``) and gradients (``input``, ``weight``) as the GEMMs
     of its im2col form, per group. A transposed convolution is the input gradient of the
     ordinary one from its output to its input, so its forward and input gradient swap."""
