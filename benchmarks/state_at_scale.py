@@ -8,7 +8,7 @@
 A GPT of examples/gpt.py's shape (its output layer untied: weights tied across modules cannot be
 built on the meta device), built on the meta device, trains with AdamW as an elastic job of 4
 one-process nodes on this host (`mpt launch --nodes 3:4`, the rendezvous on a store of its own,
-`--snapshot-every 1`, each node's snapshot store its own directory in /dev/shm,
+`--snapshot-every 1`, each node's snapshot store its own directory in /dev/shm (``--store-dir``),
 `--host-memory lean`, fsdp). It saves a sharded checkpoint after step 1; once every node's
 store holds the pieces of step ``--kill-after`` (its own and the previous node's copy), one
 node is SIGKILLed with its store, and the 3 survivors resume from the peers' snapshot and train
@@ -127,7 +127,7 @@ def children(pid: int) -> list[int]:
 
 def harness(args: argparse.Namespace) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="mpt-scale-"))
-    shm = Path(tempfile.mkdtemp(prefix="mpt-scale-", dir="/dev/shm"))
+    shm = Path(tempfile.mkdtemp(prefix="mpt-scale-", dir=args.store_dir))
     out = tmp / "out"
     out.mkdir()
     port = free_port()
@@ -224,6 +224,9 @@ def main() -> None:
     parser.add_argument("--reshard-after-forward", action="store_true",
                         help="--fsdp-reshard-after-forward yes (under a pipeline its default "
                         "is no: each stage's weights stay gathered across micro-batches)")
+    parser.add_argument("--store-dir", default="/dev/shm", help="where the nodes' snapshot "
+                        "stores go (default: memory); a disk's directory for a model whose "
+                        "stores do not fit beside its ranks")
     parser.add_argument("--no-snapshots", dest="snapshots", action="store_false",
                         help="no --snapshot-every: the survivors resume from the disk")
     args = parser.parse_args()
