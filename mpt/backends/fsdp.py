@@ -108,6 +108,13 @@ def unit_parameters(model: nn.Module, wrap: frozenset[str] | None) -> list[list[
     return found
 
 
+def _reshards(values: Mapping[str, Any], plan: ParallelPlan) -> bool:
+    """Whether fully_shard frees a unit's gathered parameters after its forward:
+    ``--fsdp-reshard-after-forward`` as parsed, else mpt's default, no under a pipeline."""
+    chosen = values["reshard_after_forward"]
+    return plan.pp == 1 if chosen is None else chosen
+
+
 def largest_unit(model: nn.Module, wrap: frozenset[str] | None) -> int:
     """Parameters of the largest unit, the root's own included: what one gather holds whole."""
     return max(sum(unit) for unit in unit_parameters(model, wrap))
@@ -246,10 +253,9 @@ class FSDPBackend(DDPBackend):
         reduce-scatter (its gradients copied), all freed after the last backward."""
         values = cls.check_options(options)
         unit = int(spec.params.itemsize * largest_unit(stage, values["wrap"]) * share)
-        if plan.pp == 1 or values["reshard_after_forward"]:
+        if plan.pp == 1 or _reshards(values, plan):
             return Buffers(held=unit, released=3 * unit)
-        trained = sum(p.numel() for p in stage.parameters() if p.requires_grad)
-        whole = int(spec.params.itemsize * share * (parameter_counts(stage)[0] + trained))
+        whole = int(spec.params.itemsize * share * sum(parameter_counts(stage)))
         return Buffers(held=whole - unit, released=whole + unit)
 
     @classmethod
@@ -282,10 +288,9 @@ class FSDPBackend(DDPBackend):
         Each of those buffers is allocated anew (``Traffic.fresh``; of ``module``'s units, where
         it is given): per gather the flat output and each gathered parameter's storage, per
         reduce-scatter its flat input and the shard it returns."""
+        values = cls.check_options(options)
         grads, weights = parameters * spec.reduce.itemsize, parameters * spec.params.itemsize
-        reshard = options.get("reshard_after_forward")
-        if reshard is None:
-            reshard = plan.pp == 1  # mpt's default: no under a pipeline
+        reshard = _reshards(values, plan)
         times = microbatches if plan.pp > 1 and reshard else 1
         gather = Collective(kind="all_gather", axis="dp_shard", size=weights * times,
                             what="parameters")
@@ -299,7 +304,7 @@ class FSDPBackend(DDPBackend):
         copies = ((2 if reshard else 1) * weights + grads) * times * around
         fresh: list[float] = []
         if module is not None:
-            held = unit_parameters(module, cls.check_options(options)["wrap"])
+            held = unit_parameters(module, values["wrap"])
             share = parameters / max(1, sum(map(sum, held)))  # a tensor-parallel rank's part
             for unit in held:
                 gathered = [n * share * spec.params.itemsize for n in unit]

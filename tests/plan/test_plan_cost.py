@@ -109,6 +109,10 @@ def test_a_pipeline_that_reshards_sends_fsdps_collectives_per_micro_batch() -> N
                                                         "reduce_scatter"]
     assert [c.size for c in resharded.collectives] == [16e6, 16e6, 16e6]
     assert [c.size for c in kept.collectives] == [4e6, 4e6]
+    # the option as a launch gives it (RunConfig.backend_options: text) is parsed, not read
+    for text, priced in (("no", kept), ("yes", resharded)):
+        assert fsdp.step_traffic({"reshard_after_forward": text}, layout, spec, 1e6,
+                                 microbatches=4) == priced
 
 
 @pytest.mark.parametrize("microbatches", [2, 4])
