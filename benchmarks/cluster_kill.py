@@ -37,17 +37,14 @@ import warnings
 from pathlib import Path
 
 from sharded_memory import RssSampler
+from state_at_scale import STORE
+from state_memory import ALLOWANCE, SLACK
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
 NODES = 4
 GLOBAL_BATCH = 12
 TOKENS = 16
-STORE = """import sys, time
-from torch.distributed import TCPStore
-store = TCPStore(sys.argv[1], int(sys.argv[2]), is_master=True, wait_for_workers=False)
-time.sleep(36000)
-"""
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -199,10 +196,11 @@ def main() -> None:
     for path in sorted(out.glob("rank*.json")):
         row = json.loads(path.read_text())
         share = 16 * row["held"]
-        bound = 1.15 * share + 256 * MiB
+        bound = ALLOWANCE * share + SLACK
         print(f"rank {row['rank']} of {row['world']}: peak above the RSS before setup "
               f"{row['peak'] / MiB:.0f} MiB = {row['peak'] / share:.2f} x share "
-              f"({'within' if row['peak'] <= bound else 'OVER'} 1.15 x share + 256 MiB)")
+              f"({'within' if row['peak'] <= bound else 'OVER'} {ALLOWANCE} x share + "
+              f"{SLACK // MiB} MiB)")
     shutil.rmtree(tmp, ignore_errors=True)
 
 

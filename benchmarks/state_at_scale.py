@@ -41,6 +41,7 @@ from pathlib import Path
 
 import psutil
 from sharded_memory import RssSampler
+from state_memory import ALLOWANCE, SLACK
 
 from mpt.launchers.spec import free_port
 
@@ -50,9 +51,11 @@ PROCESSES = 4
 """Ranks of the job before a node is lost."""
 STORE = """import sys, time
 from torch.distributed import TCPStore
-store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, wait_for_workers=False)
+store = TCPStore(sys.argv[1], int(sys.argv[2]), is_master=True, wait_for_workers=False)
 time.sleep(36000)
 """
+"""The rendezvous's store, a process of its own (``python -c STORE HOST PORT``): it outlives
+any node the benchmark kills."""
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -131,7 +134,7 @@ def harness(args: argparse.Namespace) -> None:
     out = tmp / "out"
     out.mkdir()
     port = free_port()
-    store = subprocess.Popen([sys.executable, "-c", STORE, str(port)])
+    store = subprocess.Popen([sys.executable, "-c", STORE, "127.0.0.1", str(port)])
     time.sleep(2)
     # 2 stages where they divide the world, none where they do not (3 processes)
     layout = ["--pipeline-stages", "2,1", "--microbatches", "2"] if args.layout == "pp2" else []
@@ -191,7 +194,7 @@ def harness(args: argparse.Namespace) -> None:
     rows = [json.loads(path.read_text()) for path in out.glob("rank*.json")]
     for row in sorted(rows, key=lambda r: (-r["world"], r["rank"])):
         share = 16 * row["held"]
-        bound = 1.15 * share + 256 * MiB
+        bound = ALLOWANCE * share + SLACK
         peak = max(row["phases"].values())
         print(f"rank {row['rank']} of {row['world']} (setup {row['seconds']['setup']:.1f} s, "
               f"resume {row['seconds']['resume']:.1f} s): share {share / MiB:.0f} MiB, bound "
