@@ -4,21 +4,23 @@
         --nodes 1,2,4 --rates 1gbit,10gbit --compressions none --out runs/scaling
     .venv/bin/python benchmarks/plan_cluster.py runs/scaling/results.json
 
-`scaling.py` measures each cell as one job of N one-process nodes (network namespaces, each
-node's link shaped to the cell's rate) that all share this machine's cores. This script then
-calibrates the same way: per (nodes, rate), `mpt plan --calibrate --nodes N --nr R` runs on
-every node of a fresh cluster shaped alike, so that the device figures (matmuls by dtype and
-shape, copy bandwidth, op overhead, optimizer steps; ``mpt.plan.calibrate``) are measured by N
-one-thread processes at once, sharing the cores as the cell's nodes did, and every collective's
-bus bandwidth and latency is measured across the nodes; one node's cells are calibrated by 2
-processes. Each cell is then priced by ``mpt.plan.planner.plan`` on a cluster of N nodes x 1
+`scaling.py` measures each cell as one job of N one-process nodes (network namespaces, each node's
+link shaped to the cell's rate) that all share this machine's cores. This script then calibrates
+the same way: per (nodes, rate), `mpt plan --calibrate --nodes N --nr R` runs on every node of a
+fresh cluster shaped alike, so that the device figures (matmuls by dtype and shape, copy bandwidth,
+op overhead, optimizer steps; ``mpt.plan.calibrate``) are measured by N one-thread processes at
+once, sharing the cores as the cell's nodes did, and every collective's bus bandwidth and latency
+is measured across the nodes; one node's cells are calibrated by 2 processes. Each calibration is
+given the cell's model (`mpt plan benchmarks/plan_cluster.py:MODEL --calibrate`), so every rank
+also times that model's own step at the cell's batch per node, which the plan scales its op-by-op
+compute by. Each cell is then priced by ``mpt.plan.planner.plan`` on a cluster of N nodes x 1
 device of those figures, linked at the cell's rate (``--link``'s profile: the rate, 5 us a ring
-step), and again on the link measured (what `mpt plan --calibration FILE` uses by default).
-It prints both predictions, measured (mpt's step and the raw library's, the medians `scaling.py`
-reports) and their ratios, and, per (model, nodes, rate), whether the layout the plan ranks
-first among the measured ones measured within 10 % of the best measured. The goal of issue 36:
-every ratio within 0.8-1.2, every best within 10 %. The calibrations run after the cells, never
-beside them.
+step), and again on the link measured (what `mpt plan --calibration FILE` uses by default). It
+prints both predictions, measured (mpt's step and the raw library's, the medians `scaling.py`
+reports) and their ratios, and, per (model, nodes, rate), whether the layout the plan ranks first
+among the measured ones measured within 10 % of the best measured. The goal of issue 36: every
+ratio within 0.8-1.2, every best within 10 %. The calibrations run after the cells, never beside
+them.
 A benchmark, not a test: it prints figures and never fails on them.
 """
 
@@ -43,28 +45,61 @@ LABELS = {"deepspeed": "--backend deepspeed --zero-stage 1"}
 """The plan's layout of a backend that `scaling.py` runs with its defaults (ZeRO stage 1)."""
 
 
-def calibrated_cluster(nodes: int, rate: str, folder: Path) -> Any:
-    """`mpt plan --calibrate --nodes N` on each of ``nodes`` emulated nodes shaped at ``rate``
-    (a fresh cluster shaped as the cell's): the device figures of N one-thread processes at
-    once, and every collective measured across the nodes."""
+def mlp() -> Any:
+    return build_model("mlp")
+
+
+def resnet18() -> Any:
+    return build_model("resnet18")
+
+
+def gpt() -> Any:
+    return build_model("gpt")
+
+
+def calibrate_command(model: str, nodes: int) -> list[str]:
+    """`mpt plan MODEL --calibrate` of ``model`` at the cells' batch (``BATCH`` per node)."""
+    shape, dtype = INPUTS[model]
+    return [sys.executable, "-m", "mpt", "plan", f"{__file__}:{model}", "--calibrate",
+            "--input-shape", ",".join(map(str, shape)), "--input-dtype", str(dtype).split(".")[1],
+            "--optimizer", "sgd-momentum", "--batch", str(nodes * BATCH)]
+
+
+def calibrated(model: str, nodes: int, rate: str, folder: Path, reuse: bool) -> Any:
+    """`mpt plan MODEL --calibrate`: on one node by 2 processes; else with ``--nodes N`` on
+    each of ``nodes`` emulated nodes shaped at ``rate`` (a fresh cluster shaped as the
+    cell's): the device figures and the model's step of N one-thread processes at once, and
+    every collective measured across the nodes. ``reuse``: an earlier file, where there is."""
+    import subprocess
+
     from mpt.cluster import EmulatedCluster, LinkShape, run_nodes
     from mpt.plan import calibrate
 
-    out = folder / f"calibration-{nodes}-{rate}.json"
+    out = folder / (f"calibration-1-{model}.json" if nodes == 1
+                    else f"calibration-{nodes}-{rate}-{model}.json")
+    if reuse and out.exists():
+        return calibrate.load(out)
     out.unlink(missing_ok=True)
+    print(f"calibrating: {model} on {nodes} node(s)" + (f" at {rate}" if nodes > 1 else ""),
+          flush=True)
+    command = [*calibrate_command(model, nodes), "--output", str(out)]
+    if nodes == 1:
+        subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        return calibrate.load(out)
     with EmulatedCluster(nodes=nodes, shape=LinkShape(rate=rate)) as cluster:
-        commands = [[sys.executable, "-m", "mpt", "plan", "--calibrate", "--nodes", str(nodes),
-                     "--nr", str(nr), "--master-addr", cluster.members[0].address,
-                     "--output", str(out)] for nr in range(nodes)]
+        commands = [[*command, "--nodes", str(nodes), "--nr", str(nr), "--master-addr",
+                     cluster.members[0].address] for nr in range(nodes)]
         run = run_nodes(cluster, commands, timeout=900, env={"OMP_NUM_THREADS": "1"})
     if not run.ok or not out.exists():
         raise RuntimeError(f"the calibration failed:\n{run.report()[-3000:]}")
     return calibrate.load(out)
 
 
-def predicted(cell: dict[str, Any], device: Any, link: Any) -> Any:
+def predicted(cell: dict[str, Any], device: Any, link: Any, step: Any = None) -> Any:
     """The plan's prediction of ``cell``'s layout on nodes linked by ``link`` (None: the
-    ``--link`` profile of the cell's rate), or None where the plan has no such layout."""
+    ``--link`` profile of the cell's rate), its compute scaled by ``step`` (the calibration's
+    timing of the model's own step; None: op by op), or None where the plan has no such
+    layout."""
     from mpt.estimate import meta_model
     from mpt.plan.network import Cluster
     from mpt.plan.planner import plan
@@ -76,39 +111,36 @@ def predicted(cell: dict[str, Any], device: Any, link: Any) -> Any:
     shape, dtype = INPUTS[cell["model"]]
     result = plan(meta_model(lambda: build_model(cell["model"])), cluster, precision="fp32",
                   batch=nodes * BATCH, input_shape=shape, input_dtype=dtype,
-                  optimizer="sgd-momentum")
+                  optimizer="sgd-momentum", step=step)
     label = LABELS.get(cell["backend"], f"--backend {cell['backend']}")
     return next((p for p in result.fitting if p.layout.label == label), None)
 
 
 def main() -> None:
-    from mpt.plan import calibrate
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("results", type=Path, help="scaling.py's results.json")
     parser.add_argument("--out", type=Path, default=None,
                         help="write the rows as JSON here (default: beside RESULTS)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="price with the calibration files already beside RESULTS, where "
+                        "there are (default: measure each anew)")
+    parser.add_argument("--op-by-op", action="store_true",
+                        help="price without the model's measured step (the ops alone)")
     args = parser.parse_args()
     cells = [c for c in json.loads(args.results.read_text())
              if c["compression"] == "none" and c["model"] in INPUTS
              and (c["nodes"] == 1 or c["rate"] != UNSHAPED)]
-    devices, links = {}, {}
-    if any(c["nodes"] == 1 for c in cells):
-        print("calibrating: 2 processes at once", flush=True)
-        found = calibrate.measure(2)  # `mpt plan --calibrate` on one node
-        calibrate.save(found, args.results.parent / "calibration-1.json")
-        devices[1, UNSHAPED] = found.device("2 processes")
-    for nodes, rate in sorted({(c["nodes"], c["rate"]) for c in cells if c["nodes"] > 1}):
-        print(f"calibrating: `mpt plan --calibrate` on {nodes} nodes at {rate}", flush=True)
-        found = calibrated_cluster(nodes, rate, args.results.parent)
-        devices[nodes, rate] = found.device(f"{nodes} nodes")
-        links[nodes, rate] = found.measured_link(f"{nodes} nodes at {rate}")
+    found = {key: calibrated(*key, args.results.parent, args.reuse) for key in sorted(
+        {(c["model"], c["nodes"], c["rate"] if c["nodes"] > 1 else UNSHAPED) for c in cells})}
     rows = []
     for cell in sorted(cells, key=lambda c: (c["model"], c["nodes"], c["rate"], c["backend"])):
-        key = (cell["nodes"], cell["rate"] if cell["nodes"] > 1 else UNSHAPED)
-        device, link = devices[key], links.get(key)
-        at = predicted(cell, device, None)
-        on = at if link is None else predicted(cell, device, link)  # one node: no link
+        figures = found[cell["model"], cell["nodes"],
+                        cell["rate"] if cell["nodes"] > 1 else UNSHAPED]
+        device = figures.device(f"{cell['nodes']} node(s)")
+        link = figures.measured_link(f"{cell['nodes']} nodes at {cell['rate']}")
+        step = None if args.op_by_op else figures.measured_step()
+        at = predicted(cell, device, None, step)
+        on = at if link is None else predicted(cell, device, link, step)  # one node: no link
         if at is None or on is None:
             print(f"  {cell['model']} {cell['backend']} {cell['nodes']}: no such layout planned")
             continue

@@ -18,6 +18,7 @@ from mpt.estimate import OPTIMIZER_STATES
 if TYPE_CHECKING:
     from mpt.environments.world import World
     from mpt.plan.calibrate import Calibration
+    from mpt.plan.profiles import StepSpec
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 out = Console(highlight=False, soft_wrap=True)
@@ -56,7 +57,9 @@ def plan_command(
     calibrate: Annotated[bool, typer.Option(
         "--calibrate", help="Measure this machine (matmuls by dtype, memory, collectives "
         "between its --gpus processes, at least 2) and save the figures; with --nodes N, run "
-        "it on every node with its --nr: the link between the nodes is measured too.")
+        "it on every node with its --nr: the link between the nodes is measured too; with "
+        "MODEL, time that model's own step too (at --batch over the ranks, --precision, "
+        "--optimizer), which a plan of it with --calibration then scales its compute by.")
     ] = False,
     output: Annotated[Path, typer.Option(
         metavar="FILE", help="With --calibrate: where the figures go (on node 0).")
@@ -70,49 +73,63 @@ def plan_command(
 ) -> None:
     """Rank every layout mpt can run for MODEL on --nodes x --gpus: memory per rank, step time
     (compute, exposed communication, pipeline bubble), bytes per link, and what limits each."""
-    if calibrate:
-        from mpt.environments.world import World
-
-        # one node: a collective needs two processes, on a port of this machine's choosing
-        world = World(nodes=nodes, gpus=gpus if nodes > 1 else max(gpus, 2), nr=nr,
-                      master_addr=master_addr, master_port=master_port,
-                      source="mpt plan --calibrate")
-        found = _calibrate(world)
-        if found is not None:
-            _say_calibrated(found, output)
-        return
-    if model is None:
+    for flag, count in (("--nodes", nodes), ("--gpus", gpus)):
+        if count < 1:
+            raise UsageError(flag, count, "it must be at least 1", f"pass {flag} 1 or more")
+    if model is None and not calibrate:
         raise UsageError("MODEL", "(none)", "no model to plan for",
                          "pass FILE.py:FUNCTION, or --calibrate to measure this machine")
     import torch
 
     from mpt.estimate import load_model, meta_model
     from mpt.parse import one_of
+
+    one_of(*OPTIMIZER_STATES)("--optimizer", optimizer)
+    dtype = getattr(torch, one_of(*INPUT_DTYPES)("--input-dtype", input_dtype))
+    net = None if model is None else meta_model(load_model(model))
+    shape = None if net is None else _input_shape(input_shape, net)
+    if calibrate:
+        from mpt.environments.world import World
+        from mpt.plan.profiles import StepSpec
+        from mpt.precision import describe
+
+        describe(precision)  # refused here, in one line, not in every process
+        ranks = nodes * gpus
+        per_rank = 8 if batch is None else batch // ranks
+        if batch is not None and (batch < ranks or batch % ranks):
+            raise UsageError("--batch", batch, f"it does not split over {ranks} rank(s)",
+                             f"pass a multiple of {ranks}")
+        step = None if model is None or shape is None else StepSpec(
+            model=model, input_shape=tuple(shape), input_dtype=input_dtype,
+            micro_batch=per_rank, precision=precision, optimizer=optimizer)
+        # one node: a collective needs two processes, on a port of this machine's choosing
+        world = World(nodes=nodes, gpus=gpus if nodes > 1 else max(gpus, 2), nr=nr,
+                      master_addr=master_addr, master_port=master_port,
+                      source="mpt plan --calibrate")
+        found = _calibrate(world, step)
+        if found is not None:
+            _say_calibrated(found, output)
+        return
+    assert model is not None and net is not None and shape is not None
     from mpt.plan.network import Cluster
     from mpt.plan.planner import plan
     from mpt.plan.profiles import device_profile, link_profile
 
-    for flag, count in (("--nodes", nodes), ("--gpus", gpus)):
-        if count < 1:
-            raise UsageError(flag, count, "it must be at least 1", f"pass {flag} 1 or more")
-    one_of(*OPTIMIZER_STATES)("--optimizer", optimizer)
-    dtype = getattr(torch, one_of(*INPUT_DTYPES)("--input-dtype", input_dtype))
-    measured = None
+    measured = step = None
     if calibration is not None:
         from mpt.plan import calibrate as calibrated
 
         found = calibrated.load(calibration)
         chosen = found.device(str(calibration))
         measured = None if link is not None else found.measured_link(str(calibration))
+        step = found.measured_step()
     else:
         chosen = device_profile(device)
     cluster = Cluster(nodes=nodes, gpus=gpus, device=chosen,
                       link=measured or link_profile(link or "100gbit"))
-    net = meta_model(load_model(model))
-    shape = _input_shape(input_shape, net)
     result = plan(net, cluster, precision=precision,
                   batch=batch if batch is not None else 8 * cluster.world_size,
-                  input_shape=shape, input_dtype=dtype, optimizer=optimizer)
+                  input_shape=shape, input_dtype=dtype, optimizer=optimizer, step=step)
     script = model.rpartition(":")[0] if model.rpartition(":")[0].endswith(".py") else "TRAIN.py"
     if json_output:
         from mpt.plan.report import as_json
@@ -143,16 +160,19 @@ def _input_shape(given: str | None, net: object) -> list[int]:
                      "128 --input-dtype int64 for 128 tokens")
 
 
-def _calibrate(world: World) -> Calibration | None:
+def _calibrate(world: World, step: StepSpec | None) -> Calibration | None:
     """The figures ``world``'s processes on this node measure with every other node's (None
-    on nodes other than node 0)."""
+    on nodes other than node 0), and ``step``'s model timed on each."""
     from mpt.plan import calibrate
 
     across = f" and across {world.nodes} nodes" if world.nodes > 1 else ""
+    model = "" if step is None else f", then {step.model}'s own step"
     err.print(f"measuring: collectives between {world.gpus} process(es) per node{across}, then "
-              "matmuls by shape, memory, op overhead and optimizer steps (about 30 s on 2 CPU "
-              "cores)")
-    return calibrate.measure(world.gpus) if world.nodes == 1 else calibrate.measure_nodes(world)
+              f"matmuls by shape, memory, op overhead and optimizer steps{model} (about 30 s "
+              "on 2 CPU cores)")
+    if world.nodes == 1:
+        return calibrate.measure(world.gpus, step)
+    return calibrate.measure_nodes(world, step)
 
 
 def _say_calibrated(found: Calibration, output: Path) -> None:
@@ -163,8 +183,13 @@ def _say_calibrated(found: Calibration, output: Path) -> None:
     between = (f"across {found.nodes} nodes: allreduce bus bandwidth "
                f"{found.link['all_reduce']['bus_bandwidth'] / 1e9:.2f} GB/s; " if found.link
                else "")
+    step = found.measured_step()
+    timed = "" if step is None else (
+        f"; {step.spec.model}'s step at micro-batch {step.spec.micro_batch}: forward + "
+        f"backward {step.forward_backward * 1e3:.1f} ms, {step.spec.optimizer} step "
+        f"{step.update * 1e3:.1f} ms")
     err.print(f"wrote {output}: matmul GFLOP/s {flops}; memory "
               f"{found.memory_bandwidth / 1e9:.1f} GB/s; {between}allreduce bus bandwidth "
               f"within a node {found.collectives['all_reduce']['bus_bandwidth'] / 1e9:.2f} GB/s "
-              f"({found.backend}, {found.ranks} process(es) per node). Use it with "
+              f"({found.backend}, {found.ranks} process(es) per node){timed}. Use it with "
               f"--calibration {output}")

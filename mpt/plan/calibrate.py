@@ -16,6 +16,12 @@ CPU, NCCL on GPUs), each as `mpt launch` starts a rank (one intra-op thread):
    torch step (its default path on the device: single-tensor on a CPU, foreach on CUDA); and,
    on a CPU, the first write of a 64 MiB block the allocator maps anew, against a kept one.
    Each figure is the median of a few timings after a warm-up.
+3. with a model (`mpt plan FILE.py:FUNCTION --calibrate`), every rank at once: that model's own
+   training step, built on the device at the per-rank micro-batch (``StepSpec``): its forward
+   and backward, and its optimizer step with ``zero_grad``, each the median of ``STEP_REPEATS``
+   timings after ``STEP_WARMUP`` steps. What the op-by-op model leaves out on this device
+   (the host allocator's re-faulted blocks, a kernel's real speed at the model's own shapes)
+   is in these two figures; the plan scales its compute by them (``MeasuredStep``).
 
 Across nodes (``--nodes N --nr R --master-addr HOST`` on every node, as `mpt launch` is
 started), each node starts its ``--gpus`` processes and all of them meet in one process group:
@@ -50,7 +56,7 @@ import torch
 from mpt.environments.world import World
 from mpt.errors import UsageError
 from mpt.plan.network import ring_factor, ring_steps
-from mpt.plan.profiles import CollectiveFit, Device, Link
+from mpt.plan.profiles import CollectiveFit, Device, Link, MeasuredStep, StepSpec
 
 FORMAT = "mpt-plan-calibration/2"
 """Version 2 added ``matmul_sweep`` and ``update_seconds``; ``fresh_bandwidth`` came later and
@@ -75,6 +81,9 @@ OPTIMIZERS: dict[str, tuple[str, dict[str, float]]] = {
     "sgd-momentum": ("SGD", {"momentum": 0.9}), "rmsprop": ("RMSprop", {}),
     "adagrad": ("Adagrad", {})}
 """``--optimizer`` names as torch.optim classes and their arguments besides ``lr``."""
+STEP_WARMUP, STEP_REPEATS = 2, 5
+"""Steps of the model's own step run before timing (state, caches, the allocator's threshold
+settle), then timed."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -111,6 +120,17 @@ class Calibration:
     link: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     """Like ``collectives``, over every rank of every node: the link between the nodes (empty
     for one node)."""
+    model_step: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """A model's own step (``MeasuredStep``'s fields), where the calibration was given one;
+    empty otherwise."""
+
+    def measured_step(self) -> MeasuredStep | None:
+        """The model's step this calibration timed, None where it timed none."""
+        if not self.model_step:
+            return None
+        spec = self.model_step["spec"]
+        return MeasuredStep(**{**self.model_step, "spec": StepSpec(
+            **{**spec, "input_shape": tuple(spec["input_shape"])})})
 
     def measured_link(self, source: str) -> Link | None:
         """The link between the nodes as measured, None where one node was."""
@@ -290,7 +310,65 @@ def device_figures(device: torch.device, sync: Callable[[], None]) -> dict[str, 
             "fresh_bandwidth": fresh}
 
 
-def _worker(local_rank: int, world: World, out: str) -> None:
+def net_dtype(net: torch.nn.Module) -> torch.dtype:
+    """The dtype of the model's first floating-point parameter (float32 where it has none)."""
+    return next((p.dtype for p in net.parameters() if p.is_floating_point()), torch.float32)
+
+
+def step_figures(spec: StepSpec, device: torch.device, sync: Callable[[], None]
+                 ) -> dict[str, Any]:
+    """``spec``'s model built on ``device`` and trained on one micro-batch: the seconds of its
+    forward and backward, and of its optimizer step with ``zero_grad`` (gradients to None, as
+    torch's default frees them), each a median (``MeasuredStep``'s fields)."""
+    import contextlib
+
+    from torch.utils._pytree import tree_leaves
+
+    from mpt.estimate import load_model
+    from mpt.precision import describe
+
+    precision = describe(spec.precision)
+    with torch.device(device):
+        net = load_model(spec.model)()
+    if not precision.autocast and precision.compute != torch.float32:
+        net.to(precision.compute)  # a cast model (O2, O3, bf16-true)
+    shape = (spec.micro_batch, *spec.input_shape)
+    dtype = getattr(torch, spec.input_dtype)
+    if dtype.is_floating_point:  # in the cast model's dtype, as its data loader would give it
+        x = torch.randn(shape, device=device).to(net_dtype(net) if not precision.autocast
+                                                 else dtype)
+    else:
+        x = torch.zeros(shape, device=device, dtype=dtype)
+    cls, kwargs = OPTIMIZERS[spec.optimizer]
+    # a tiny rate: the weights stay where they began, so no step slows on overflowing values
+    optimizer = getattr(torch.optim, cls)(net.parameters(), lr=1e-9, **kwargs)
+
+    def forward_backward() -> None:
+        with (torch.autocast(device.type, dtype=precision.compute) if precision.autocast
+              else contextlib.nullcontext()):
+            out = net(x)
+        sum(t.float().sum() for t in tree_leaves(out)
+            if isinstance(t, torch.Tensor) and t.is_floating_point()).backward()
+
+    def update() -> None:
+        optimizer.step()
+        optimizer.zero_grad()
+
+    timings: tuple[list[float], list[float]] = ([], [])
+    for index in range(STEP_WARMUP + STEP_REPEATS):
+        for run, found in zip((forward_backward, update), timings, strict=True):
+            start = time.perf_counter()
+            run()
+            sync()
+            if index >= STEP_WARMUP:
+                found.append(time.perf_counter() - start)
+    return {"spec": dataclasses.asdict(spec),
+            "parameters": sum(p.numel() for p in net.parameters()),
+            "forward_backward": statistics.median(timings[0]),
+            "update": statistics.median(timings[1])}
+
+
+def _worker(local_rank: int, world: World, out: str, step: StepSpec | None) -> None:
     import torch.distributed as dist
 
     world = dataclasses.replace(world, local_rank=local_rank)
@@ -317,6 +395,8 @@ def _worker(local_rank: int, world: World, out: str) -> None:
         link = sweep(world.world_size, device, sync) if world.nodes > 1 else {}
         dist.barrier()
         figures = device_figures(device, sync)
+        if step is not None:
+            figures["model_step"] = step_figures(step, device, sync)
         hosts: list[Any] = [None] * world.world_size
         dist.all_gather_object(hosts, socket.gethostname())
     finally:
@@ -331,24 +411,26 @@ def _worker(local_rank: int, world: World, out: str) -> None:
         "memory": memory, **figures}))
 
 
-def measure(ranks: int = 2) -> Calibration:
-    """Measure this machine with ``ranks`` processes."""
+def measure(ranks: int = 2, step: StepSpec | None = None) -> Calibration:
+    """Measure this machine with ``ranks`` processes (and ``step``'s model on each)."""
     with socket.socket() as probe:  # a free port for the rendezvous
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    found = measure_nodes(World(gpus=ranks, master_port=port, source="mpt plan --calibrate"))
+    found = measure_nodes(World(gpus=ranks, master_port=port, source="mpt plan --calibrate"),
+                          step)
     assert found is not None  # one node is node 0
     return found
 
 
-def measure_nodes(world: World) -> Calibration | None:
+def measure_nodes(world: World, step: StepSpec | None = None) -> Calibration | None:
     """Measure this node's processes of ``world`` with every other node's (each node calls
-    this with its ``nr``); node 0 returns the figures, the others None."""
+    this with its ``nr``), each also timing ``step``'s model where given; node 0 returns the
+    figures, the others None."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "figures.json"
-        mp.spawn(_worker, args=(world, str(path)), nprocs=world.gpus, join=True)
+        mp.spawn(_worker, args=(world, str(path), step), nprocs=world.gpus, join=True)
         if world.nr:
             return None
         figures = json.loads(path.read_text())

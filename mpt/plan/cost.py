@@ -10,10 +10,13 @@ The step, for a rank of the slowest pipeline stage:
   tensor-parallel plan splits divided by T; then the optimizer step: the calibrated seconds
   per parameter of torch's own step, or, on a datasheet profile, 4 x (3 + 2 x states) bytes
   per parameter it steps (read weight, gradient and states, write weight and states) at the
-  memory bandwidth; then the backend's copies into and out of its collectives' buffers
-  (``Traffic.copies``: DDP's buckets, fsdp's all-gather and reduce-scatter inputs and
-  outputs), read and written once each at the memory bandwidth, never hidden (they run on the
-  rank's own cores or stream).
+  memory bandwidth; where the calibration timed this model's own step (``MeasuredStep``),
+  the forward and backward scaled by what it measured over what the ops price at its
+  micro-batch, and the optimizer step at its measured seconds per parameter (``Model``'s
+  ``compute_scale`` and ``update_seconds``); then the backend's copies into and out of its
+  collectives' buffers (``Traffic.copies``: DDP's buckets, fsdp's all-gather and
+  reduce-scatter inputs and outputs), read and written once each at the memory bandwidth,
+  never hidden (they run on the rank's own cores or stream).
 - tensor parallelism: the plan's allreduces of activations, in the forward and the backward, on
   the critical path (each waits for its matmul and the next op waits for it).
 - pipeline (1F1B/GPipe, M micro-batches, P stages): M micro-batches of compute, a bubble of
@@ -145,6 +148,12 @@ class Model:
     """fp32 values the optimizer keeps per parameter."""
     optimizer: str = "adam"
     """``--optimizer``: which calibrated step cost applies."""
+    compute_scale: float = 1.0
+    """The model's own forward and backward as a calibration timed them over what the ops
+    price on that device (``measured_scales``); 1: the ops alone."""
+    update_seconds: float | None = None
+    """Seconds per parameter of the model's own optimizer step and ``zero_grad`` as a
+    calibration timed them; None: the device's figure for ``optimizer``."""
 
 
 def activation_width(spec: PrecisionSpec) -> float:
@@ -197,7 +206,8 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
     for names in stages:
         blocks = [by_name[name] for name in names]
         timed = [_block_seconds(b, cluster, spec, tp) for b in blocks]
-        forward, backward = sum(f for f, _ in timed), sum(b for _, b in timed)
+        forward = model.compute_scale * sum(f for f, _ in timed)
+        backward = model.compute_scale * sum(b for _, b in timed)
         width = spec.compute.itemsize
         tp_bytes = sum(b.tp_forward_bytes + b.tp_backward_bytes for b in blocks) * width / 4
         tp_time = collective("all_reduce", tp_bytes, plan, "tp", cluster)
@@ -257,9 +267,18 @@ def optimizer_seconds(parameters: float, model: Model, cluster: Cluster) -> floa
     own path and passes), else its bytes (read weight, gradient and states, write weight and
     states) at the memory bandwidth."""
     device = cluster.device
+    if model.update_seconds is not None:
+        return parameters * model.update_seconds
     if model.optimizer in device.update_seconds:
         return parameters * device.update_seconds[model.optimizer]
     return parameters * 4 * (3 + 2 * model.optimizer_states) / device.memory_bandwidth
+
+
+def modelled_compute(model: Model, cluster: Cluster, spec: PrecisionSpec, micro_batch: int
+                     ) -> float:
+    """The whole model's forward and backward on one rank, op by op (no tp, no scale)."""
+    timed = [_block_seconds(b, cluster, spec, 1) for b in model.workload(micro_batch).blocks]
+    return sum(f + b for f, b in timed)
 
 
 def _data_parallel(flow: Traffic, plan: ParallelPlan, cluster: Cluster

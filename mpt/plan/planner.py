@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -13,11 +14,12 @@ from torch import nn
 from mpt.errors import UsageError
 from mpt.estimate import OPTIMIZER_STATES, parameter_counts
 from mpt.pipeline.split import stage_blocks
-from mpt.plan.cost import Model, Prediction, predict
+from mpt.plan.cost import Model, Prediction, modelled_compute, predict
 from mpt.plan.layouts import Refused, layouts
 from mpt.plan.network import Cluster
+from mpt.plan.profiles import MeasuredStep
 from mpt.plan.workload import profile, tp_plan_of
-from mpt.precision import describe
+from mpt.precision import PrecisionSpec, describe
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -32,6 +34,8 @@ class Plan:
     """Samples per optimizer step over all ranks."""
     precision: str
     """``--precision``."""
+    compute: str
+    """Where the compute comes from: the ops alone, or scaled by the model's measured step."""
     fitting: tuple[Prediction, ...]
     """Layouts that fit, fastest first."""
     short: tuple[Prediction, ...]
@@ -60,20 +64,55 @@ def model_of(net: nn.Module, input_shape: Sequence[int], input_dtype: torch.dtyp
                  optimizer_states=OPTIMIZER_STATES[optimizer], optimizer=optimizer)
 
 
+def measured_scales(model: Model, cluster: Cluster, spec: PrecisionSpec,
+                    step: MeasuredStep | None, input_shape: Sequence[int],
+                    input_dtype: torch.dtype) -> tuple[dict[str, Any], str]:
+    """``Model``'s ``compute_scale`` and ``update_seconds`` from the calibration's timing of
+    this model's own step (matched by its parameters and input), and the words that say where
+    the compute comes from. A step timed under another precision scales no compute, one of
+    another optimizer no optimizer step."""
+    parameters = parameter_counts(model.net)[0]
+    if step is None or (step.parameters, step.spec.input_shape, step.spec.input_dtype) != (
+            parameters, tuple(input_shape), str(input_dtype).removeprefix("torch.")):
+        return {}, "op by op"
+    timed = step.spec
+    found: dict[str, Any] = {}
+    used = []
+    if timed.precision == spec.name:
+        ops = modelled_compute(model, cluster, spec, timed.micro_batch)
+        found["compute_scale"] = step.forward_backward / ops
+        used.append(f"forward + backward {step.forward_backward * 1e3:.1f} ms against "
+                    f"{ops * 1e3:.1f} ms op by op (x {found['compute_scale']:.2f})")
+    if timed.optimizer == model.optimizer:
+        found["update_seconds"] = step.update / step.parameters
+        used.append(f"{timed.optimizer} step {step.update * 1e3:.1f} ms")
+    if not used:
+        return {}, (f"op by op (the calibration timed {timed.model} under {timed.precision} "
+                    f"and {timed.optimizer})")
+    return found, (f"op by op, scaled by {timed.model}'s own step at micro-batch "
+                   f"{timed.micro_batch}: " + "; ".join(used))
+
+
 def plan(net: nn.Module, cluster: Cluster, *, precision: str, batch: int,
-         input_shape: Sequence[int], input_dtype: torch.dtype, optimizer: str = "adam") -> Plan:
-    """Price every layout; a UsageError where none fits, naming the smallest shortfall."""
+         input_shape: Sequence[int], input_dtype: torch.dtype, optimizer: str = "adam",
+         step: MeasuredStep | None = None) -> Plan:
+    """Price every layout (the compute scaled by ``step``, the calibration's timing of this
+    model's own step, where it is this model's); a UsageError where none fits, naming the
+    smallest shortfall."""
     if batch < 1:
         raise UsageError("--batch", batch, "it must be at least 1", "pass the global batch")
     spec = describe(precision)
     model = model_of(net, input_shape, input_dtype, optimizer)
+    scales, compute = measured_scales(model, cluster, spec, step, input_shape, input_dtype)
+    if scales:
+        model = dataclasses.replace(model, **scales)
     found, refused = layouts(net, nodes=cluster.nodes, gpus=cluster.gpus, precision=precision,
                              batch=batch, device_type=cluster.device.device_type)
     predictions = [predict(layout, model, cluster, spec) for layout in found]
     fitting = sorted((p for p in predictions if not p.short), key=lambda p: p.step)
     short = sorted((p for p in predictions if p.short), key=lambda p: p.short)
     result = Plan(cluster=cluster, parameters=parameter_counts(net)[0], batch=batch,
-                  precision=precision, fitting=tuple(fitting), short=tuple(short),
+                  precision=precision, compute=compute, fitting=tuple(fitting), short=tuple(short),
                   refused=tuple(refused))
     if not fitting:
         _refuse_unfit(result)

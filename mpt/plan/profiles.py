@@ -71,6 +71,39 @@ class CollectiveFit:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class StepSpec:
+    """A model whose own training step a calibration times beside the device figures."""
+
+    model: str
+    """``FILE.py:FUNCTION`` or ``package.module:FUNCTION`` (`mpt plan`'s MODEL)."""
+    input_shape: tuple[int, ...]
+    """One sample's shape."""
+    input_dtype: str
+    """``float32``, or ``int64`` for token ids (timed as token 0, valid for any vocabulary)."""
+    micro_batch: int
+    """Samples per forward on each rank."""
+    precision: str
+    """``--precision``: autocast, or the model cast, as the plan prices it."""
+    optimizer: str
+    """``--optimizer`` (``mpt.plan.calibrate.OPTIMIZERS``)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MeasuredStep:
+    """One model's own training step, timed by a calibration on its device (every rank at
+    once): what the plan scales its op-by-op compute and its optimizer step by."""
+
+    spec: StepSpec
+    """What was timed."""
+    parameters: int
+    """The model's parameters: with the input, what a plan matches it to its model by."""
+    forward_backward: float
+    """Seconds of one forward and backward (the median)."""
+    update: float
+    """Seconds of one optimizer step and ``zero_grad`` (the median)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Device:
     """What one rank's device does per second."""
 

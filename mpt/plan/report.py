@@ -19,7 +19,7 @@ def _source(result: Plan) -> str:
     made = "datasheet" if device.source == "datasheet" else f"calibrated ({device.source})"
     return (f"device {device.name}: {made}; node link {link.name}: {link.source}"
             + ("; datasheet peaks: a lower bound of the step" if device.source == "datasheet"
-               else ""))
+               else "") + f"; compute: {result.compute}")
 
 
 def as_json(result: Plan, script: str) -> dict[str, Any]:

@@ -12,6 +12,11 @@ def mlp() -> nn.Module:
                          nn.Linear(4096, 1024))
 
 
+def small() -> nn.Module:
+    """A model whose own step a calibration times in a moment."""
+    return nn.Sequential(nn.Linear(1024, 64), nn.ReLU(), nn.Linear(64, 8))
+
+
 def huge() -> nn.Module:
     """8.6 G parameters: more than any rank of a small cluster holds with Adam."""
     return nn.Sequential(*(nn.Linear(32768, 32768) for _ in range(8)))

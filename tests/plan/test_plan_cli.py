@@ -45,6 +45,10 @@ def test_table_for_people(monkeypatch, capsys) -> None:
     ((f"{MODELS}:mlp", "--device", "b300"), "use one of h100-sxm"),
     ((f"{MODELS}:mlp", "--link", "fast"), "use one of nvlink4"),
     ((f"{MODELS}:huge", "--device", "a100-sxm-40gb"), "GiB short"),
+    # a calibration that times the model's step checks the model and batch before it starts
+    ((f"{MODELS}:not_a_module", "--calibrate"), "did not return an nn.Module"),
+    ((f"{MODELS}:mlp", "--calibrate", "--gpus", "2", "--batch", "3"),
+     "does not split over 2 rank(s)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(monkeypatch, capsys, args, words) -> None:
     code, _, err = _run(monkeypatch, capsys, *args)
@@ -130,16 +134,18 @@ def test_a_calibration_of_several_nodes_serves_each_of_them(monkeypatch, capsys,
 
 @pytest.mark.slow
 def test_calibrate_across_two_nodes_measures_the_link_between_them(tmp_path, free_port) -> None:
-    """Two `mpt plan --calibrate --nodes 2` on this host, as on two nodes: node 0 writes the
-    file, with the sweep across the nodes; node 1 writes nothing."""
+    """Two `mpt plan MODEL --calibrate --nodes 2` on this host, as on two nodes: node 0 writes
+    the file, with the sweep across the nodes and the model's step at the batch over the
+    ranks; node 1 writes nothing."""
     import subprocess
 
     from mpt.plan import calibrate
 
     outputs = [tmp_path / f"node{nr}.json" for nr in range(2)]
     nodes = [subprocess.Popen(
-        [sys.executable, "-m", "mpt", "plan", "--calibrate", "--nodes", "2", "--nr", str(nr),
-         "--master-port", str(free_port), "--output", str(outputs[nr])],
+        [sys.executable, "-m", "mpt", "plan", f"{MODELS}:small", "--calibrate", "--nodes", "2",
+         "--nr", str(nr), "--master-port", str(free_port), "--output", str(outputs[nr]),
+         "--batch", "4", "--optimizer", "adamw"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for nr in range(2)]
     said = [node.communicate(timeout=600)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], said
@@ -149,3 +155,7 @@ def test_calibrate_across_two_nodes_measures_the_link_between_them(tmp_path, fre
     assert set(found.link) == {"all_reduce", "all_gather", "reduce_scatter"}
     assert all(fit["bus_bandwidth"] > 0 for fit in found.link.values())
     assert found.collectives == found.link  # one process per node: no collective within one
+    step = found.measured_step()
+    assert step is not None and step.spec.micro_batch == 2 and step.spec.optimizer == "adamw"
+    assert step.parameters == 1024 * 64 + 64 + 64 * 8 + 8 and step.forward_backward > 0
+    assert "small's step at micro-batch 2" in said[0]

@@ -1,0 +1,111 @@
+"""A calibration that timed the model's own step: what the plan scales its compute and its
+optimizer step by, matched to the model it was timed for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from plan_models import mlp
+
+from mpt.estimate import meta_model
+from mpt.plan.cost import modelled_compute
+from mpt.plan.network import Cluster
+from mpt.plan.planner import model_of, plan
+from mpt.plan.profiles import Device, MeasuredStep, StepSpec, link_profile
+from mpt.precision import describe
+
+PARAMETERS = 25_175_040
+
+
+def _cluster() -> Cluster:
+    device = Device(name="calibrated", flops={"float32": 100e9}, memory_bandwidth=20e9,
+                    memory=64e9, intra_node=link_profile("10gbit"), device_type="cpu",
+                    update_seconds={"sgd-momentum": 1e-9})
+    return Cluster(nodes=1, gpus=2, device=device, link=link_profile("1gbit"))
+
+
+def _step(forward_backward: float, parameters: int = PARAMETERS, **changes) -> MeasuredStep:
+    spec = {"model": "plan_models.py:mlp", "input_shape": (1024,), "input_dtype": "float32",
+            "micro_batch": 8, "precision": "fp32", "optimizer": "sgd-momentum"}
+    return MeasuredStep(spec=StepSpec(**{**spec, **changes}), parameters=parameters,
+                        forward_backward=forward_backward, update=0.02)
+
+
+def _ddp(per_rank: int, step: MeasuredStep | None, precision: str = "fp32"):
+    result = plan(meta_model(mlp), _cluster(), precision=precision, batch=2 * per_rank,
+                  input_shape=[1024], input_dtype=torch.float32, optimizer="sgd-momentum",
+                  step=step)
+    return result, next(p for p in result.fitting if p.layout.label == "--backend ddp")
+
+
+def _ops(micro_batch: int, precision: str = "fp32") -> float:
+    model = model_of(meta_model(mlp), [1024], torch.float32, "sgd-momentum")
+    return modelled_compute(model, _cluster(), describe(precision), micro_batch)
+
+
+def test_the_measured_step_is_the_compute_at_its_micro_batch_and_scales_the_others() -> None:
+    measured = 2.5 * _ops(8)
+    step = _step(forward_backward=measured)
+    result, at_8 = _ddp(8, step)
+    assert at_8.terms["forward"] + at_8.terms["backward"] == pytest.approx(measured)
+    assert at_8.terms["optimizer step"] == pytest.approx(0.02)  # every parameter, per rank
+    assert "scaled by plan_models.py:mlp's own step at micro-batch 8" in result.compute
+    _, at_2 = _ddp(2, step)
+    assert at_2.terms["forward"] + at_2.terms["backward"] == pytest.approx(2.5 * _ops(2))
+    _, alone = _ddp(8, None)
+    assert alone.terms["forward"] + alone.terms["backward"] == pytest.approx(_ops(8))
+    assert alone.terms["optimizer step"] == pytest.approx(PARAMETERS * 1e-9)
+
+
+@pytest.mark.parametrize(("changes", "scaled", "updated"), [
+    ({"parameters": PARAMETERS + 1}, False, False),  # another model
+    ({"input_shape": (512,)}, False, False),
+    ({"precision": "bf16-mixed"}, False, True),  # its compute is another precision's
+    ({"optimizer": "adamw"}, True, False),
+])
+def test_a_step_timed_for_another_model_precision_or_optimizer_is_not_used(
+        changes, scaled, updated) -> None:
+    step = _step(forward_backward=3 * _ops(8), **changes)
+    result, found = _ddp(8, step)
+    compute = found.terms["forward"] + found.terms["backward"]
+    assert compute == pytest.approx(3 * _ops(8) if scaled else _ops(8))
+    assert found.terms["optimizer step"] == pytest.approx(0.02 if updated else PARAMETERS * 1e-9)
+    assert result.compute.startswith("op by op")
+
+
+def test_the_calibration_times_a_models_own_step_and_keeps_it(tmp_path) -> None:
+    """step_figures on this process's CPU: a real forward, backward and optimizer step; the
+    figures survive the file and come back as the plan's MeasuredStep."""
+    from mpt.plan import calibrate
+
+    spec = StepSpec(model=f"{tmp_path}/tiny.py:build", input_shape=(16,),
+                              input_dtype="float32", micro_batch=4, precision="fp32",
+                              optimizer="adamw")
+    (tmp_path / "tiny.py").write_text(
+        "from torch import nn\n\ndef build():\n"
+        "    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2))\n")
+    figures = calibrate.step_figures(spec, torch.device("cpu"), lambda: None)
+    assert figures["parameters"] == 16 * 32 + 32 + 32 * 2 + 2
+    assert figures["forward_backward"] > 0 and figures["update"] > 0
+    fit = {"latency": 1e-4, "bus_bandwidth": 1e9}
+    path = tmp_path / "cal.json"
+    calibrate.save(calibrate.Calibration(
+        identity=calibrate.identity(), ranks=2, backend="gloo", flops={"float32": 1e11},
+        memory_bandwidth=1e10, op_overhead=1e-6, memory=1e10, collectives={"all_reduce": fit},
+        matmul_sweep={}, update_seconds={}, model_step=figures), path)
+    assert calibrate.load(path).measured_step() == MeasuredStep(
+        spec=spec, parameters=figures["parameters"],
+        forward_backward=figures["forward_backward"], update=figures["update"])
+
+
+def test_token_ids_and_a_cast_model_are_timed_in_their_own_dtypes(tmp_path) -> None:
+    from mpt.plan import calibrate
+
+    (tmp_path / "tokens.py").write_text(
+        "from torch import nn\n\ndef build():\n"
+        "    return nn.Sequential(nn.Embedding(50, 8), nn.Flatten(), nn.Linear(8 * 6, 50))\n")
+    spec = StepSpec(model=f"{tmp_path}/tokens.py:build", input_shape=(6,),
+                              input_dtype="int64", micro_batch=3, precision="O2-bf16",
+                              optimizer="sgd")
+    figures = calibrate.step_figures(spec, torch.device("cpu"), lambda: None)
+    assert figures["spec"]["precision"] == "O2-bf16" and figures["forward_backward"] > 0
