@@ -217,8 +217,9 @@ def worker(args: argparse.Namespace) -> None:
     data = batches(args.model, rt.rank, args.steps)
     times: dict[str, list[float]] = {"mpt": [], "raw": []}
     sent: dict[str, list[float]] = {"mpt": [], "raw": []}
-    for side in sides.values():  # warm-up: buffers, DeepSpeed's and Horovod's first steps
-        side(*data[0])
+    for _ in range(args.warmup):  # buffers, DeepSpeed's and Horovod's first steps, the heap
+        for side in sides.values():
+            side(*data[0])
     for round_ in range(args.rounds):
         order = ["mpt", "raw"] if round_ % 2 == 0 else ["raw", "mpt"]
         for name in order:
@@ -256,7 +257,7 @@ def run_cell(model: str, backend: str, compression: str, nodes: int, rate: str,
     result = out / f"{model}-{backend}-{compression}-{nodes}-{rate}.json"
     result.unlink(missing_ok=True)
     worker_args = ["--worker", str(result), "--model", model, "--steps", str(args.steps),
-                   "--rounds", str(args.rounds)]
+                   "--rounds", str(args.rounds), "--warmup", str(args.warmup)]
     bucket = [] if args.bucket_mb is None else ["--bucket-mb", str(args.bucket_mb)]
     with EmulatedCluster(nodes=nodes, shape=LinkShape(rate=rate)) as cluster:
         commands = [launch_command(cluster, nr, Path(__file__).resolve(), worker_args,
@@ -389,6 +390,7 @@ def main() -> None:
                         "raw DDP's bucket cap); default: each library's own")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per side per round")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per side first")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per cell")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "scaling")
     args = parser.parse_args()

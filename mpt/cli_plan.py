@@ -106,7 +106,7 @@ def plan_command(
         world = World(nodes=nodes, gpus=gpus if nodes > 1 else max(gpus, 2), nr=nr,
                       master_addr=master_addr, master_port=master_port,
                       source="mpt plan --calibrate")
-        found = _calibrate(world, step)
+        found = _calibrate(world, step, gpus)
         if found is not None:
             _say_calibrated(found, output)
         return
@@ -160,9 +160,10 @@ def _input_shape(given: str | None, net: object) -> list[int]:
                      "128 --input-dtype int64 for 128 tokens")
 
 
-def _calibrate(world: World, step: StepSpec | None) -> Calibration | None:
+def _calibrate(world: World, step: StepSpec | None, training: int) -> Calibration | None:
     """The figures ``world``'s processes on this node measure with every other node's (None
-    on nodes other than node 0), and ``step``'s model timed on each."""
+    on nodes other than node 0): ``training`` of them at once for the device figures and
+    ``step``'s model."""
     from mpt.plan import calibrate
 
     across = f" and across {world.nodes} nodes" if world.nodes > 1 else ""
@@ -171,8 +172,8 @@ def _calibrate(world: World, step: StepSpec | None) -> Calibration | None:
               f"matmuls by shape, memory, op overhead and optimizer steps{model} (about 30 s "
               "on 2 CPU cores)")
     if world.nodes == 1:
-        return calibrate.measure(world.gpus, step)
-    return calibrate.measure_nodes(world, step)
+        return calibrate.measure(world.gpus, step, training)
+    return calibrate.measure_nodes(world, step, training)
 
 
 def _say_calibrated(found: Calibration, output: Path) -> None:

@@ -6,17 +6,18 @@ CPU, NCCL on GPUs), each as `mpt launch` starts a rank (one intra-op thread):
 1. a sweep of allreduce, all-gather and reduce-scatter sizes (16 KiB - 32 MiB) between them,
    each fitted by least squares to ``t = latency + ring factor x size / bus bandwidth``
    (nccl-tests' busbw);
-2. then every rank at once (each shares the machine as it will while training), rank 0's
-   figures kept: per dtype (float32, bfloat16, float16), matmuls of ``N`` x ``N`` weights
-   whose smallest dimension sweeps ``SMALLEST`` then ``N``, both with few rows (``s x N @ N x
-   N``: a forward, an input gradient) and a short inner dimension (``N x s @ s x N``: a
-   weight gradient), on operands rotated through more memory than the caches hold, as a
-   training step streams each weight from memory; the bandwidth of a large copy; the time of
-   a one-element op (the dispatch overhead); the seconds per parameter of each optimizer's
-   torch step (its default path on the device: single-tensor on a CPU, foreach on CUDA); and,
-   on a CPU, the first write of a 64 MiB block the allocator maps anew, against a kept one.
-   Each figure is the median of a few timings after a warm-up.
-3. with a model (`mpt plan FILE.py:FUNCTION --calibrate`), every rank at once: that model's own
+2. then as many ranks of each node at once as will train there (``--gpus``: the rest wait), so
+   that each shares the machine as it will while training, rank 0's figures kept: per dtype
+   (float32, bfloat16, float16), matmuls of ``N`` x ``N`` weights whose smallest dimension
+   sweeps ``SMALLEST`` then ``N``, both with few rows (``s x N @ N x N``: a forward, an input
+   gradient) and a short inner dimension (``N x s @ s x N``: a weight gradient), on operands
+   rotated through more memory than the caches hold, as a training step streams each weight
+   from memory; the bandwidth of a large copy; the time of a one-element op (the dispatch
+   overhead); the seconds per parameter of each optimizer's torch step (its default path on the
+   device: single-tensor on a CPU, foreach on CUDA); and, on a CPU, the first write of a 64 MiB
+   block the allocator maps anew, against a kept one. Each figure is the median of a few
+   timings after a warm-up.
+3. with a model (`mpt plan FILE.py:FUNCTION --calibrate`), by the same ranks: that model's own
    training step, built on the device at the per-rank micro-batch (``StepSpec``): its forward
    and backward, and its optimizer step with ``zero_grad``, each the median of ``STEP_REPEATS``
    timings after ``STEP_WARMUP`` steps. What the op-by-op model leaves out on this device
@@ -103,7 +104,7 @@ class Calibration:
     op_overhead: float
     """Seconds of a one-element op."""
     memory: float
-    """Bytes one rank may fill: the device's memory, or the host's over the ranks."""
+    """Bytes one rank may fill: the device's memory, or the host's over the ranks that train."""
     collectives: dict[str, dict[str, float]]
     """By collective: ``latency`` (s per ring step) and ``bus_bandwidth`` (bytes/s)."""
     matmul_sweep: dict[str, dict[str, list[list[float]]]]
@@ -120,6 +121,9 @@ class Calibration:
     link: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     """Like ``collectives``, over every rank of every node: the link between the nodes (empty
     for one node)."""
+    at_once: int = 0
+    """Ranks of a node that measured the device figures at once (0 in files from before it was
+    kept: every one of ``ranks``)."""
     model_step: dict[str, Any] = dataclasses.field(default_factory=dict)
     """A model's own step (``MeasuredStep``'s fields), where the calibration was given one;
     empty otherwise."""
@@ -368,7 +372,8 @@ def step_figures(spec: StepSpec, device: torch.device, sync: Callable[[], None]
             "update": statistics.median(timings[1])}
 
 
-def _worker(local_rank: int, world: World, out: str, step: StepSpec | None) -> None:
+def _worker(local_rank: int, world: World, out: str, step: StepSpec | None,
+            training: int) -> None:
     import torch.distributed as dist
 
     world = dataclasses.replace(world, local_rank=local_rank)
@@ -394,8 +399,10 @@ def _worker(local_rank: int, world: World, out: str, step: StepSpec | None) -> N
         dist.barrier()
         link = sweep(world.world_size, device, sync) if world.nodes > 1 else {}
         dist.barrier()
-        figures = device_figures(device, sync)
-        if step is not None:
+        # the node's training ranks measure at once; a process started only for the
+        # collectives (one node of one rank) waits in the gather below
+        figures = device_figures(device, sync) if local_rank < training else {}
+        if step is not None and local_rank < training:
             figures["model_step"] = step_figures(step, device, sync)
         hosts: list[Any] = [None] * world.world_size
         dist.all_gather_object(hosts, socket.gethostname())
@@ -404,33 +411,37 @@ def _worker(local_rank: int, world: World, out: str, step: StepSpec | None) -> N
     if world.rank:
         return
     memory = (torch.cuda.get_device_properties(device).total_memory if cuda
-              else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world.gpus)
+              else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / training)
     Path(out).write_text(json.dumps({
-        "ranks": world.gpus, "nodes": world.nodes, "hosts": sorted(set(hosts)),
+        "ranks": world.gpus, "at_once": training, "nodes": world.nodes, "hosts": sorted(set(hosts)),
         "backend": "nccl" if cuda else "gloo", "collectives": within or link, "link": link,
         "memory": memory, **figures}))
 
 
-def measure(ranks: int = 2, step: StepSpec | None = None) -> Calibration:
-    """Measure this machine with ``ranks`` processes (and ``step``'s model on each)."""
+def measure(ranks: int = 2, step: StepSpec | None = None, training: int | None = None
+            ) -> Calibration:
+    """Measure this machine with ``ranks`` processes, ``training`` of them (default: all) at
+    once for the device figures and ``step``'s model."""
     with socket.socket() as probe:  # a free port for the rendezvous
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     found = measure_nodes(World(gpus=ranks, master_port=port, source="mpt plan --calibrate"),
-                          step)
+                          step, training)
     assert found is not None  # one node is node 0
     return found
 
 
-def measure_nodes(world: World, step: StepSpec | None = None) -> Calibration | None:
+def measure_nodes(world: World, step: StepSpec | None = None, training: int | None = None
+                  ) -> Calibration | None:
     """Measure this node's processes of ``world`` with every other node's (each node calls
-    this with its ``nr``), each also timing ``step``'s model where given; node 0 returns the
-    figures, the others None."""
+    this with its ``nr``), ``training`` of each node's (default: all) at once for the device
+    figures and ``step``'s model; node 0 returns the figures, the others None."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "figures.json"
-        mp.spawn(_worker, args=(world, str(path), step), nprocs=world.gpus, join=True)
+        mp.spawn(_worker, args=(world, str(path), step, training or world.gpus),
+                 nprocs=world.gpus, join=True)
         if world.nr:
             return None
         figures = json.loads(path.read_text())
