@@ -16,6 +16,9 @@ from mpt.errors import UsageError
 from mpt.estimate import OPTIMIZER_STATES
 
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
     from mpt.environments.world import World
     from mpt.plan.calibrate import Calibration
     from mpt.plan.profiles import StepSpec
@@ -88,6 +91,8 @@ def plan_command(
     dtype = getattr(torch, one_of(*INPUT_DTYPES)("--input-dtype", input_dtype))
     net = None if model is None else meta_model(load_model(model))
     shape = None if net is None else _input_shape(input_shape, net)
+    if net is not None and shape is not None:
+        _check_input(net, shape, dtype)
     if calibrate:
         from mpt.environments.world import World
         from mpt.plan.profiles import StepSpec
@@ -99,9 +104,10 @@ def plan_command(
         if batch is not None and (batch < ranks or batch % ranks):
             raise UsageError("--batch", batch, f"it does not split over {ranks} rank(s)",
                              f"pass a multiple of {ranks}")
-        step = None if model is None or shape is None else StepSpec(
-            model=model, input_shape=tuple(shape), input_dtype=input_dtype,
-            micro_batch=per_rank, precision=precision, optimizer=optimizer)
+        step = None
+        if model is not None and shape is not None:
+            step = StepSpec(model=model, input_shape=tuple(shape), input_dtype=input_dtype,
+                            micro_batch=per_rank, precision=precision, optimizer=optimizer)
         # one node: a collective needs two processes, on a port of this machine's choosing
         world = World(nodes=nodes, gpus=gpus if nodes > 1 else max(gpus, 2), nr=nr,
                       master_addr=master_addr, master_port=master_port,
@@ -158,6 +164,21 @@ def _input_shape(given: str | None, net: object) -> list[int]:
                      f"{type(first).__name__}, whose input shape is not known",
                      "pass one sample's shape, e.g. --input-shape 3,224,224, or --input-shape "
                      "128 --input-dtype int64 for 128 tokens")
+
+
+def _check_input(net: nn.Module, shape: list[int], dtype: torch.dtype) -> None:
+    """A forward of two samples of ``shape`` on the meta device (batch norm refuses one): a
+    UsageError where the model refuses them."""
+    from mpt.estimate import example_input
+
+    try:
+        net(example_input([2, *shape], dtype))
+    except (RuntimeError, IndexError, ValueError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UsageError("--input-shape", ",".join(map(str, shape)), f"the model's forward "
+                         f"refuses a sample of that shape ({reason})",
+                         "pass one sample's shape as the model takes it, e.g. --input-shape "
+                         "3,224,224, or --input-shape 128 --input-dtype int64") from None
 
 
 def _calibrate(world: World, step: StepSpec | None, training: int) -> Calibration | None:

@@ -121,9 +121,6 @@ class Calibration:
     link: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     """Like ``collectives``, over every rank of every node: the link between the nodes (empty
     for one node)."""
-    at_once: int = 0
-    """Ranks of a node that measured the device figures at once (0 in files from before it was
-    kept: every one of ``ranks``)."""
     model_step: dict[str, Any] = dataclasses.field(default_factory=dict)
     """A model's own step (``MeasuredStep``'s fields), where the calibration was given one;
     empty otherwise."""
@@ -314,11 +311,6 @@ def device_figures(device: torch.device, sync: Callable[[], None]) -> dict[str, 
             "fresh_bandwidth": fresh}
 
 
-def net_dtype(net: torch.nn.Module) -> torch.dtype:
-    """The dtype of the model's first floating-point parameter (float32 where it has none)."""
-    return next((p.dtype for p in net.parameters() if p.is_floating_point()), torch.float32)
-
-
 def step_figures(spec: StepSpec, device: torch.device, sync: Callable[[], None]
                  ) -> dict[str, Any]:
     """``spec``'s model built on ``device`` and trained on one micro-batch: the seconds of its
@@ -338,9 +330,9 @@ def step_figures(spec: StepSpec, device: torch.device, sync: Callable[[], None]
         net.to(precision.compute)  # a cast model (O2, O3, bf16-true)
     shape = (spec.micro_batch, *spec.input_shape)
     dtype = getattr(torch, spec.input_dtype)
-    if dtype.is_floating_point:  # in the cast model's dtype, as its data loader would give it
-        x = torch.randn(shape, device=device).to(net_dtype(net) if not precision.autocast
-                                                 else dtype)
+    if dtype.is_floating_point:  # a cast model's samples come in its own dtype
+        x = torch.randn(shape, device=device,
+                        dtype=dtype if precision.autocast else precision.compute)
     else:
         x = torch.zeros(shape, device=device, dtype=dtype)
     cls, kwargs = OPTIMIZERS[spec.optimizer]
@@ -403,7 +395,10 @@ def _worker(local_rank: int, world: World, out: str, step: StepSpec | None,
         # collectives (one node of one rank) waits in the gather below
         figures = device_figures(device, sync) if local_rank < training else {}
         if step is not None and local_rank < training:
-            figures["model_step"] = step_figures(step, device, sync)
+            try:
+                figures["model_step"] = step_figures(step, device, sync)
+            except RuntimeError as exc:  # out of memory; an input the model refuses
+                figures["model_step"] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
         hosts: list[Any] = [None] * world.world_size
         dist.all_gather_object(hosts, socket.gethostname())
     finally:
@@ -413,7 +408,7 @@ def _worker(local_rank: int, world: World, out: str, step: StepSpec | None,
     memory = (torch.cuda.get_device_properties(device).total_memory if cuda
               else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / training)
     Path(out).write_text(json.dumps({
-        "ranks": world.gpus, "at_once": training, "nodes": world.nodes, "hosts": sorted(set(hosts)),
+        "ranks": world.gpus, "nodes": world.nodes, "hosts": sorted(set(hosts)),
         "backend": "nccl" if cuda else "gloo", "collectives": within or link, "link": link,
         "memory": memory, **figures}))
 
@@ -445,6 +440,11 @@ def measure_nodes(world: World, step: StepSpec | None = None, training: int | No
         if world.nr:
             return None
         figures = json.loads(path.read_text())
+    failed = figures.get("model_step", {}).get("error")
+    if step is not None and failed:
+        raise UsageError("MODEL", step.model, f"its step did not run on this device ({failed})",
+                         "calibrate without MODEL (the plan then prices its ops alone), or "
+                         "pass a smaller --batch")
     return Calibration(identity=identity(), **figures)
 
 

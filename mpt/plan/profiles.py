@@ -90,8 +90,9 @@ class StepSpec:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MeasuredStep:
-    """One model's own training step, timed by a calibration on its device (every rank at
-    once): what the plan scales its op-by-op compute and its optimizer step by."""
+    """One model's own training step, timed by a calibration on its device (by a node's
+    training ranks at once): what the plan scales its op-by-op compute and its optimizer step
+    by."""
 
     spec: StepSpec
     """What was timed."""

@@ -257,8 +257,10 @@ def _block_cost(model: nn.Module, name: str, block: nn.Module, x: torch.Tensor,
             out = block(x)
         forward = tuple(recorder.ops)
         recorder.ops.clear()
-        with recorder:
-            out.backward(torch.empty_like(out))
+        # a first block without weights (a Flatten) has no backward: its input needs none
+        if out.requires_grad:
+            with recorder:
+                out.backward(torch.empty_like(out))
         backward = tuple(recorder.ops)
     finally:
         for handle in handles:

@@ -17,6 +17,24 @@ def small() -> nn.Module:
     return nn.Sequential(nn.Linear(1024, 64), nn.ReLU(), nn.Linear(64, 8))
 
 
+def normed() -> nn.Module:
+    """Starts with a Flatten (no weights); batch norm over features, whose training forward
+    refuses a batch of one sample."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(12, 4), nn.BatchNorm1d(4))
+
+
+class _MetaOnly(nn.Linear):
+    def forward(self, x):
+        if x.device.type != "meta":
+            raise RuntimeError("this layer runs on the meta device only")
+        return super().forward(x)
+
+
+def meta_only() -> nn.Module:
+    """Plans like any model; its real step fails, as one that does not fit its device would."""
+    return nn.Sequential(_MetaOnly(1024, 8))
+
+
 def huge() -> nn.Module:
     """8.6 G parameters: more than any rank of a small cluster holds with Adam."""
     return nn.Sequential(*(nn.Linear(32768, 32768) for _ in range(8)))

@@ -49,11 +49,23 @@ def test_table_for_people(monkeypatch, capsys) -> None:
     ((f"{MODELS}:not_a_module", "--calibrate"), "did not return an nn.Module"),
     ((f"{MODELS}:mlp", "--calibrate", "--gpus", "2", "--batch", "3"),
      "does not split over 2 rank(s)"),
+    ((f"{MODELS}:mlp", "--input-shape", "5"), "refuses a sample of that shape"),
+    ((f"{MODELS}:mlp", "--calibrate", "--input-shape", "5"), "refuses a sample of that shape"),
 ])
 def test_bad_input_is_one_line_and_exit_2(monkeypatch, capsys, args, words) -> None:
     code, _, err = _run(monkeypatch, capsys, *args)
     assert code == 2
     assert words in err and err.count("\n") == 1
+
+
+def test_a_model_that_starts_without_weights_and_has_batch_norm_plans(monkeypatch,
+                                                                       capsys) -> None:
+    """The input check runs two samples (batch norm refuses one); the profile of a first
+    block without weights (a Flatten) records no backward instead of failing."""
+    code, out, err = _run(monkeypatch, capsys, f"{MODELS}:normed", "--input-shape", "3,2,2",
+                          "--json")
+    assert code == 0, err
+    assert json.loads(out)["fitting"]
 
 
 def test_calibration_from_another_machine_is_refused(monkeypatch, capsys, tmp_path) -> None:
@@ -159,3 +171,17 @@ def test_calibrate_across_two_nodes_measures_the_link_between_them(tmp_path, fre
     assert step is not None and step.spec.micro_batch == 2 and step.spec.optimizer == "adamw"
     assert step.parameters == 1024 * 64 + 64 + 64 * 8 + 8 and step.forward_backward > 0
     assert "small's step at micro-batch 2" in said[0]
+
+
+@pytest.mark.slow
+def test_a_model_whose_step_fails_on_the_device_is_one_line_and_exit_2(tmp_path) -> None:
+    import subprocess
+
+    out = tmp_path / "cal.json"
+    run = subprocess.run([sys.executable, "-m", "mpt", "plan", f"{MODELS}:meta_only",
+                          "--calibrate", "--output", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 2 and not out.exists()
+    assert run.stderr.splitlines()[-1].startswith("mpt: error: MODEL=")
+    assert "its step did not run on this device (RuntimeError: this layer runs on the meta " \
+        "device only)" in run.stderr
