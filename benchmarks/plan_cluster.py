@@ -98,8 +98,8 @@ def calibrated(model: str, nodes: int, rate: str, folder: Path, reuse: bool) -> 
 def predicted(cell: dict[str, Any], device: Any, link: Any, step: Any = None) -> Any:
     """The plan's prediction of ``cell``'s layout on nodes linked by ``link`` (None: the
     ``--link`` profile of the cell's rate), its compute scaled by ``step`` (the calibration's
-    timing of the model's own step; None: op by op), or None where the plan has no such
-    layout."""
+    timing of the model's own step; None: op by op), and its place in the plan's ranking; None
+    where the plan has no such layout."""
     from mpt.estimate import meta_model
     from mpt.plan.network import Cluster
     from mpt.plan.planner import plan
@@ -113,7 +113,8 @@ def predicted(cell: dict[str, Any], device: Any, link: Any, step: Any = None) ->
                   batch=nodes * BATCH, input_shape=shape, input_dtype=dtype,
                   optimizer="sgd-momentum", step=step)
     label = LABELS.get(cell["backend"], f"--backend {cell['backend']}")
-    return next((p for p in result.fitting if p.layout.label == label), None)
+    return next(((p, rank) for rank, p in enumerate(result.fitting) if p.layout.label == label),
+                None)
 
 
 def main() -> None:
@@ -146,8 +147,8 @@ def main() -> None:
             continue
         rows.append({key: cell[key] for key in ("model", "backend", "nodes", "rate")} | {
             "mpt": cell["mpt_step"], "raw": cell["raw_step"],
-            **{how: {"step": p.step, "compute": p.compute, "exposed": p.exposed}
-               for how, p in (("at_rate", at), ("on_link", on))}})
+            **{how: {"step": p.step, "compute": p.compute, "exposed": p.exposed, "rank": rank}
+               for how, (p, rank) in (("at_rate", at), ("on_link", on))}})
     report(rows)
     out = args.out or args.results.parent / "plan_cluster.json"
     out.write_text(json.dumps(rows, indent=1))
@@ -176,7 +177,7 @@ def report(rows: list[dict[str, Any]]) -> None:
     for (model, nodes, rate), group in sorted(groups.items()):
         if len(group) < 2:
             continue
-        chosen = min(group, key=lambda r: r["on_link"]["step"])
+        chosen = min(group, key=lambda r: r["on_link"]["rank"])  # the plan's first
         best = min(group, key=lambda r: r["mpt"])
         off = chosen["mpt"] / best["mpt"] - 1
         print(f"{model} {nodes} node(s) {rate}: plan's best {chosen['backend']} measured "

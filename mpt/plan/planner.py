@@ -20,6 +20,7 @@ from mpt.plan.network import Cluster
 from mpt.plan.profiles import MeasuredStep
 from mpt.plan.workload import profile, tp_plan_of
 from mpt.precision import PrecisionSpec, describe
+from mpt.run_config import RunConfig
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -109,7 +110,10 @@ def plan(net: nn.Module, cluster: Cluster, *, precision: str, batch: int,
     found, refused = layouts(net, nodes=cluster.nodes, gpus=cluster.gpus, precision=precision,
                              batch=batch, device_type=cluster.device.device_type)
     predictions = [predict(layout, model, cluster, spec) for layout in found]
-    fitting = sorted((p for p in predictions if not p.short), key=lambda p: p.step)
+    # equal steps (whole replicas on one rank: ddp, apex, horovod) rank mpt's default first
+    default = RunConfig().backend
+    fitting = sorted((p for p in predictions if not p.short),
+                     key=lambda p: (p.step, p.layout.backend != default))
     short = sorted((p for p in predictions if p.short), key=lambda p: p.short)
     result = Plan(cluster=cluster, parameters=parameter_counts(net)[0], batch=batch,
                   precision=precision, compute=compute, fitting=tuple(fitting), short=tuple(short),

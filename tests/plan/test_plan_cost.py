@@ -327,3 +327,12 @@ def test_the_backends_copies_around_their_collectives_are_their_own_term() -> No
         assert p.compute == pytest.approx(p.terms["forward"] + p.terms["backward"]
                                           + p.terms["optimizer step"]
                                           + p.terms["buffer copies"])
+
+
+def test_layouts_that_price_alike_rank_the_default_backend_first() -> None:
+    """One rank: ddp, apex and horovod run the same unwrapped step and price alike; the
+    plan's first is mpt's default backend, not the first name in the registry."""
+    result = _plan(1, 1)
+    alike = [p for p in result.fitting if p.step == result.best.step]
+    assert {"--backend ddp", "--backend apex"} <= {p.layout.label for p in alike}
+    assert result.best.layout.label == "--backend ddp"
