@@ -394,6 +394,7 @@ def _worker(local_rank: int, world: World, out: str, step: StepSpec | None,
         # the node's training ranks measure at once; a process started only for the
         # collectives (one node of one rank) waits in the gather below
         figures = device_figures(device, sync) if local_rank < training else {}
+        dist.barrier()  # each rank's figures take their own time: the step starts together
         if step is not None and local_rank < training:
             try:
                 figures["model_step"] = step_figures(step, device, sync)
