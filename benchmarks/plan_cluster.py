@@ -10,17 +10,17 @@ the same way: per (nodes, rate), `mpt plan --calibrate --nodes N --nr R` runs on
 fresh cluster shaped alike, so that the device figures (matmuls by dtype and shape, copy bandwidth,
 op overhead, optimizer steps; ``mpt.plan.calibrate``) are measured by N one-thread processes at
 once, sharing the cores as the cell's nodes did, and every collective's bus bandwidth and latency
-is measured across the nodes; one node's cells are calibrated by 2 processes. Each calibration is
-given the cell's model (`mpt plan benchmarks/plan_cluster.py:MODEL --calibrate`), so every rank
-also times that model's own step at the cell's batch per node, which the plan scales its op-by-op
-compute by. Each cell is then priced by ``mpt.plan.planner.plan`` on a cluster of N nodes x 1
-device of those figures, linked at the cell's rate (``--link``'s profile: the rate, 5 us a ring
-step), and again on the link measured (what `mpt plan --calibration FILE` uses by default). It
-prints both predictions, measured (mpt's step and the raw library's, the medians `scaling.py`
-reports) and their ratios, and, per (model, nodes, rate), whether the layout the plan ranks first
-among the measured ones measured within 10 % of the best measured. The goal of issue 36: every
-ratio within 0.8-1.2, every best within 10 %. The calibrations run after the cells, never beside
-them.
+is measured across the nodes; one node's cells are calibrated by 2 processes (the collectives need
+two), one of which measures the device, as the cell has one rank. Each calibration is given the
+cell's model (`mpt plan benchmarks/plan_cluster.py:MODEL --calibrate`), so every rank also times
+that model's own step at the cell's batch per node, which the plan scales its op-by-op compute by.
+Each cell is then priced by ``mpt.plan.planner.plan`` on a cluster of N nodes x 1 device of those
+figures, linked at the cell's rate (``--link``'s profile: the rate, 5 us a ring step), and again on
+the link measured (what `mpt plan --calibration FILE` uses by default). It prints both predictions,
+measured (mpt's step and the raw library's, the medians `scaling.py` reports) and their ratios,
+and, per (model, nodes, rate), whether the layout the plan ranks first among the measured ones
+measured within 10 % of the best measured. The goal of issue 36: every ratio within 0.8-1.2, every
+best within 10 %. The calibrations run after the cells, never beside them.
 A benchmark, not a test: it prints figures and never fails on them.
 """
 
@@ -66,10 +66,11 @@ def calibrate_command(model: str, nodes: int) -> list[str]:
 
 
 def calibrated(model: str, nodes: int, rate: str, folder: Path, reuse: bool) -> Any:
-    """`mpt plan MODEL --calibrate`: on one node by 2 processes; else with ``--nodes N`` on
-    each of ``nodes`` emulated nodes shaped at ``rate`` (a fresh cluster shaped as the
-    cell's): the device figures and the model's step of N one-thread processes at once, and
-    every collective measured across the nodes. ``reuse``: an earlier file, where there is."""
+    """`mpt plan MODEL --calibrate`: on one node by 2 processes (one measures the device);
+    else with ``--nodes N`` on each of ``nodes`` emulated nodes shaped at ``rate`` (a fresh
+    cluster shaped as the cell's): the device figures and the model's step of N one-thread
+    processes at once, and every collective measured across the nodes. ``reuse``: an earlier
+    file, where there is."""
     import subprocess
 
     from mpt.cluster import EmulatedCluster, LinkShape, run_nodes
