@@ -32,6 +32,7 @@ Horovod's tensor-fusion buffer, which Horovod reads once, from ``HOROVOD_FUSION_
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import gc
 import os
@@ -51,6 +52,7 @@ from mpt.comm import GradComm
 from mpt.errors import MissingDependencyError, UsageError
 from mpt.estimate import Buffers, MemoryEstimate
 from mpt.parallel import ParallelPlan
+from mpt.parallel.traffic import Traffic
 from mpt.parse import one_of, parse_size
 from mpt.precision import PrecisionSpec
 
@@ -264,6 +266,17 @@ class HorovodBackend(Backend):
         step) and the part of Horovod's tensor-fusion buffer the fused gradients write: at
         most its default 128 MiB (``--bucket-mb``, which sets it, is not an option here)."""
         return Buffers(held=row.gradients + min(FUSION_DEFAULT, row.gradients))
+
+    @classmethod
+    def step_traffic(cls, options: Mapping[str, Any], plan: ParallelPlan, spec: PrecisionSpec,
+                     parameters: float, microbatches: int = 1,
+                     module: nn.Module | None = None) -> Traffic:
+        """The default's allreduce of the gradients, run by Horovod's own ring: priced by its
+        fit where the calibration swept it (``mpt plan --calibrate`` with Horovod installed),
+        which on a shared CPU is 1.5-3.3 x torch's gloo allreduce (docs/benchmarks.md)."""
+        flow = super().step_traffic(options, plan, spec, parameters, microbatches, module)
+        return dataclasses.replace(flow, collectives=tuple(
+            dataclasses.replace(c, library="horovod") for c in flow.collectives))
 
     @classmethod
     def availability(cls) -> Availability:

@@ -89,15 +89,19 @@ class HorovodRendezvous:
     @classmethod
     def start(cls, spec: LaunchSpec) -> HorovodRendezvous:
         """Serve the job's rendezvous on node 0; the other nodes only need its address."""
+        return cls.serve(spec.world, str(spec.master_addr), rendezvous_port(spec))
+
+    @classmethod
+    def serve(cls, world: World, master_addr: str, port: int) -> HorovodRendezvous:
+        """Serve ``world``'s rendezvous on ``port`` (0: a free one) where ``world.nr`` is 0;
+        elsewhere only its address. No address without Horovod."""
         classes = _server_classes()
         if classes is None:
             return cls(address="")
-        port = rendezvous_port(spec)
-        if spec.nr != 0:
-            return cls(address=f"{spec.master_addr}:{port}")
+        if world.nr != 0:
+            return cls(address=f"{master_addr}:{port}")
         server_class, handler, slot = classes
         server = server_class(("", port), handler, False)
-        world = spec.world
         server.init([slot(hostname=NODE_NAME.format(nr=nr), rank=rank, local_rank=local,
                           cross_rank=nr, size=world.world_size, local_size=world.gpus,
                           cross_size=world.nodes)
@@ -107,7 +111,7 @@ class HorovodRendezvous:
         thread = threading.Thread(target=server.serve_forever, args=(0.01,),
                                   name="horovod-rendezvous", daemon=True)
         thread.start()
-        return cls(address=f"{spec.master_addr}:{server.server_address[1]}", server=server,
+        return cls(address=f"{master_addr}:{server.server_address[1]}", server=server,
                    thread=thread)
 
     def env(self) -> dict[str, str]:

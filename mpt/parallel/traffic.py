@@ -31,6 +31,10 @@ class Collective:
     """Bytes of the whole tensor (a rank's gradients, or the parameters it gathers)."""
     what: str
     """What moves, for people: ``gradients``, ``parameters``, ``gradient shard``."""
+    library: str = ""
+    """The library whose own collective runs it where that is not torch.distributed's
+    (``horovod``): the cost model prices it by that library's calibrated fit, where there is
+    one."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -232,6 +232,31 @@ def sweep(world: int, device: torch.device, sync: Callable[[], None],
     return fits
 
 
+def horovod_sweep(world: World, address: str, device: torch.device,
+                  sync: Callable[[], None]) -> dict[str, float]:
+    """Horovod's own allreduce between every rank of ``world`` over ``SIZES``, fitted as
+    ``sweep``'s (its latency per ring step): this rank's ``hvd.init()`` joins the others at the
+    rendezvous ``address`` over gloo, as under `mpt launch`, and leaves before the rest of the
+    calibration."""
+    from mpt.launchers.horovod_join import join_env
+
+    os.environ.update(join_env(world, address))
+    import horovod.torch as hvd
+
+    hvd.init()
+    try:
+        points = []
+        for size in SIZES:
+            whole = torch.ones(size // 4, device=device)
+            seconds = _timed(lambda whole=whole: hvd.allreduce(whole, op=hvd.Sum), 5, sync)
+            points.append((ring_factor("all_reduce", world.world_size) * size, seconds))
+    finally:
+        hvd.shutdown()
+    found = fit(points)
+    found["latency"] /= ring_steps("all_reduce", world.world_size)
+    return found
+
+
 def _cold_flops(shapes: tuple[tuple[int, int], tuple[int, int]], dtype: torch.dtype,
                 device: torch.device, sync: Callable[[], None]) -> float:
     """FLOP/s of ``a @ b`` of these shapes, each timing through enough copies of the operands
@@ -365,7 +390,7 @@ def step_figures(spec: StepSpec, device: torch.device, sync: Callable[[], None]
 
 
 def _worker(local_rank: int, world: World, out: str, step: StepSpec | None,
-            training: int) -> None:
+            training: int, horovod: str) -> None:
     import torch.distributed as dist
 
     world = dataclasses.replace(world, local_rank=local_rank)
@@ -390,6 +415,9 @@ def _worker(local_rank: int, world: World, out: str, step: StepSpec | None,
         within = sweep(world.gpus, device, sync, nodes[world.nr]) if world.gpus > 1 else {}
         dist.barrier()
         link = sweep(world.world_size, device, sync) if world.nodes > 1 else {}
+        if horovod:  # its ring over every rank: within the node, or across the nodes
+            (link if world.nodes > 1 else within)["horovod:all_reduce"] = horovod_sweep(
+                world, horovod, device, sync)
         dist.barrier()
         # the node's training ranks measure at once; a process started only for the
         # collectives (one node of one rank) waits in the gather below
@@ -434,13 +462,22 @@ def measure_nodes(world: World, step: StepSpec | None = None, training: int | No
     figures and ``step``'s model; node 0 returns the figures, the others None."""
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "figures.json"
-        mp.spawn(_worker, args=(world, str(path), step, training or world.gpus),
-                 nprocs=world.gpus, join=True)
-        if world.nr:
-            return None
-        figures = json.loads(path.read_text())
+    from mpt.launchers.horovod_join import HorovodRendezvous
+
+    # Horovod's collectives too, where it is installed: its workers meet at a rendezvous that
+    # node 0 serves (on --master-port + 1 across nodes, as `mpt launch` does)
+    rendezvous = HorovodRendezvous.serve(world, str(world.master_addr),
+                                         world.master_port + 1 if world.nodes > 1 else 0)
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "figures.json"
+            mp.spawn(_worker, args=(world, str(path), step, training or world.gpus,
+                                    rendezvous.address), nprocs=world.gpus, join=True)
+            if world.nr:
+                return None
+            figures = json.loads(path.read_text())
+    finally:
+        rendezvous.stop()
     failed = figures.get("model_step", {}).get("error")
     if step is not None and failed:
         raise UsageError("MODEL", step.model, f"its step did not run on this device ({failed})",

@@ -12,10 +12,11 @@ carries such a fit).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from mpt.parallel import Axis, ParallelPlan
-from mpt.plan.profiles import Device, Link
+from mpt.plan.profiles import CollectiveFit, Device, Link
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -62,16 +63,23 @@ def ring_steps(kind: str, ranks: int) -> int:
     return 2 * (ranks - 1) if kind == "all_reduce" else ranks - 1
 
 
-def collective(kind: str, size: float, plan: ParallelPlan, axis: Axis, cluster: Cluster
-               ) -> Transfer:
-    """A collective of a ``size``-byte tensor over every group of ``axis`` at once."""
+def fit_of(fits: Mapping[str, CollectiveFit], kind: str, library: str = ""
+           ) -> CollectiveFit | None:
+    """The fit of ``kind`` run by ``library`` (calibrated as ``library:kind``), else torch's."""
+    return fits.get(f"{library}:{kind}") or fits.get(kind)
+
+
+def collective(kind: str, size: float, plan: ParallelPlan, axis: Axis, cluster: Cluster,
+               library: str = "") -> Transfer:
+    """A collective of a ``size``-byte tensor over every group of ``axis`` at once, run by
+    ``library``'s own collective where one was calibrated (else torch.distributed's)."""
     groups = plan.groups(axis)
     ranks = len(groups[0])
     if ranks == 1 or size <= 0:
         return Transfer(seconds=0.0, per_rank=0.0, link_bytes=0.0, crosses=False)
     per_rank = ring_factor(kind, ranks) * size
     steps = ring_steps(kind, ranks)
-    fit = cluster.device.collectives.get(kind)
+    fit = fit_of(cluster.device.collectives, kind, library)
     latency = fit.latency if fit else cluster.device.intra_node.latency
     intra_bandwidth = fit.bus_bandwidth if fit else cluster.device.intra_node.bandwidth
     nodes_of = [{rank // cluster.gpus for rank in group} for group in groups]
@@ -82,7 +90,7 @@ def collective(kind: str, size: float, plan: ParallelPlan, axis: Axis, cluster: 
     if crossing:
         busiest = max(sum(node in nodes for nodes in crossing) for node in range(cluster.nodes))
         link_bytes = busiest * per_rank
-        between = cluster.link.collectives.get(kind)  # measured across the nodes
+        between = fit_of(cluster.link.collectives, kind, library)  # measured across nodes
         latency = max(latency, between.latency if between else cluster.link.latency)
         link_bandwidth = between.bus_bandwidth if between else link_bandwidth
     seconds = steps * latency + max(intra, link_bytes / link_bandwidth)

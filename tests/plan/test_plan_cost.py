@@ -59,6 +59,27 @@ def test_a_collective_measured_across_the_nodes_is_priced_by_its_own_fit() -> No
         collective("all_gather", GRADIENTS, layout, "dp_shard", _cluster(2, 1)).seconds)
 
 
+def test_horovods_allreduce_is_priced_by_its_own_fit_where_one_was_calibrated() -> None:
+    """Horovod declares its gradients' allreduce as its own; a link that carries a
+    ``horovod:all_reduce`` fit prices it by that, ddp's by torch's, and without one both
+    alike."""
+    fast = CollectiveFit(bus_bandwidth=100e6, latency=1e-4)
+    slow = CollectiveFit(bus_bandwidth=40e6, latency=1e-4)
+    link = replace(link_profile("1gbit"),
+                   collectives={"all_reduce": fast, "horovod:all_reduce": slow})
+    measured = plan(meta_model(mlp), replace(_cluster(2, 1), link=link), precision="fp32",
+                    batch=16, input_shape=[1024], input_dtype=torch.float32)
+
+    def comm(result, backend: str) -> float:
+        return _by_label(result, f"--backend {backend}").terms["data-parallel communication"]
+
+    ring = GRADIENTS  # 2(N-1)/N x the gradients at N = 2
+    assert comm(measured, "ddp") == pytest.approx(2 * 1e-4 + ring / 100e6, rel=1e-3)
+    assert comm(measured, "horovod") == pytest.approx(2 * 1e-4 + ring / 40e6, rel=1e-3)
+    datasheet = _plan(2, 1)
+    assert comm(datasheet, "horovod") == pytest.approx(comm(datasheet, "ddp"))
+
+
 def test_bytes_on_the_link_match_the_measured_ones() -> None:
     """Measured per node per step at 2 nodes (docs/benchmarks.md, `make scaling`): ddp, apex,
     horovod 100.9 MB; DeepSpeed ZeRO-1 151 MB."""
