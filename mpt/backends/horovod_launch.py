@@ -72,15 +72,23 @@ def own_address(spec: Launch) -> str:
     return found.pop() if len(found) == 1 else "ADDRESS"
 
 
+def unreachable_gloo(nodes: int, master_addr: str) -> str | None:
+    """The loopback address Horovod's gloo would bind where this host name resolves to one and
+    the job spans machines, so that the other nodes cannot reach this one; None where it can.
+    A ``master_addr`` of loopback (127.0.0.1, ::1, localhost) says every node runs on this
+    machine, where loopback serves."""
+    if nodes == 1 or master_addr == "localhost" or is_loopback(master_addr):
+        return None
+    address = gloo_address()
+    return address if address is not None and is_loopback(address) else None
+
+
 def check_host_name(spec: Launch) -> None:
     """Refuse Horovod on several machines where this host name resolves to loopback: Horovod
     would bind 127.0.0.1 for every collective and the job would abort in gloo's connect after
-    minutes (see the module's docstring). A ``--master-addr`` of loopback (127.0.0.1, ::1,
-    localhost) says every node runs on this machine, where loopback serves."""
-    if spec.nodes == 1 or spec.master_addr == "localhost" or is_loopback(spec.master_addr):
-        return
-    address = gloo_address()
-    if address is None or not is_loopback(address):
+    minutes (see the module's docstring)."""
+    address = unreachable_gloo(spec.nodes, spec.master_addr)
+    if address is None:
         return
     host = socket.gethostname()
     raise UsageError("--backend", "horovod", f"this node's host name {host} resolves to "

@@ -462,12 +462,15 @@ def measure_nodes(world: World, step: StepSpec | None = None, training: int | No
     figures and ``step``'s model; node 0 returns the figures, the others None."""
     import torch.multiprocessing as mp
 
+    from mpt.backends.horovod_launch import unreachable_gloo
     from mpt.launchers.horovod_join import HorovodRendezvous
 
     # Horovod's collectives too, where it is installed: its workers meet at a rendezvous that
-    # node 0 serves (on --master-port + 1 across nodes, as `mpt launch` does)
-    rendezvous = HorovodRendezvous.serve(world, str(world.master_addr),
-                                         world.master_port + 1 if world.nodes > 1 else 0)
+    # node 0 serves (on --master-port + 1 across nodes, as `mpt launch` does). Not where its
+    # gloo would bind loopback across machines: `mpt launch --backend horovod` refuses that job.
+    rendezvous = HorovodRendezvous(address="") if unreachable_gloo(
+        world.nodes, str(world.master_addr)) else HorovodRendezvous.serve(
+        world, str(world.master_addr), world.master_port + 1 if world.nodes > 1 else 0)
     try:
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "figures.json"
