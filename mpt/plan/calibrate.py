@@ -341,32 +341,26 @@ def step_figures(spec: StepSpec, device: torch.device, sync: Callable[[], None]
     """``spec``'s model built on ``device`` and trained on one micro-batch: the seconds of its
     forward and backward, and of its optimizer step with ``zero_grad`` (gradients to None, as
     torch's default frees them), each a median (``MeasuredStep``'s fields)."""
-    import contextlib
-
     from torch.utils._pytree import tree_leaves
 
     from mpt.estimate import load_model
-    from mpt.precision import describe
+    from mpt.precision import make_precision
 
-    precision = describe(spec.precision)
+    # as mpt trains in it: a cast model (O2, O3) cast by the precision itself, batch norm kept
+    # where it keeps it and float inputs cast by its hook, else the forward under its autocast
+    precision = make_precision(spec.precision, device.type)
     with torch.device(device):
-        net = load_model(spec.model)()
-    if not precision.autocast and precision.compute != torch.float32:
-        net.to(precision.compute)  # a cast model (O2, O3, bf16-true)
+        net = precision.convert_module(load_model(spec.model)())
     shape = (spec.micro_batch, *spec.input_shape)
     dtype = getattr(torch, spec.input_dtype)
-    if dtype.is_floating_point:  # a cast model's samples come in its own dtype
-        x = torch.randn(shape, device=device,
-                        dtype=dtype if precision.autocast else precision.compute)
-    else:
-        x = torch.zeros(shape, device=device, dtype=dtype)
+    x = (torch.randn(shape, device=device) if dtype.is_floating_point
+         else torch.zeros(shape, device=device, dtype=dtype))
     cls, kwargs = OPTIMIZERS[spec.optimizer]
     # a tiny rate: the weights stay where they began, so no step slows on overflowing values
     optimizer = getattr(torch.optim, cls)(net.parameters(), lr=1e-9, **kwargs)
 
     def forward_backward() -> None:
-        with (torch.autocast(device.type, dtype=precision.compute) if precision.autocast
-              else contextlib.nullcontext()):
+        with precision.autocast():
             out = net(x)
         sum(t.float().sum() for t in tree_leaves(out)
             if isinstance(t, torch.Tensor) and t.is_floating_point()).backward()

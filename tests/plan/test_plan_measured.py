@@ -99,13 +99,19 @@ def test_the_calibration_times_a_models_own_step_and_keeps_it(tmp_path) -> None:
 
 
 def test_token_ids_and_a_cast_model_are_timed_in_their_own_dtypes(tmp_path) -> None:
+    """Token ids run as ids (an embedding refuses floats), and a model cast to bf16 (O2) is
+    fed its float samples in bf16 by the precision's own hook (a bf16 Linear refuses fp32)."""
     from mpt.plan import calibrate
 
-    (tmp_path / "tokens.py").write_text(
-        "from torch import nn\n\ndef build():\n"
-        "    return nn.Sequential(nn.Embedding(50, 8), nn.Flatten(), nn.Linear(8 * 6, 50))\n")
-    spec = StepSpec(model=f"{tmp_path}/tokens.py:build", input_shape=(6,),
-                              input_dtype="int64", micro_batch=3, precision="O2-bf16",
-                              optimizer="sgd")
-    figures = calibrate.step_figures(spec, torch.device("cpu"), lambda: None)
-    assert figures["spec"]["precision"] == "O2-bf16" and figures["forward_backward"] > 0
+    (tmp_path / "models.py").write_text(
+        "from torch import nn\n\ndef tokens():\n"
+        "    return nn.Sequential(nn.Embedding(50, 8), nn.Flatten(), nn.Linear(8 * 6, 50))\n"
+        "\ndef features():\n"
+        "    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Linear(16, 2))\n")
+    for name, dtype, parameters in (("tokens", "int64", 50 * 8 + 48 * 50 + 50),
+                                    ("features", "float32", 6 * 16 + 16 + 2 * 16 + 16 * 2 + 2)):
+        spec = StepSpec(model=f"{tmp_path}/models.py:{name}", input_shape=(6,),
+                        input_dtype=dtype, micro_batch=3, precision="O2-bf16", optimizer="sgd")
+        figures = calibrate.step_figures(spec, torch.device("cpu"), lambda: None)
+        assert figures["parameters"] == parameters
+        assert figures["forward_backward"] > 0 and figures["update"] > 0
