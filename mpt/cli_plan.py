@@ -89,9 +89,10 @@ def plan_command(
 
     one_of(*OPTIMIZER_STATES)("--optimizer", optimizer)
     dtype = getattr(torch, one_of(*INPUT_DTYPES)("--input-dtype", input_dtype))
-    net = None if model is None else meta_model(load_model(model))
-    shape = None if net is None else _input_shape(input_shape, net)
-    if net is not None and shape is not None:
+    net = shape = None
+    if model is not None:
+        net = meta_model(load_model(model))
+        shape = _input_shape(input_shape, net)
         _check_input(net, shape, dtype)
     if calibrate:
         from mpt.environments.world import World
