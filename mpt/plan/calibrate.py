@@ -234,10 +234,13 @@ def sweep(world: int, device: torch.device, sync: Callable[[], None],
 
 def horovod_sweep(world: World, address: str, device: torch.device,
                   sync: Callable[[], None]) -> dict[str, float]:
-    """Horovod's own allreduce between every rank of ``world`` over ``SIZES``, fitted as
-    ``sweep``'s (its latency per ring step): this rank's ``hvd.init()`` joins the others at the
-    rendezvous ``address`` over gloo, as under `mpt launch`, and leaves before the rest of the
-    calibration."""
+    """Horovod's own allreduce between every rank of ``world`` over ``SIZES`` and its default
+    tensor-fusion buffer (``FUSION_DEFAULT``: what it sends at once of a step's gradients, and
+    its ring's speed per byte still grows there, 0.065 GB/s at 32 MiB and 0.085 at 64 MiB
+    across 4 nodes at 1 Gbit/s), fitted as ``sweep``'s (its latency per ring step): this rank's
+    ``hvd.init()`` joins the others at the rendezvous ``address`` over gloo, as under `mpt
+    launch`, and leaves before the rest of the calibration."""
+    from mpt.backends.horovod import FUSION_DEFAULT
     from mpt.launchers.horovod_join import join_env
 
     os.environ.update(join_env(world, address))
@@ -246,7 +249,7 @@ def horovod_sweep(world: World, address: str, device: torch.device,
     hvd.init()
     try:
         points = []
-        for size in SIZES:
+        for size in (*SIZES, FUSION_DEFAULT):
             whole = torch.ones(size // 4, device=device)
             seconds = _timed(lambda whole=whole: hvd.allreduce(whole, op=hvd.Sum), 5, sync)
             points.append((ring_factor("all_reduce", world.world_size) * size, seconds))
