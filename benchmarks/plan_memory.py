@@ -6,12 +6,15 @@
     .venv/bin/mpt launch --gpus 2 --backend fsdp --host-memory lean \
         benchmarks/plan_memory.py --batch 2048      # activations beside the state
     .venv/bin/mpt launch --gpus 2 --backend deepspeed --host-memory lean benchmarks/plan_memory.py
+    .venv/bin/mpt launch --gpus 2 --backend fsdp --host-memory lean \
+        benchmarks/plan_memory.py --model deep     # eight alike units
     .venv/bin/mpt launch --gpus 4 --pipeline-stages 2 --backend fsdp --host-memory lean \
         benchmarks/plan_memory.py                   # the fullest stage's ranks
 
 Every rank builds the MLP of tests/plan/plan_models.py (25.2 M parameters, 403 MB of fp32 Adam
-state) and trains it for ``--steps`` steps of ``--batch`` samples per replica
-(``rt.forward_backward``: a pipeline's micro-batches among them). The kernel keeps the process's
+state; ``--model deep``: that file's eight alike layers, 29.4 M) and trains it for ``--steps``
+steps of ``--batch`` samples per replica (``rt.forward_backward``: a pipeline's micro-batches
+among them). The kernel keeps the process's
 peak resident set size (``VmHWM``, restarted just before the model is built); the measured
 figure is that peak above the RSS at the restart (the process, torch, mpt's modules and the
 process group are not what the model costs, and the plan does not count them). Then the
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -46,7 +50,7 @@ from mpt.plan.planner import model_of
 from mpt.plan.profiles import Device, link_profile
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "plan"))
-from plan_models import mlp  # the model `mpt plan`'s tests price
+import plan_models  # the models `mpt plan`'s tests price
 
 MiB = 2**20
 INPUT = 1024
@@ -73,11 +77,12 @@ def _status(key: str) -> int:
     return int(line.split()[1]) * 1024  # kB
 
 
-def predicted(rt: mpt.Runtime, batch: int) -> Prediction:
+def predicted(rt: mpt.Runtime, build: Callable[[], torch.nn.Module], batch: int
+              ) -> Prediction:
     """The cost model's row for this launch: its backend, precision, ranks and global batch.
     Of the device, memory depends only on its type (torch's Adam steps CPU tensors one at a
     time); the throughput figures below are placeholders no memory term reads."""
-    net = meta_model(mlp)
+    net = meta_model(build)
     spec = rt.precision.spec
     pipeline = rt.config.pipeline_at(rt.world_size)
     chosen = layout(net, rt.backend.name, rt.config.backend_options, rt.topology.plan.pp, 1,
@@ -95,13 +100,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=64, help="samples per rank and step")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--model", choices=("mlp", "deep"), default="mlp",
+                        help="tests/plan/plan_models.py's model: the MLP, or eight layers of "
+                        "about one size (fsdp's units alike)")
     args = parser.parse_args()
 
     rt = mpt.Runtime(quiet=True)
     rt.barrier()
     before = reset_peak_rss()
     torch.manual_seed(rt.rank)
-    net = mlp()
+    build = getattr(plan_models, args.model)
+    net = build()
     net, _optimizer = rt.setup(net, torch.optim.Adam(net.parameters(), lr=1e-4))
     for _ in range(args.steps):
         x = torch.randn(args.batch, INPUT, device=rt.device)
@@ -110,7 +119,7 @@ def main() -> None:
     rt.barrier()
     measured = peak_rss() - before
     # Priced after the run: profiling on meta frees memory the training would reuse unseen.
-    plan = predicted(rt, args.batch)
+    plan = predicted(rt, build, args.batch)
 
     parts = (f"parameters {plan.memory.parameters / MiB:.0f}, gradients "
              f"{plan.memory.gradients / MiB:.0f}, optimizer {plan.memory.optimizer / MiB:.0f}, "

@@ -108,6 +108,22 @@ def unit_parameters(model: nn.Module, wrap: frozenset[str] | None) -> list[list[
     return found
 
 
+def held_beside(model: nn.Module, wrap: frozenset[str] | None, shards: int) -> int:
+    """Elements fully_shard holds in its backward beyond the sharded state and the largest
+    unit's parameters and gradients (what a row counts whole), at the peak over the units: in
+    a unit's backward, with its weights gathered and its gradients whole, the unit before it
+    (in the order fully_shard takes them: the forward's, for a sequence of blocks) is
+    all-gathered ahead (its flat output, and this rank's shard
+    copied in), and the reduce-scatter input of the unit after it is kept until this one
+    reduces (torch's ``FSDPParamGroup.post_backward``: one such buffer in flight). The root's
+    own parameters are gathered first."""
+    *found, root = (sum(unit) for unit in unit_parameters(model, wrap))
+    sizes = [0, root, *found, 0]
+    peak = max(2 * size + (1 + 1 / shards) * ahead + after
+               for ahead, size, after in zip(sizes, sizes[1:], sizes[2:], strict=False))
+    return int(peak) - 2 * max(sizes)
+
+
 def _reshards(values: Mapping[str, Any], plan: ParallelPlan) -> bool:
     """Whether fully_shard frees a unit's gathered parameters after its forward:
     ``--fsdp-reshard-after-forward`` as parsed, else mpt's default, no under a pipeline."""
@@ -245,15 +261,21 @@ class FSDPBackend(DDPBackend):
     def estimate_buffers(cls, stage: nn.Module, spec: PrecisionSpec, row: MemoryEstimate,
                          share: float, plan: ParallelPlan, options: Mapping[str, Any]
                          ) -> Buffers:
-        """The unit fully_shard gathers ahead (it prefetches the next one) beside the one that
-        runs, which the row counts with its unsharded gradients; all three are freed after the
-        backward. Under a pipeline, unless ``--fsdp-reshard-after-forward yes``: the stage's
+        """What fully_shard holds beside the unit that runs in the backward (which the row
+        counts with its unsharded gradients): the unit it gathers ahead and a reduce-scatter's
+        input (``held_beside``); all of it freed after the backward. Under a pipeline with
+        ``--fsdp-reshard-after-forward yes``, one unit gathered ahead (as measured; 1F1B's
+        interleaved micro-batches were not traced). Under a pipeline without it: the stage's
         weights and gradients whole instead (torch's ``PipelineStage`` keeps them over the
         micro-batches, and nothing is gathered ahead), and the flat input of a unit's
         reduce-scatter (its gradients copied), all freed after the last backward."""
         values = cls.check_options(options)
         unit = int(spec.params.itemsize * largest_unit(stage, values["wrap"]) * share)
-        if plan.pp == 1 or _reshards(values, plan):
+        if plan.pp == 1:
+            beside = int(spec.params.itemsize * share
+                         * held_beside(stage, values["wrap"], plan.dp_shard))
+            return Buffers(held=beside, released=beside + 2 * unit)
+        if _reshards(values, plan):
             return Buffers(held=unit, released=3 * unit)
         whole = int(spec.params.itemsize * share * sum(parameter_counts(stage)))
         return Buffers(held=whole - unit, released=whole + unit)

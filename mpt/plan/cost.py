@@ -28,15 +28,15 @@ The step, for a rank of the slowest pipeline stage:
 
 Memory per rank, at the higher of two peaks: the backend's ``estimate_row`` of its
 ``estimate_memory`` for the stage's blocks at the shard size, its tp-split parameters over T,
-and its ``estimate_buffers`` (DDP's buckets, fsdp's prefetched unit or, under a pipeline, its
-stage kept gathered, Horovod's copies and fusion buffer, ZeRO-1/2/3's buckets and ZeRO-3's
-gathered parameters), and under a pipeline torch's receive buffers, one per micro-batch; then
-either the backward's activations (what autograd saves, a tensor two blocks save counted once,
-times the micro-batches 1F1B keeps in flight on the first stage, min(M, P); under tp, the
-activations of split ops over T by their share of the forward's bytes; 16-bit under a cast
-model) or the optimizer step's temporaries, less what the backward frees before the step
-(fsdp's gathered units). Not counted: the allocator's slack, the process, DeepSpeed ZeRO-0's
-buffers.
+and its ``estimate_buffers`` (DDP's buckets, fsdp's prefetched unit and reduce-scatter input
+or, under a pipeline, its stage kept gathered, Horovod's copies and fusion buffer, ZeRO-1/2/3's
+buckets and ZeRO-3's gathered parameters), and under a pipeline torch's receive buffers, one
+per micro-batch; then either the backward's activations (what autograd saves, a tensor two
+blocks save counted once, times the micro-batches 1F1B keeps in flight on the first stage,
+min(M, P); under tp, the activations of split ops over T by their share of the forward's
+bytes; 16-bit under a cast model) or the optimizer step's temporaries, less what the backward
+frees before the step (fsdp's gathered units). Not counted: the allocator's slack, the
+process, DeepSpeed ZeRO-0's buffers.
 """
 
 from __future__ import annotations

@@ -12,6 +12,14 @@ def mlp() -> nn.Module:
                          nn.Linear(4096, 1024))
 
 
+def deep() -> nn.Module:
+    """Eight layers of about one size (29.4 M parameters): fsdp's units are alike, so keeping
+    them all gathered costs 7 x what gathering one ahead does."""
+    layers = [nn.Linear(1024, 2048), *(nn.Linear(2048, 2048) for _ in range(6)),
+              nn.Linear(2048, 1024)]
+    return nn.Sequential(*(m for layer in layers for m in (layer, nn.ReLU())))
+
+
 def small() -> nn.Module:
     """A model whose own step a calibration times in a moment."""
     return nn.Sequential(nn.Linear(1024, 64), nn.ReLU(), nn.Linear(64, 8))

@@ -38,10 +38,28 @@ def test_ddp_adds_its_buckets_and_adams_temporaries() -> None:
 
 
 def test_fsdp_peaks_in_the_backward_with_a_prefetched_unit() -> None:
+    """In the largest unit's backward (its weights and gradients in the row), the unit before
+    it gathered ahead (its flat output and the rank's half copied in) and the reduce-scatter
+    input of the unit after it; all three freed by the step."""
+    first, last = (1024 * 4096 + 4096) * 4, (4096 * 1024 + 1024) * 4
     p = _predict("fsdp", 64)
-    assert p.buffers == UNIT and p.released == 3 * UNIT
+    assert p.buffers == 1.5 * first + last and p.released == p.buffers + 2 * UNIT
     assert p.transient == LARGEST  # its shard of the largest weight, twice
     assert p.total_memory == p.memory.device + p.buffers + p.activations
+
+
+def test_fsdps_buffers_follow_the_units_beside_the_one_that_runs() -> None:
+    """Alike units: one gathered ahead and one reduce-scatter input whatever the largest; the
+    root's own parameters are gathered first."""
+    from plan_models import deep
+
+    from mpt.backends.fsdp import held_beside
+
+    unit = 2048 * 2048 + 2048
+    assert held_beside(deep(), None, 2) == 1.5 * unit + unit
+    assert held_beside(deep(), None, 4) == 1.25 * unit + unit
+    tiny = torch.nn.Sequential(torch.nn.Linear(8, 8))  # too small a unit: the root holds it
+    assert held_beside(tiny, None, 2) == 0  # nothing beside the one that runs
 
 
 def test_a_tensor_two_blocks_save_counts_once() -> None:
