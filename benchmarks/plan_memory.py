@@ -14,14 +14,13 @@
 Every rank builds the MLP of tests/plan/plan_models.py (25.2 M parameters, 403 MB of fp32 Adam
 state; ``--model deep``: that file's eight alike layers, 29.4 M) and trains it for ``--steps``
 steps of ``--batch`` samples per replica (``rt.forward_backward``: a pipeline's micro-batches
-among them). The kernel keeps the process's
-peak resident set size (``VmHWM``, restarted just before the model is built); the measured
-figure is that peak above the RSS at the restart (the process, torch, mpt's modules and the
-process group are not what the model costs, and the plan does not count them). Then the
-rank prices its own launch with the cost model (``mpt.plan.cost.predict`` of the launch's
-backend, precision, ranks, pipeline stages and batch: the memory `mpt plan` prints for that
-layout, a pipeline's for its fullest stage) and rank 0 prints it beside the highest rank's
-peak, with their ratio.
+among them). The kernel keeps the process's peak resident set size (``VmHWM``, restarted just
+before the model is built); the measured figure is that peak above the RSS at the restart (the
+process, torch, mpt's modules and the process group are not what the model costs, and the plan
+does not count them). Then the rank prices its own launch with the cost model
+(``mpt.plan.cost.predict`` of the launch's backend, precision, ranks, pipeline stages and
+batch: the memory `mpt plan` prints for that layout, a pipeline's for its fullest stage) and
+rank 0 prints it beside the highest rank's peak, with their ratio.
 
 ``--host-memory lean`` returns every freed block of 1 MiB or more to the OS at once, so the
 resident set is what the run holds; under the default (``fast``) glibc keeps freed blocks for

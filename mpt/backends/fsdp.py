@@ -113,10 +113,10 @@ def held_beside(model: nn.Module, wrap: frozenset[str] | None, shards: int) -> i
     unit's parameters and gradients (what a row counts whole), at the peak over the units: in
     a unit's backward, with its weights gathered and its gradients whole, the unit before it
     (in the order fully_shard takes them: the forward's, for a sequence of blocks) is
-    all-gathered ahead (its flat output, and this rank's shard
-    copied in), and the reduce-scatter input of the unit after it is kept until this one
-    reduces (torch's ``FSDPParamGroup.post_backward``: one such buffer in flight). The root's
-    own parameters are gathered first."""
+    all-gathered ahead (its flat output, and this rank's shard copied in), and the
+    reduce-scatter input of the unit after it is kept until this one reduces (torch's
+    ``FSDPParamGroup.post_backward``: one such buffer in flight). The root's own parameters
+    are gathered first."""
     *found, root = (sum(unit) for unit in unit_parameters(model, wrap))
     sizes = [0, root, *found, 0]
     peak = max(2 * size + (1 + 1 / shards) * ahead + after
