@@ -55,7 +55,8 @@ class Buffers:
     (``Backend.estimate_buffers``): `mpt plan` counts it in the rank's peak."""
 
     held: int = 0
-    """The backend's own buffers (DDP's buckets, fsdp's next unit gathered ahead)."""
+    """The backend's own buffers (DDP's buckets, fsdp's unit gathered ahead and the
+    reduce-scatter input it keeps)."""
     released: int = 0
     """What of the row and ``held`` the backward frees before the optimizer steps (fsdp's
     gathered units), so that the step's temporaries may reuse it."""
