@@ -108,19 +108,26 @@ def unit_parameters(model: nn.Module, wrap: frozenset[str] | None) -> list[list[
     return found
 
 
-def held_beside(model: nn.Module, wrap: frozenset[str] | None, shards: int) -> int:
+def held_beside(model: nn.Module, wrap: frozenset[str] | None, shards: int,
+                reshard: bool = True) -> int:
     """Elements fully_shard holds in its backward beyond the sharded state and the largest
-    unit's parameters and gradients (what a row counts whole), at the peak over the units: in
-    a unit's backward, with its weights gathered and its gradients whole, the unit before it
-    (in the order fully_shard takes them: the forward's, for a sequence of blocks) is
-    all-gathered ahead (its flat output, and this rank's shard copied in), and the
+    unit's parameters and gradients (what a row counts whole), at the peak over the units, in
+    the order fully_shard takes them (the forward's, for a sequence of blocks; the root's own
+    parameters first). In a unit's backward, its weights gathered and its gradients whole, the
     reduce-scatter input of the unit after it is kept until this one reduces (torch's
-    ``FSDPParamGroup.post_backward``: one such buffer in flight). The root's own parameters
-    are gathered first."""
+    ``FSDPParamGroup.post_backward``: one such buffer in flight); and ``reshard`` (after the
+    forward): the unit before it all-gathered ahead (its flat output, and this rank's shard
+    copied in); else every unit before it still gathered since the forward."""
     *found, root = (sum(unit) for unit in unit_parameters(model, wrap))
-    sizes = [0, root, *found, 0]
-    peak = max(2 * size + (1 + 1 / shards) * ahead + after
-               for ahead, size, after in zip(sizes, sizes[1:], sizes[2:], strict=False))
+    sizes = [root, *found]
+    after = [*sizes[1:], 0]
+    if reshard:
+        ahead = [0, *sizes[:-1]]
+        peak = max(2 * size + (1 + 1 / shards) * before + later
+                   for before, size, later in zip(ahead, sizes, after, strict=True))
+    else:
+        peak = max(sum(sizes[:i + 1]) + size + later
+                   for i, (size, later) in enumerate(zip(sizes, after, strict=True)))
     return int(peak) - 2 * max(sizes)
 
 
@@ -262,8 +269,9 @@ class FSDPBackend(DDPBackend):
                          share: float, plan: ParallelPlan, options: Mapping[str, Any]
                          ) -> Buffers:
         """What fully_shard holds beside the unit that runs in the backward (which the row
-        counts with its unsharded gradients): the unit it gathers ahead and a reduce-scatter's
-        input (``held_beside``); all of it freed after the backward. Under a pipeline with
+        counts with its unsharded gradients): a reduce-scatter's input and the unit it gathers
+        ahead, or, with ``--fsdp-reshard-after-forward no``, the units still gathered since the
+        forward (``held_beside``); all of it freed after the backward. Under a pipeline with
         ``--fsdp-reshard-after-forward yes``, one unit gathered ahead (as measured; 1F1B's
         interleaved micro-batches were not traced). Under a pipeline without it: the stage's
         weights and gradients whole instead (torch's ``PipelineStage`` keeps them over the
@@ -272,8 +280,8 @@ class FSDPBackend(DDPBackend):
         values = cls.check_options(options)
         unit = int(spec.params.itemsize * largest_unit(stage, values["wrap"]) * share)
         if plan.pp == 1:
-            beside = int(spec.params.itemsize * share
-                         * held_beside(stage, values["wrap"], plan.dp_shard))
+            beside = int(spec.params.itemsize * share * held_beside(
+                stage, values["wrap"], plan.dp_shard, _reshards(values, plan)))
             return Buffers(held=beside, released=beside + 2 * unit)
         if _reshards(values, plan):
             return Buffers(held=unit, released=3 * unit)

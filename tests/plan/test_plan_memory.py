@@ -60,6 +60,12 @@ def test_fsdps_buffers_follow_the_units_beside_the_one_that_runs() -> None:
     assert held_beside(deep(), None, 4) == 1.25 * unit + unit
     tiny = torch.nn.Sequential(torch.nn.Linear(8, 8))  # too small a unit: the root holds it
     assert held_beside(tiny, None, 2) == 0  # nothing beside the one that runs
+    # not resharded after the forward: in the last 2048-wide unit's backward, the first unit
+    # (half as large) and the five alike ones before it still gathered beside it, and the last
+    # unit's reduce-scatter input
+    last = 2048 * 1024 + 1024
+    kept = (2048 * 1024 + 2048) + 5 * unit
+    assert held_beside(deep(), None, 2, reshard=False) == kept + last
 
 
 def test_a_tensor_two_blocks_save_counts_once() -> None:
