@@ -60,6 +60,10 @@ class Buffers:
     released: int = 0
     """What of the row and ``held`` the backward frees before the optimizer steps (fsdp's
     gathered units), so that the step's temporaries may reuse it."""
+    between: int = 0
+    """Allocated after the backward and freed before the optimizer steps (mpt's own flat
+    buckets under a pipeline or tensor parallelism, one at a time): beside neither the
+    activations nor the step's temporaries."""
 
 
 def parameter_counts(model: nn.Module) -> tuple[int, int]:

@@ -137,9 +137,18 @@ class DDPBackend(Backend):
                          share: float, plan: ParallelPlan, options: Mapping[str, Any]
                          ) -> Buffers:
         """torch's DDP (``gradient_as_bucket_view`` off) keeps its buckets, a copy of the
-        gradients; under ``--pipeline-stages`` or ``--tensor-parallel`` mpt's one flat bucket
-        takes their place, the same size."""
-        return Buffers(held=row.gradients)
+        gradients. Under ``--pipeline-stages`` or ``--tensor-parallel`` mpt averages after the
+        backward instead (``reduce_stage``), one flat bucket at a time, each freed before the
+        next and all before the step: the largest of them, between the two."""
+        if plan.pp == 1 and plan.tp == 1:
+            return Buffers(held=row.gradients)
+        limit, largest, size = DEFAULT_BUCKET_MB * 2**20, 0, 0
+        for param in stage.parameters():
+            if param.requires_grad:
+                size += int(param.numel() * spec.reduce.itemsize * share)
+                if size >= limit:
+                    largest, size = max(largest, size), 0
+        return Buffers(between=max(largest, size))
 
     group_alone: ClassVar[bool] = False
     """Whether a world of one still gets a process group (fully_shard and DeepSpeed need one,

@@ -96,6 +96,9 @@ class Prediction:
     released: int
     """Per rank of the fullest stage: what the backward holds and frees before the step (fsdp's
     gathered units)."""
+    between: int
+    """Per rank of the fullest stage: what the backend holds only between the backward and
+    the step (``Buffers.between``)."""
     capacity: float
     """Bytes one rank may fill."""
     compute: float
@@ -120,7 +123,7 @@ class Prediction:
         """The per-rank peak: in the backward (with its activations) or in the optimizer step
         (with its temporaries, without what the backward released), whichever is higher."""
         return peak_of(self.memory.device + self.buffers, self.activations, self.transient,
-                       self.released)
+                       self.released, self.between)
 
     @property
     def short(self) -> int:
@@ -243,7 +246,8 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
     where = f"{cluster.link.name} node link" if crosses else "in-node link"
     prediction = Prediction(
         layout=layout, memory=held.row, activations=held.activations, buffers=held.buffers,
-        transient=held.transient, released=held.released, capacity=cluster.device.memory,
+        transient=held.transient, released=held.released, between=held.between,
+        capacity=cluster.device.memory,
         compute=compute, exposed=exposed,
         hidden=dp_seconds - terms["data-parallel communication"], bubble=bubble,
         link_bytes=dp_link + 2 * m * p2p.link_bytes + m * tp_time.link_bytes,
@@ -322,17 +326,21 @@ class Held:
     """The optimizer step's temporaries."""
     released: int
     """What the backward holds (in the row and the buffers) and frees before the step."""
+    between: int
+    """What the backend holds only between the backward and the step."""
 
     @property
     def peak(self) -> int:
         return peak_of(self.row.device + self.buffers, self.activations, self.transient,
-                       self.released)
+                       self.released, self.between)
 
 
-def peak_of(held: int, activations: int, transient: int, released: int) -> int:
-    """The higher of the backward's peak (``held`` and the activations) and the optimizer
-    step's (``held`` less what the backward released, and the step's temporaries)."""
-    return held + max(activations, transient - released)
+def peak_of(held: int, activations: int, transient: int, released: int, between: int = 0
+            ) -> int:
+    """The highest of the backward's peak (``held`` and the activations), what lies between it
+    and the optimizer step (``held`` and ``between``) and the step's (``held`` less what the
+    backward released, and the step's temporaries)."""
+    return held + max(activations, between, transient - released)
 
 
 def _memory(layout: Layout, model: Model, stages: list[list[str]], work: Workload,
@@ -362,7 +370,7 @@ def _memory(layout: Layout, model: Model, stages: list[list[str]], work: Workloa
                      buffers=beyond.held + _receive_buffers(stages, index, by_name, layout, spec),
                      transient=_step_transient(stage, model.optimizer_states, share,
                                                plan.dp_shard if sharded else 1, device_type),
-                     released=beyond.released)
+                     released=beyond.released, between=beyond.between)
         if best is None or found.peak > best.peak:
             best = found
         if index == slowest:

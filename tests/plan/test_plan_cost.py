@@ -140,7 +140,9 @@ def test_a_pipeline_that_reshards_sends_fsdps_collectives_per_micro_batch() -> N
 def test_a_pipeline_stage_keeps_a_receive_buffer_per_micro_batch(microbatches: int) -> None:
     """torch's PipelineStage allocates, for every micro-batch, the input another stage sends
     it: the MLP's fullest stage (its last two Linears) receives 4096 features a row, whatever
-    the global batch's split, beside DDP's bucket (a copy of the stage's gradients)."""
+    the global batch's split. ddp's replicas then average in flat buckets after the backward,
+    one at a time: the largest, the 4096 x 4096 weight alone, lies between the backward and
+    the step."""
     from mpt.plan.cost import predict
     from mpt.plan.layouts import layout
     from mpt.plan.planner import model_of
@@ -150,7 +152,8 @@ def test_a_pipeline_stage_keeps_a_receive_buffer_per_micro_batch(microbatches: i
                     microbatches=microbatches)
     found = predict(chosen, model_of(net, [1024], torch.float32, "adam"), _cluster(1, 2),
                     describe("fp32"))
-    assert found.buffers - found.memory.gradients == 64 * 4096 * 4
+    assert found.buffers == 64 * 4096 * 4
+    assert found.between == 4096 * 4096 * 4
 
 
 def test_a_pipeline_over_fsdp_that_fits_only_resharding_is_planned_so() -> None:
