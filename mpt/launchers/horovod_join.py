@@ -54,9 +54,9 @@ def _server_classes() -> tuple[Any, Any, Any] | None:
     return RendezvousHTTPServer, RendezvousHandler, SlotInfo
 
 
-def rendezvous_port(spec: LaunchSpec) -> int:
+def rendezvous_port(world: World) -> int:
     """The port of a multi-node job's rendezvous on node 0 (0: one node picks a free one)."""
-    return 0 if spec.nodes == 1 else spec.master_port + 1
+    return 0 if world.nodes == 1 else world.master_port + 1
 
 
 def check_port(spec: LaunchSpec) -> None:
@@ -69,7 +69,7 @@ def check_port(spec: LaunchSpec) -> None:
 
     if _server_classes() is None:
         return
-    port = rendezvous_port(spec)
+    port = rendezvous_port(spec.world)
     if port and spec.nr == 0 and not port_is_free(port):
         raise UsageError("--master-port", spec.master_port, f"port {port} (--master-port + 1, "
                          "where node 0 hosts Horovod's rendezvous for scripts that call "
@@ -89,15 +89,16 @@ class HorovodRendezvous:
     @classmethod
     def start(cls, spec: LaunchSpec) -> HorovodRendezvous:
         """Serve the job's rendezvous on node 0; the other nodes only need its address."""
-        return cls.serve(spec.world, str(spec.master_addr), rendezvous_port(spec))
+        return cls.serve(spec.world)
 
     @classmethod
-    def serve(cls, world: World, master_addr: str, port: int) -> HorovodRendezvous:
-        """Serve ``world``'s rendezvous on ``port`` (0: a free one) where ``world.nr`` is 0;
+    def serve(cls, world: World) -> HorovodRendezvous:
+        """Serve ``world``'s rendezvous (on ``rendezvous_port``) where ``world.nr`` is 0;
         elsewhere only its address. No address without Horovod."""
         classes = _server_classes()
         if classes is None:
             return cls(address="")
+        master_addr, port = world.master_addr, rendezvous_port(world)
         if world.nr != 0:
             return cls(address=f"{master_addr}:{port}")
         server_class, handler, slot = classes

@@ -224,12 +224,16 @@ def sweep(world: int, device: torch.device, sync: Callable[[], None],
         for name, run in runs.items():
             seconds = _timed(run, 5, sync)
             points[name].append((ring_factor(name, world) * size, seconds))
-    # the fit's intercept is the whole collective's fixed cost: per ring step, as the cost
-    # model (mpt.plan.network.collective) multiplies it by the steps
-    fits = {name: fit(found) for name, found in points.items()}
-    for name, found in fits.items():
-        found["latency"] /= ring_steps(name, world)
-    return fits
+    return {name: ring_fit(name, found, world) for name, found in points.items()}
+
+
+def ring_fit(kind: str, points: list[tuple[float, float]], ranks: int) -> dict[str, float]:
+    """``fit`` of collective ``kind``'s (ring bytes, seconds) points between ``ranks``, its
+    intercept (the whole collective's fixed cost) per ring step, as the cost model
+    (``mpt.plan.network.collective``) multiplies it by the steps."""
+    found = fit(points)
+    found["latency"] /= ring_steps(kind, ranks)
+    return found
 
 
 def horovod_sweep(world: World, address: str, device: torch.device,
@@ -237,9 +241,9 @@ def horovod_sweep(world: World, address: str, device: torch.device,
     """Horovod's own allreduce between every rank of ``world`` over ``SIZES`` and its default
     tensor-fusion buffer (``FUSION_DEFAULT``: what it sends at once of a step's gradients, and
     its ring's speed per byte still grows there, 0.065 GB/s at 32 MiB and 0.085 at 64 MiB
-    across 4 nodes at 1 Gbit/s), fitted as ``sweep``'s (its latency per ring step): this rank's
-    ``hvd.init()`` joins the others at the rendezvous ``address`` over gloo, as under `mpt
-    launch`, and leaves before the rest of the calibration."""
+    across 4 nodes at 1 Gbit/s), fitted by ``ring_fit``: this rank's ``hvd.init()`` joins the
+    others at the rendezvous ``address`` over gloo, as under `mpt launch`, and leaves before
+    the rest of the calibration."""
     from mpt.backends.horovod import FUSION_DEFAULT
     from mpt.launchers.horovod_join import join_env
 
@@ -255,9 +259,7 @@ def horovod_sweep(world: World, address: str, device: torch.device,
             points.append((ring_factor("all_reduce", world.world_size) * size, seconds))
     finally:
         hvd.shutdown()
-    found = fit(points)
-    found["latency"] /= ring_steps("all_reduce", world.world_size)
-    return found
+    return ring_fit("all_reduce", points, world.world_size)
 
 
 def _cold_flops(shapes: tuple[tuple[int, int], tuple[int, int]], dtype: torch.dtype,
@@ -463,11 +465,10 @@ def measure_nodes(world: World, step: StepSpec | None = None, training: int | No
     from mpt.launchers.horovod_join import HorovodRendezvous
 
     # Horovod's collectives too, where it is installed: its workers meet at a rendezvous that
-    # node 0 serves (on --master-port + 1 across nodes, as `mpt launch` does). Not where its
-    # gloo would bind loopback across machines: `mpt launch --backend horovod` refuses that job.
+    # node 0 serves, as under `mpt launch`. Not where its gloo would bind loopback across
+    # machines: `mpt launch --backend horovod` refuses that job.
     rendezvous = HorovodRendezvous(address="") if unreachable_gloo(
-        world.nodes, str(world.master_addr)) else HorovodRendezvous.serve(
-        world, str(world.master_addr), world.master_port + 1 if world.nodes > 1 else 0)
+        world.nodes, str(world.master_addr)) else HorovodRendezvous.serve(world)
     try:
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "figures.json"
