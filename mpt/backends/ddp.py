@@ -93,6 +93,21 @@ def bucket_kwargs(bucket_mb: float | None, *, small_first: bool = True) -> dict[
     return {"bucket_cap_mb_list": [FIRST_BUCKET_MB, bucket_mb] if first else [bucket_mb]}
 
 
+def flat_buckets(sizes: Sequence[int], limit: float, kinds: Sequence[object] = ()
+                 ) -> list[slice]:
+    """The tensors (of ``sizes`` bytes, in order) that each of mpt's own flat buckets takes
+    (``DDPBackend.reduce_stage``): a bucket closes once it holds ``limit`` bytes or more, at
+    the last tensor, and before a tensor of another kind (``kinds``: each tensor's dtype)."""
+    found, start, size = [], 0, 0
+    for index, nbytes in enumerate(sizes):
+        size += nbytes
+        if (size >= limit or index == len(sizes) - 1
+                or (kinds and kinds[index + 1] != kinds[index])):
+            found.append(slice(start, index + 1))
+            start, size = index + 1, 0
+    return found
+
+
 class DDPBackend(Backend):
     """One model replica per process; DDP averages gradients in buckets during backward.
 
@@ -142,13 +157,10 @@ class DDPBackend(Backend):
         next and all before the step: the largest of them, between the two."""
         if plan.pp == 1 and plan.tp == 1:
             return Buffers(held=row.gradients)
-        limit, largest, size = DEFAULT_BUCKET_MB * 2**20, 0, 0
-        for param in stage.parameters():
-            if param.requires_grad:
-                size += int(param.numel() * spec.reduce.itemsize * share)
-                if size >= limit:
-                    largest, size = max(largest, size), 0
-        return Buffers(between=max(largest, size))
+        sizes = [int(p.numel() * spec.reduce.itemsize * share) for p in stage.parameters()
+                 if p.requires_grad]
+        return Buffers(between=max((sum(sizes[span]) for span in flat_buckets(
+            sizes, DEFAULT_BUCKET_MB * 2**20)), default=0))
 
     group_alone: ClassVar[bool] = False
     """Whether a world of one still gets a process group (fully_shard and DeepSpeed need one,
@@ -247,20 +259,14 @@ class DDPBackend(Backend):
         wire = CAST_DTYPES.get(self.comm.compression)
         limit = int((self.comm.bucket_mb or DEFAULT_BUCKET_MB) * 2**20)
         grads = [local_part(p.grad) for p in stage.parameters() if p.grad is not None]
-        bucket: list[torch.Tensor] = []
-        size = 0
-        for index, grad in enumerate(grads):
-            bucket.append(grad)
-            size += grad.numel() * (wire or grad.dtype).itemsize
-            last = index == len(grads) - 1
-            if size >= limit or last or grads[index + 1].dtype != grad.dtype:
-                flat = torch.cat([g.reshape(-1).to(wire or g.dtype) for g in bucket])
-                dist.all_reduce(flat, group=mesh.get_group())
-                flat /= mesh.size()
-                for g, part in zip(bucket, flat.split([g.numel() for g in bucket]),
-                                   strict=True):
-                    g.copy_(part.view_as(g))
-                bucket, size = [], 0
+        sizes = [g.numel() * (wire or g.dtype).itemsize for g in grads]
+        for span in flat_buckets(sizes, limit, [g.dtype for g in grads]):
+            bucket = grads[span]
+            flat = torch.cat([g.reshape(-1).to(wire or g.dtype) for g in bucket])
+            dist.all_reduce(flat, group=mesh.get_group())
+            flat /= mesh.size()
+            for g, part in zip(bucket, flat.split([g.numel() for g in bucket]), strict=True):
+                g.copy_(part.view_as(g))
 
     def _average(self, model: nn.Module) -> None:
         """Under tensor parallelism, average ``model``'s gradients over the data axes, once
