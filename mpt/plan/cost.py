@@ -335,8 +335,7 @@ class Held:
                        self.released, self.between)
 
 
-def peak_of(held: int, activations: int, transient: int, released: int, between: int = 0
-            ) -> int:
+def peak_of(held: int, activations: int, transient: int, released: int, between: int) -> int:
     """The highest of the backward's peak (``held`` and the activations), what lies between it
     and the optimizer step (``held`` and ``between``) and the step's (``held`` less what the
     backward released, and the step's temporaries)."""
