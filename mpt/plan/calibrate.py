@@ -19,8 +19,9 @@ CPU, NCCL on GPUs), each as `mpt launch` starts a rank (one intra-op thread):
    timings after a warm-up.
 3. with a model (`mpt plan FILE.py:FUNCTION --calibrate`), by the same ranks: that model's own
    training step, built on the device at the per-rank micro-batch (``StepSpec``): its forward
-   and backward, and its optimizer step with ``zero_grad``, each the median of ``STEP_REPEATS``
-   timings after ``STEP_WARMUP`` steps. What the op-by-op model leaves out on this device
+   and backward, and its optimizer step with ``zero_grad``, each the median of three spells of
+   ``STEP_REPEATS`` timings (``ModelStep``), after ``STEP_WARMUP`` steps: one before step 1,
+   one between steps 1 and 2, one after step 2. What the op-by-op model leaves out on this device
    (the host allocator's re-faulted blocks, a kernel's real speed at the model's own shapes)
    is in these two figures; the plan scales its compute by them (``MeasuredStep``).
 
@@ -341,51 +342,84 @@ def device_figures(device: torch.device, sync: Callable[[], None]) -> dict[str, 
             "fresh_bandwidth": fresh}
 
 
-def step_figures(spec: StepSpec, device: torch.device, sync: Callable[[], None]
-                 ) -> dict[str, Any]:
-    """``spec``'s model built on ``device`` and trained on one micro-batch: the seconds of its
-    forward and backward, and of its optimizer step with ``zero_grad`` (gradients to None, as
-    torch's default frees them), each a median (``MeasuredStep``'s fields)."""
-    from torch.utils._pytree import tree_leaves
+class ModelStep:
+    """``spec``'s model built on ``device`` and trained on one micro-batch: its forward and
+    backward, and its optimizer step with ``zero_grad`` (gradients to None, as torch's default
+    frees them), timed in spells (``time``) that the calibration spreads over its run, so that
+    a slow spell of a shared machine moves the medians (``figures``: ``MeasuredStep``'s fields)
+    by one spell's share, not wholly. A RuntimeError (out of memory, an input the model refuses)
+    ends the timing and is kept as the figures' ``error``."""
 
-    from mpt.estimate import load_model
-    from mpt.precision import make_precision
+    def __init__(self, spec: StepSpec, device: torch.device, sync: Callable[[], None]) -> None:
+        self.spec, self.sync = spec, sync
+        self.timings: tuple[list[float], list[float]] = ([], [])
+        self.error = ""
+        self.parameters = 0
+        try:
+            self._build(device)
+            self._run(STEP_WARMUP, keep=False)
+        except RuntimeError as exc:
+            self.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
 
-    # as mpt trains in it: a cast model (O2, O3) cast by the precision itself, batch norm kept
-    # where it keeps it and float inputs cast by its hook, else the forward under its autocast
-    precision = make_precision(spec.precision, device.type)
-    with torch.device(device):
-        net = precision.convert_module(load_model(spec.model)())
-    shape = (spec.micro_batch, *spec.input_shape)
-    dtype = getattr(torch, spec.input_dtype)
-    x = (torch.randn(shape, device=device) if dtype.is_floating_point
-         else torch.zeros(shape, device=device, dtype=dtype))
-    cls, kwargs = OPTIMIZERS[spec.optimizer]
-    # a tiny rate: the weights stay where they began, so no step slows on overflowing values
-    optimizer = getattr(torch.optim, cls)(net.parameters(), lr=1e-9, **kwargs)
+    def _build(self, device: torch.device) -> None:
+        from torch.utils._pytree import tree_leaves
 
-    def forward_backward() -> None:
-        with precision.autocast():
-            out = net(x)
-        sum(t.float().sum() for t in tree_leaves(out)
-            if isinstance(t, torch.Tensor) and t.is_floating_point()).backward()
+        from mpt.estimate import load_model
+        from mpt.precision import make_precision
 
-    def update() -> None:
-        optimizer.step()
-        optimizer.zero_grad()
+        spec = self.spec
+        # as mpt trains in it: a cast model (O2, O3) cast by the precision itself, batch norm
+        # kept where it keeps it and float inputs cast by its hook, else the forward under its
+        # autocast
+        precision = make_precision(spec.precision, device.type)
+        with torch.device(device):
+            net = precision.convert_module(load_model(spec.model)())
+        self.parameters = sum(p.numel() for p in net.parameters())
+        shape = (spec.micro_batch, *spec.input_shape)
+        dtype = getattr(torch, spec.input_dtype)
+        x = (torch.randn(shape, device=device) if dtype.is_floating_point
+             else torch.zeros(shape, device=device, dtype=dtype))
+        cls, kwargs = OPTIMIZERS[spec.optimizer]
+        # a tiny rate: the weights stay where they began, so no step slows on overflowing values
+        optimizer = getattr(torch.optim, cls)(net.parameters(), lr=1e-9, **kwargs)
 
-    timings: tuple[list[float], list[float]] = ([], [])
-    for index in range(STEP_WARMUP + STEP_REPEATS):
-        for run, found in zip((forward_backward, update), timings, strict=True):
-            start = time.perf_counter()
-            run()
-            sync()
-            if index >= STEP_WARMUP:
-                found.append(time.perf_counter() - start)
-    return {"spec": dataclasses.asdict(spec),
-            "parameters": sum(p.numel() for p in net.parameters()),
-            "forward_backward": statistics.median(timings[0]),
-            "update": statistics.median(timings[1])}
+        def forward_backward() -> None:
+            with precision.autocast():
+                out = net(x)
+            sum(t.float().sum() for t in tree_leaves(out)
+                if isinstance(t, torch.Tensor) and t.is_floating_point()).backward()
+
+        def update() -> None:
+            optimizer.step()
+            optimizer.zero_grad()
+
+        self.runs = (forward_backward, update)
+
+    def _run(self, steps: int, keep: bool) -> None:
+        for _ in range(steps):
+            for run, found in zip(self.runs, self.timings, strict=True):
+                start = time.perf_counter()
+                run()
+                self.sync()
+                if keep:
+                    found.append(time.perf_counter() - start)
+
+    def time(self, steps: int = STEP_REPEATS) -> None:
+        """One spell: ``steps`` more steps timed (none once an error was kept)."""
+        if self.error:
+            return
+        try:
+            self._run(steps, keep=True)
+        except RuntimeError as exc:
+            self.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+
+    def figures(self) -> dict[str, Any]:
+        """The medians of every spell's timings, or the error."""
+        if self.error:
+            return {"error": self.error}
+        return {"spec": dataclasses.asdict(self.spec), "parameters": self.parameters,
+                "forward_backward": statistics.median(self.timings[0]),
+                "update": statistics.median(self.timings[1])}
 
 
 def _worker(local_rank: int, world: World, out: str, step: StepSpec | None,
@@ -411,6 +445,14 @@ def _worker(local_rank: int, world: World, out: str, step: StepSpec | None,
         # every rank makes every node's group, in the same order (torch's rule for new_group)
         nodes = [dist.new_group([rank for nr, _, rank in world.all_processes() if nr == node])
                  for node in range(world.nodes)]
+        # the model's step is timed in three spells, before, between and after the rest, the
+        # training ranks together (barriers): a slow minute of a shared machine is one of them
+        model = (ModelStep(step, device, sync) if step is not None and local_rank < training
+                 else None)
+        dist.barrier()
+        if model is not None:
+            model.time()
+        dist.barrier()
         within = sweep(world.gpus, device, sync, nodes[world.nr]) if world.gpus > 1 else {}
         dist.barrier()
         link = sweep(world.world_size, device, sync) if world.nodes > 1 else {}
@@ -418,15 +460,16 @@ def _worker(local_rank: int, world: World, out: str, step: StepSpec | None,
             (link if world.nodes > 1 else within)["horovod:all_reduce"] = horovod_sweep(
                 world, horovod, device, sync)
         dist.barrier()
+        if model is not None:
+            model.time()
+        dist.barrier()
         # the node's training ranks measure at once; a process started only for the
         # collectives (one node of one rank) waits in the gather below
         figures = device_figures(device, sync) if local_rank < training else {}
         dist.barrier()  # each rank's figures take their own time: the step starts together
-        if step is not None and local_rank < training:
-            try:
-                figures["model_step"] = step_figures(step, device, sync)
-            except RuntimeError as exc:  # out of memory; an input the model refuses
-                figures["model_step"] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+        if model is not None:
+            model.time()
+            figures["model_step"] = model.figures()
         hosts: list[Any] = [None] * world.world_size
         dist.all_gather_object(hosts, socket.gethostname())
     finally:

@@ -3,6 +3,8 @@ optimizer step by, matched to the model it was timed for."""
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
 from plan_models import mlp
@@ -74,8 +76,9 @@ def test_a_step_timed_for_another_model_precision_or_optimizer_is_not_used(
 
 
 def test_the_calibration_times_a_models_own_step_and_keeps_it(tmp_path) -> None:
-    """step_figures on this process's CPU: a real forward, backward and optimizer step; the
-    figures survive the file and come back as the plan's MeasuredStep."""
+    """ModelStep on this process's CPU: a real forward, backward and optimizer step, timed in
+    two spells whose medians the figures keep; they survive the file and come back as the
+    plan's MeasuredStep."""
     from mpt.plan import calibrate
 
     spec = StepSpec(model=f"{tmp_path}/tiny.py:build", input_shape=(16,),
@@ -84,9 +87,14 @@ def test_the_calibration_times_a_models_own_step_and_keeps_it(tmp_path) -> None:
     (tmp_path / "tiny.py").write_text(
         "from torch import nn\n\ndef build():\n"
         "    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2))\n")
-    figures = calibrate.step_figures(spec, torch.device("cpu"), lambda: None)
+    model = calibrate.ModelStep(spec, torch.device("cpu"), lambda: None)
+    model.time()
+    model.time(3)
+    assert [len(t) for t in model.timings] == [calibrate.STEP_REPEATS + 3] * 2
+    figures = model.figures()
     assert figures["parameters"] == 16 * 32 + 32 + 32 * 2 + 2
-    assert figures["forward_backward"] > 0 and figures["update"] > 0
+    assert figures["forward_backward"] == statistics.median(model.timings[0]) > 0
+    assert figures["update"] == statistics.median(model.timings[1]) > 0
     fit = {"latency": 1e-4, "bus_bandwidth": 1e9}
     path = tmp_path / "cal.json"
     calibrate.save(calibrate.Calibration(
@@ -96,6 +104,22 @@ def test_the_calibration_times_a_models_own_step_and_keeps_it(tmp_path) -> None:
     assert calibrate.load(path).measured_step() == MeasuredStep(
         spec=spec, parameters=figures["parameters"],
         forward_backward=figures["forward_backward"], update=figures["update"])
+
+
+def test_a_model_that_refuses_its_input_is_kept_as_an_error(tmp_path) -> None:
+    """A RuntimeError in the warm-up (here, an input of the wrong width) ends the timing: later
+    spells do nothing, and the figures carry the error's first line instead of medians."""
+    from mpt.plan import calibrate
+
+    (tmp_path / "tiny.py").write_text(
+        "from torch import nn\n\ndef build():\n    return nn.Linear(16, 2)\n")
+    spec = StepSpec(model=f"{tmp_path}/tiny.py:build", input_shape=(5,), input_dtype="float32",
+                    micro_batch=4, precision="fp32", optimizer="sgd")
+    model = calibrate.ModelStep(spec, torch.device("cpu"), lambda: None)
+    model.time()
+    assert model.timings == ([], [])
+    figures = model.figures()
+    assert list(figures) == ["error"] and figures["error"].startswith("RuntimeError: ")
 
 
 def test_token_ids_and_a_cast_model_are_timed_in_their_own_dtypes(tmp_path) -> None:
@@ -112,6 +136,8 @@ def test_token_ids_and_a_cast_model_are_timed_in_their_own_dtypes(tmp_path) -> N
                                     ("features", "float32", 6 * 16 + 16 + 2 * 16 + 16 * 2 + 2)):
         spec = StepSpec(model=f"{tmp_path}/models.py:{name}", input_shape=(6,),
                         input_dtype=dtype, micro_batch=3, precision="O2-bf16", optimizer="sgd")
-        figures = calibrate.step_figures(spec, torch.device("cpu"), lambda: None)
+        model = calibrate.ModelStep(spec, torch.device("cpu"), lambda: None)
+        model.time()
+        figures = model.figures()
         assert figures["parameters"] == parameters
         assert figures["forward_backward"] > 0 and figures["update"] > 0
