@@ -10,7 +10,10 @@ job the same processes train two copies of the model in alternating rounds: **mp
 ``rt.backward``, ``rt.step``) and **raw**, the library by hand on the process group mpt opened
 (torch DDP for ddp and apex, ``hvd.DistributedOptimizer`` for horovod, ``deepspeed.initialize``
 with the config mpt built, ``fully_shard`` on the units mpt's fsdp picks; plain torch on one
-node). Same weights, same batches (8 per process, fp32), SGD with momentum.
+node). Same weights, same batches (8 per process, fp32), SGD with momentum. With ``--mpt-only``
+each job trains mpt's loop alone: the twin's allocations in the same process slow mpt's step
+(ResNet-18 at one node: 0.097-0.113 s under fsdp with the twin, 0.066-0.083 alone; ddp
+0.044-0.049 against 0.036-0.051), so a step to compare with a prediction is timed alone.
 
 Per cell it prints the median step time (max over ranks of each step), samples/s, scaling
 efficiency (throughput at N / (N x throughput at 1 node, same backend)), the ring-allreduce bound
@@ -203,7 +206,7 @@ def worker(args: argparse.Namespace) -> None:
     base = build_model(args.model)
     grad_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
     params = sum(p.numel() for p in base.parameters())
-    twin = copy.deepcopy(base)
+    twin = None if args.mpt_only else copy.deepcopy(base)
     model, _ = rt.setup(base, torch.optim.SGD(base.parameters(), lr=1e-3, momentum=0.9))
     loss_fn = loss_of(args.model)
 
@@ -213,16 +216,17 @@ def worker(args: argparse.Namespace) -> None:
         rt.backward(loss)
         rt.step()
 
-    sides = {"mpt": mpt_step, "raw": raw_side(rt.backend.name, twin, rt, loss_fn)}
+    sides = {"mpt": mpt_step}
+    if twin is not None:
+        sides["raw"] = raw_side(rt.backend.name, twin, rt, loss_fn)
     data = batches(args.model, rt.rank, args.steps)
-    times: dict[str, list[float]] = {"mpt": [], "raw": []}
-    sent: dict[str, list[float]] = {"mpt": [], "raw": []}
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    sent: dict[str, list[float]] = {name: [] for name in sides}
     for _ in range(args.warmup):  # buffers, DeepSpeed's and Horovod's first steps, the heap
         for side in sides.values():
             side(*data[0])
     for round_ in range(args.rounds):
-        order = ["mpt", "raw"] if round_ % 2 == 0 else ["raw", "mpt"]
-        for name in order:
+        for name in list(sides)[::1 if round_ % 2 == 0 else -1]:
             rt.barrier()
             before = tx_bytes()
             steps = []
@@ -257,7 +261,8 @@ def run_cell(model: str, backend: str, compression: str, nodes: int, rate: str,
     result = out / f"{model}-{backend}-{compression}-{nodes}-{rate}.json"
     result.unlink(missing_ok=True)
     worker_args = ["--worker", str(result), "--model", model, "--steps", str(args.steps),
-                   "--rounds", str(args.rounds), "--warmup", str(args.warmup)]
+                   "--rounds", str(args.rounds), "--warmup", str(args.warmup),
+                   *(["--mpt-only"] if args.mpt_only else [])]
     bucket = [] if args.bucket_mb is None else ["--bucket-mb", str(args.bucket_mb)]
     with EmulatedCluster(nodes=nodes, shape=LinkShape(rate=rate)) as cluster:
         commands = [launch_command(cluster, nr, Path(__file__).resolve(), worker_args,
@@ -294,8 +299,9 @@ def analyse(cells: list[dict]) -> list[dict]:
         n, bits = c["nodes"], rate_bits(c["rate"])
         key = (c["model"], c["backend"], c["compression"], n)
         wire = c["grad_bytes"] // (2 if c["compression"] in CASTS else 1)
-        row = {**c, "samples_per_s": n * BATCH / c["mpt_step"], "ratio": c["mpt_step"] /
-               c["raw_step"], "ring_bound": 2 * (n - 1) / n * wire * 8 / bits,
+        row = {**c, "samples_per_s": n * BATCH / c["mpt_step"],
+               "ratio": c["mpt_step"] / c["raw_step"] if "raw_step" in c else None,
+               "ring_bound": 2 * (n - 1) / n * wire * 8 / bits,
                "sent_bound": c["mpt_tx_per_step"] * 8 / bits}
         base = one.get((c["model"], c["backend"]))
         if base is not None:
@@ -336,7 +342,7 @@ def table(rows: list[dict]) -> str:
                      f"{format(r['sent_bound'], '.3f') if many else ''} | "
                      f"{f(r, 'allreduce', '.3f')} | {f(r, 'overlap_issue', '.2f')} | "
                      f"{f(r, 'overlap_ceiling', '.2f')} | {f(r, 'overlap', '.2f')} | "
-                     f"{f(r, 'vs_none', '.3f')} | {r['ratio']:.3f} |")
+                     f"{f(r, 'vs_none', '.3f')} | {f(r, 'ratio', '.3f')} |")
     return "\n".join(lines)
 
 
@@ -388,6 +394,11 @@ def main() -> None:
                         help="--grad-compression values (a backend's refusal skips its cell)")
     parser.add_argument("--bucket-mb", type=float, help="--bucket-mb of every cell (and the "
                         "raw DDP's bucket cap); default: each library's own")
+    parser.add_argument("--mpt-only", action="store_true",
+                        help="train mpt's loop alone in each cell's job, no raw twin beside it "
+                        "(whose allocations slow mpt's step in the same process: ResNet-18 "
+                        "under fsdp at one node 1.3-1.5x); what plan_cluster.py compares the "
+                        "plan with")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per side per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per side first")
@@ -411,9 +422,9 @@ def main() -> None:
         cell = run_cell(model, backend, compression, nodes, rate, args, args.out)
         if cell is not None:
             cells.append(cell)
+            raw = f", raw {cell['raw_step']:.3f} s" if "raw_step" in cell else ""
             print(f"  {model} {backend} {compression} {nodes} node(s) {rate}: mpt "
-                  f"{cell['mpt_step']:.3f} s, raw {cell['raw_step']:.3f} s "
-                  f"({cell['seconds']:.0f} s)", flush=True)
+                  f"{cell['mpt_step']:.3f} s{raw} ({cell['seconds']:.0f} s)", flush=True)
     rows = analyse(cells)
     (args.out / "results.json").write_text(json.dumps(rows, indent=1))
     print(table(rows))
