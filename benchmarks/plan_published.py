@@ -29,7 +29,10 @@ Table 1 as remembered, not checked against the paper here: check it before quoti
   batch 512, no model parallelism), 18.4 B (tp 8, 256 GPUs, batch 1024) and 145.6 B (tp 8,
   pp 8, 1536 GPUs, batch 2304) parameters, sequence 2048, vocabulary 51,200: 137, 135 and 148
   TFLOP/s per GPU, counted by the paper's equation 96 B s l h^2 (1 + s/6h + V/16lh), which
-  includes the forward that activation recomputation repeats. Selene: DGX A100 80 GB, 8 GPUs
+  includes the forward that activation recomputation repeats. The layers, widths, tp, pp, GPU
+  counts, TFLOP/s and the equation agree with a public transcription of Table 1 and the
+  appendix; Megatron-LM's README states the 145B row's tp 8 x pp 8. The batches and the
+  heads (24, 48, 96) were in neither and are as remembered. Selene: DGX A100 80 GB, 8 GPUs
   per node over NVSwitch, 8 x 200 Gbit/s HDR InfiniBand per node.
 - Horovod: horovod/horovod, ``docs/benchmarks.rst`` (Sergeev and Del Balso, "Horovod: fast and
   easy distributed deep learning in TensorFlow", arXiv 1802.05799, 2018): 128 servers with 4
@@ -248,7 +251,7 @@ class Published:
 
 def cases() -> list[Published]:
     llama = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
-    megatron = "Narayanan et al. SC'21 (arXiv 2104.04473) Table 1, from memory"
+    megatron = "Narayanan et al. SC'21 (arXiv 2104.04473) Table 1"
     common_llama = dict(build=lambda: Llama(LlamaConfig()), input_shape=(8192,),
                         input_dtype=torch.int64, device="h100-sxm", gpus=8, backend="fsdp",
                         precision="O2-bf16", optimizer="adamw")
