@@ -117,12 +117,14 @@ def held_beside(model: nn.Module, wrap: frozenset[str] | None, shards: int,
     reduce-scatter input of the unit after it is kept until this one reduces (torch's
     ``FSDPParamGroup.post_backward``: one such buffer in flight); and ``reshard`` (after the
     forward): the unit before it all-gathered ahead (its flat output, and this rank's shard
-    copied in); else every unit before it still gathered since the forward."""
+    copied in; at one shard nothing: fully_shard then gathers no unit ahead but copies each
+    parameter from its shard when its unit runs, ``FSDPParamGroup.wait_for_unshard``); else
+    every unit before it still gathered since the forward."""
     *found, root = (sum(unit) for unit in unit_parameters(model, wrap))
     sizes = [root, *found]
     after = [*sizes[1:], 0]
     if reshard:
-        ahead = [0, *sizes[:-1]]
+        ahead = [0, *sizes[:-1]] if shards > 1 else [0] * len(sizes)
         peak = max(2 * size + (1 + 1 / shards) * before + later
                    for before, size, later in zip(ahead, sizes, after, strict=True))
     else:
@@ -313,11 +315,13 @@ class FSDPBackend(DDPBackend):
         an all-gather copies the rank's shard into the flat input and the gathered output out
         into the unsharded parameters; a reduce-scatter copies the unsharded gradients into its
         flat input (``chunk_cat``) and divides the shard it gets back: per gather, the shard
-        and the whole unit, per reduce-scatter the whole unit and the shard.
+        and the whole unit, per reduce-scatter the whole unit and the shard. At one shard
+        (``FSDPParamGroup.unshard`` at world size 1) a gather is one copy, each parameter's
+        shard into its unsharded storage; the reduce-scatter still copies in and out.
 
         Each of those buffers is allocated anew (``Traffic.fresh``; of ``module``'s units, where
-        it is given): per gather the flat output and each gathered parameter's storage, per
-        reduce-scatter its flat input and the shard it returns."""
+        it is given): per gather the flat output (none at one shard) and each gathered
+        parameter's storage, per reduce-scatter its flat input and the shard it returns."""
         values = cls.check_options(options)
         grads, weights = parameters * spec.reduce.itemsize, parameters * spec.params.itemsize
         reshard = _reshards(values, plan)
@@ -331,7 +335,9 @@ class FSDPBackend(DDPBackend):
             found.append(Collective(kind="all_reduce", axis="dp_replicate",
                                     size=grads / plan.dp_shard * times, what="gradient shard"))
         around = 1 + 1 / plan.dp_shard  # the whole tensor and its shard
-        copies = ((2 if reshard else 1) * weights + grads) * times * around
+        flat = plan.dp_shard > 1  # at one shard a gather copies each shard straight in
+        copies = ((2 if reshard else 1) * weights * (around if flat else 1)
+                  + grads * around) * times
         fresh: list[float] = []
         if module is not None:
             held = unit_parameters(module, values["wrap"])
@@ -339,7 +345,8 @@ class FSDPBackend(DDPBackend):
             for unit in held:
                 gathered = [n * share * spec.params.itemsize for n in unit]
                 reduced = sum(unit) * share * spec.reduce.itemsize
-                fresh += ([sum(gathered), *gathered] * (2 if reshard else 1)
+                gather = [sum(gathered), *gathered] if flat else gathered
+                fresh += (gather * (2 if reshard else 1)
                           + [reduced, reduced / plan.dp_shard]) * times
         return Traffic(collectives=tuple(found), window="step", shards_optimizer=True,
                        copies=copies, fresh=tuple(fresh))

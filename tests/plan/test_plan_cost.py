@@ -270,8 +270,7 @@ def test_fsdp_allocates_its_gathered_units_and_reduced_gradients_anew() -> None:
     """torch's _fsdp_collectives allocate per all-gather the flat output and each parameter's
     gathered storage, per reduce-scatter the flat input and the shard it returns: the MLP's
     64 MiB layer (a unit of its own) lists them, resharding after the forward gathers twice,
-    and on a host they cost their first write (docs/benchmarks.md: 0.15 s a step of the
-    one-rank fsdp MLP over plain torch, which this term predicts); not on a GPU."""
+    and on a host they cost their first write; not on a GPU."""
     spec, middle = describe("fp32"), 4096 * 4096 * 4
     net = meta_model(mlp)
     fsdp = get_backend("fsdp")
@@ -282,6 +281,12 @@ def test_fsdp_allocates_its_gathered_units_and_reduced_gradients_anew() -> None:
     kept = fsdp.step_traffic({"reshard_after_forward": False}, ParallelPlan(dp_shard=2), spec,
                              25_175_040, module=net)
     assert kept.fresh.count(middle) == 1
+    # one shard (torch's FSDPParamGroup.unshard at world size 1): no flat gather output, each
+    # parameter copied from its shard; the reduce-scatter still copies in and out
+    alone = fsdp.step_traffic({}, ParallelPlan(dp_shard=1), spec, 25_175_040, module=net)
+    assert alone.fresh.count(middle + 4096 * 4) == 2  # the reduce's input and its "shard"
+    assert alone.fresh.count(middle) == 2
+    assert alone.copies == pytest.approx((2 + 2) * GRADIENTS)
     assert get_backend("ddp").step_traffic({}, ParallelPlan(dp_replicate=2), spec, 25_175_040,
                                            module=net).fresh == ()
     host = replace(_cluster(1, 2), device=replace(device_profile("h100-sxm"),

@@ -49,8 +49,8 @@ def test_fsdp_peaks_in_the_backward_with_a_prefetched_unit() -> None:
 
 
 def test_fsdps_buffers_follow_the_units_beside_the_one_that_runs() -> None:
-    """Alike units: one gathered ahead and one reduce-scatter input whatever the largest; the
-    root's own parameters are gathered first."""
+    """Alike units: one gathered ahead (none at one shard) and one reduce-scatter input
+    whatever the largest; the root's own parameters are gathered first."""
     from plan_models import deep
 
     from mpt.backends.fsdp import held_beside
@@ -58,6 +58,9 @@ def test_fsdps_buffers_follow_the_units_beside_the_one_that_runs() -> None:
     unit = 2048 * 2048 + 2048
     assert held_beside(deep(), None, 2) == 1.5 * unit + unit
     assert held_beside(deep(), None, 4) == 1.25 * unit + unit
+    # one shard: fully_shard gathers nothing ahead (each parameter is copied from its shard
+    # when its unit runs), so only the next unit's reduce-scatter input lies beside it
+    assert held_beside(deep(), None, 1) == unit
     tiny = torch.nn.Sequential(torch.nn.Linear(8, 8))  # too small a unit: the root holds it
     assert held_beside(tiny, None, 2) == 0  # nothing beside the one that runs
     # not resharded after the forward: in the last 2048-wide unit's backward, the first unit
