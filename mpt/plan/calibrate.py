@@ -355,13 +355,15 @@ class ModelStep:
         self.timings: tuple[list[float], list[float]] = ([], [])
         self.error = ""
         self.parameters = 0
+        self.runs: tuple[Callable[[], None], ...] = ()
         try:
-            self._build(device)
+            self.runs = self._build(device)
             self._run(STEP_WARMUP, keep=False)
         except RuntimeError as exc:
             self.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
 
-    def _build(self, device: torch.device) -> None:
+    def _build(self, device: torch.device) -> tuple[Callable[[], None], Callable[[], None]]:
+        """The model, its input and optimizer on ``device``: its two timed parts."""
         from torch.utils._pytree import tree_leaves
 
         from mpt.estimate import load_model
@@ -393,7 +395,7 @@ class ModelStep:
             optimizer.step()
             optimizer.zero_grad()
 
-        self.runs = (forward_backward, update)
+        return forward_backward, update
 
     def _run(self, steps: int, keep: bool) -> None:
         for _ in range(steps):
