@@ -15,8 +15,8 @@ A datasheet prediction is a roofline of every op at the vendor's peak, with noth
 launches, the framework, the input pipeline or stragglers: it is a lower bound of the step, so
 the ratio of a throughput is expected above 1; how far above is the error stated.
 
-Sources (each figure is read from the source as quoted; the Megatron-LM row is from the paper's
-Table 1 as remembered, not checked against the paper here: check it before quoting it):
+Sources (each figure is read from the source as quoted; of the Megatron-LM rows, what was
+checked and what is as remembered is said below):
 
 - torchtitan: pytorch/torchtitan, ``benchmarks/llama3_h100_202412_torchtitan.md`` (December
   2024; the same tables as the TorchTitan paper, Liang et al., ICLR 2025), Table 1 (8 GPUs) and
