@@ -123,12 +123,13 @@ def main() -> None:
     # Priced after the run: profiling on meta frees memory the training would reuse unseen.
     plan = predicted(rt, build, args.batch)
 
-    parts = (f"parameters {plan.memory.parameters / MiB:.0f}, gradients "
-             f"{plan.memory.gradients / MiB:.0f}, optimizer {plan.memory.optimizer / MiB:.0f}, "
-             f"buffers {plan.buffers / MiB:.0f}, then the backward's activations "
-             f"{plan.activations / MiB:.0f}, the buffers after it {plan.between / MiB:.0f} or "
-             f"the step's temporaries {plan.transient / MiB:.0f} less the "
-             f"{plan.released / MiB:.0f} the backward frees, whichever is most, MiB")
+    held = plan.memory
+    parts = (f"parameters {held.row.parameters / MiB:.0f}, gradients "
+             f"{held.row.gradients / MiB:.0f}, optimizer {held.row.optimizer / MiB:.0f}, "
+             f"buffers {held.buffers / MiB:.0f}, then the backward's activations "
+             f"{held.activations / MiB:.0f}, the buffers after it {held.between / MiB:.0f} or "
+             f"the step's temporaries {held.transient / MiB:.0f} less the "
+             f"{held.released / MiB:.0f} the backward frees, whichever is most, MiB")
     pp = rt.topology.plan.pp
     stages = f", stage {rt.topology.stage} of {pp}" if pp > 1 else ""
     row = (f"rank {rt.rank}: {rt.backend.name}, {rt.world_size} ranks{stages}, batch "

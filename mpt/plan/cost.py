@@ -84,21 +84,8 @@ class Prediction:
 
     layout: Layout
     """The layout."""
-    memory: MemoryEstimate
-    """Per rank of the fullest stage: parameters, gradients, optimizer state."""
-    activations: int
-    """Per rank of the fullest stage: what autograd keeps for the backward."""
-    buffers: int
-    """Per rank of the fullest stage: what the backend holds beyond its row
-    (``Backend.estimate_buffers``)."""
-    transient: int
-    """Per rank of the fullest stage: the optimizer step's temporaries (``_step_transient``)."""
-    released: int
-    """Per rank of the fullest stage: what the backward holds and frees before the step (fsdp's
-    gathered units)."""
-    between: int
-    """Per rank of the fullest stage: what the backend holds only between the backward and
-    the step (``Buffers.between``)."""
+    memory: Held
+    """What one rank of the fullest stage holds at its peak."""
     capacity: float
     """Bytes one rank may fill."""
     compute: float
@@ -120,10 +107,8 @@ class Prediction:
 
     @property
     def total_memory(self) -> int:
-        """The per-rank peak: in the backward (with its activations) or in the optimizer step
-        (with its temporaries, without what the backward released), whichever is higher."""
-        return peak_of(self.memory.device + self.buffers, self.activations, self.transient,
-                       self.released, self.between)
+        """The per-rank peak (``Held.peak``)."""
+        return self.memory.peak
 
     @property
     def short(self) -> int:
@@ -245,10 +230,8 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
     kinds = "/".join(dict.fromkeys(c.kind.replace("_", "-") for c in flow.collectives))
     where = f"{cluster.link.name} node link" if crosses else "in-node link"
     prediction = Prediction(
-        layout=layout, memory=held.row, activations=held.activations, buffers=held.buffers,
-        transient=held.transient, released=held.released, between=held.between,
-        capacity=cluster.device.memory,
-        compute=compute, exposed=exposed,
+        layout=layout, memory=held, capacity=cluster.device.memory, compute=compute,
+        exposed=exposed,
         hidden=dp_seconds - terms["data-parallel communication"], bubble=bubble,
         link_bytes=dp_link + 2 * m * p2p.link_bytes + m * tp_time.link_bytes,
         rank_bytes=dp_rank + 2 * m * p2p.per_rank + m * tp_time.per_rank,
@@ -321,25 +304,23 @@ class Held:
     activations: int
     """What autograd keeps for the backward, over the micro-batches in flight."""
     buffers: int
-    """What the backend holds beyond its row."""
+    """What the backend holds beyond its row (``Backend.estimate_buffers``), and under a
+    pipeline torch's receive buffers."""
     transient: int
-    """The optimizer step's temporaries."""
+    """The optimizer step's temporaries (``_step_transient``)."""
     released: int
-    """What the backward holds (in the row and the buffers) and frees before the step."""
+    """What the backward holds (in the row and the buffers) and frees before the step (fsdp's
+    gathered units)."""
     between: int
-    """What the backend holds only between the backward and the step."""
+    """What the backend holds only between the backward and the step (``Buffers.between``)."""
 
     @property
     def peak(self) -> int:
-        return peak_of(self.row.device + self.buffers, self.activations, self.transient,
-                       self.released, self.between)
-
-
-def peak_of(held: int, activations: int, transient: int, released: int, between: int) -> int:
-    """The highest of the backward's peak (``held`` and the activations), what lies between it
-    and the optimizer step (``held`` and ``between``) and the step's (``held`` less what the
-    backward released, and the step's temporaries)."""
-    return held + max(activations, between, transient - released)
+        """The highest of the backward's peak (the row, the buffers and the activations), what
+        lies between it and the optimizer step (with ``between``) and the step's (without what
+        the backward released, with the step's temporaries)."""
+        return (self.row.device + self.buffers
+                + max(self.activations, self.between, self.transient - self.released))
 
 
 def _memory(layout: Layout, model: Model, stages: list[list[str]], work: Workload,

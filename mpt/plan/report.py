@@ -38,12 +38,13 @@ def as_json(result: Plan, script: str) -> dict[str, Any]:
 
 
 def _entry(p: Prediction) -> dict[str, Any]:
+    m = p.memory
     return {"layout": p.layout.label, "mesh": p.layout.plan.describe(),
             "microbatches": p.layout.microbatches, "micro_batch": p.layout.micro_batch,
-            "memory": {"parameters": p.memory.parameters, "gradients": p.memory.gradients,
-                       "optimizer": p.memory.optimizer, "activations": p.activations,
-                       "buffers": p.buffers, "buffers_after_backward": p.between,
-                       "optimizer_step_temporaries": p.transient,
+            "memory": {"parameters": m.row.parameters, "gradients": m.row.gradients,
+                       "optimizer": m.row.optimizer, "activations": m.activations,
+                       "buffers": m.buffers, "buffers_after_backward": m.between,
+                       "optimizer_step_temporaries": m.transient,
                        "total": p.total_memory, "capacity": p.capacity, "short": p.short},
             "step_s": p.step, "compute_s": p.compute, "exposed_comm_s": p.exposed,
             "hidden_comm_s": p.hidden, "bubble_s": p.bubble, "terms_s": dict(p.terms),

@@ -151,7 +151,7 @@ def test_a_pipeline_stage_keeps_a_receive_buffer_per_micro_batch(microbatches: i
     chosen = layout(net, "ddp", {}, 2, 1, world=2, precision="fp32", batch=64,
                     microbatches=microbatches)
     found = predict(chosen, model_of(net, [1024], torch.float32, "adam"), _cluster(1, 2),
-                    describe("fp32"))
+                    describe("fp32")).memory
     assert found.buffers == 64 * 4096 * 4
     assert found.between == 4096 * 4096 * 4
 

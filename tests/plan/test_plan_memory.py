@@ -30,11 +30,11 @@ def _predict(backend: str, batch: int, device_type: str = "cpu") -> Prediction:
 
 
 def test_ddp_adds_its_buckets_and_adams_temporaries() -> None:
-    p = _predict("ddp", 64)
-    assert p.buffers == p.memory.gradients  # the buckets: a copy of the gradients
+    p = _predict("ddp", 64).memory
+    assert p.buffers == p.row.gradients  # the buckets: a copy of the gradients
     assert p.transient == 2 * LARGEST  # sqrt(v) and its quotient of the largest weight
-    assert p.total_memory == p.memory.device + p.buffers + p.transient
-    assert _predict("ddp", 64, "cuda").transient == 4 * 25_175_040  # foreach: all at once
+    assert p.peak == p.row.device + p.buffers + p.transient
+    assert _predict("ddp", 64, "cuda").memory.transient == 4 * 25_175_040  # foreach: at once
 
 
 def test_fsdp_peaks_in_the_backward_with_a_prefetched_unit() -> None:
@@ -42,10 +42,10 @@ def test_fsdp_peaks_in_the_backward_with_a_prefetched_unit() -> None:
     it gathered ahead (its flat output and the rank's half copied in) and the reduce-scatter
     input of the unit after it; all three freed by the step."""
     first, last = (1024 * 4096 + 4096) * 4, (4096 * 1024 + 1024) * 4
-    p = _predict("fsdp", 64)
+    p = _predict("fsdp", 64).memory
     assert p.buffers == 1.5 * first + last and p.released == p.buffers + 2 * UNIT
     assert p.transient == LARGEST  # its shard of the largest weight, twice
-    assert p.total_memory == p.memory.device + p.buffers + p.activations
+    assert p.peak == p.row.device + p.buffers + p.activations
 
 
 def test_fsdps_buffers_follow_the_units_beside_the_one_that_runs() -> None:
@@ -74,4 +74,4 @@ def test_fsdps_buffers_follow_the_units_beside_the_one_that_runs() -> None:
 def test_a_tensor_two_blocks_save_counts_once() -> None:
     """A ReLU saves its result, which the next Linear saves as its input."""
     whole = activation_bytes(meta_model(mlp), example_input([2048, 1024], torch.float32))
-    assert _predict("ddp", 2048).activations == pytest.approx(whole)
+    assert _predict("ddp", 2048).memory.activations == pytest.approx(whole)
