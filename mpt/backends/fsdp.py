@@ -108,6 +108,14 @@ def unit_parameters(model: nn.Module, wrap: frozenset[str] | None) -> list[list[
     return found
 
 
+def gathers_flat(shards: int) -> bool:
+    """Whether fully_shard all-gathers a unit through a flat buffer: not at one shard, where
+    torch 2.14's ``FSDPParamGroup.unshard`` returns early and ``wait_for_unshard`` copies each
+    parameter's shard straight into its unsharded storage when its unit runs (nothing is
+    gathered ahead)."""
+    return shards > 1
+
+
 def held_beside(model: nn.Module, wrap: frozenset[str] | None, shards: int,
                 reshard: bool = True) -> int:
     """Elements fully_shard holds in its backward beyond the sharded state and the largest
@@ -117,14 +125,13 @@ def held_beside(model: nn.Module, wrap: frozenset[str] | None, shards: int,
     reduce-scatter input of the unit after it is kept until this one reduces (torch's
     ``FSDPParamGroup.post_backward``: one such buffer in flight); and ``reshard`` (after the
     forward): the unit before it all-gathered ahead (its flat output, and this rank's shard
-    copied in; at one shard nothing: fully_shard then gathers no unit ahead but copies each
-    parameter from its shard when its unit runs, ``FSDPParamGroup.wait_for_unshard``); else
-    every unit before it still gathered since the forward."""
+    copied in; nothing where it ``gathers_flat`` not); else every unit before it still
+    gathered since the forward."""
     *found, root = (sum(unit) for unit in unit_parameters(model, wrap))
     sizes = [root, *found]
     after = [*sizes[1:], 0]
     if reshard:
-        ahead = [0, *sizes[:-1]] if shards > 1 else [0] * len(sizes)
+        ahead = [0, *sizes[:-1]] if gathers_flat(shards) else [0] * len(sizes)
         peak = max(2 * size + (1 + 1 / shards) * before + later
                    for before, size, later in zip(ahead, sizes, after, strict=True))
     else:
@@ -335,7 +342,7 @@ class FSDPBackend(DDPBackend):
             found.append(Collective(kind="all_reduce", axis="dp_replicate",
                                     size=grads / plan.dp_shard * times, what="gradient shard"))
         around = 1 + 1 / plan.dp_shard  # the whole tensor and its shard
-        flat = plan.dp_shard > 1  # at one shard a gather copies each shard straight in
+        flat = gathers_flat(plan.dp_shard)
         copies = ((2 if reshard else 1) * weights * (around if flat else 1)
                   + grads * around) * times
         fresh: list[float] = []
