@@ -303,11 +303,19 @@ class DeepSpeedBackend(DDPBackend):
         gradient is copied (ZeRO-1 in fp32, ZeRO-2 in the mode's dtype; ``reduce_bucket_size``
         elements, of which the gradients' are written), the rank's partition of the reduced
         gradients copied out of it, each of that partition's gradients in fp64 for the norm
-        (``get_norm_dtype``), and the partition flattened for the optimizer. The copies are
-        ``Traffic.copies``, the blocks ``Traffic.fresh`` (each parameter's from ``module``, where
-        it is given). ZeRO-0 and 3 modelled without them."""
+        (``get_norm_dtype``), and the partition flattened for the optimizer. Over every byte of
+        the bucket ``average_tensor`` divides it in place by the ranks; over N > 1 ranks it
+        gathers the bucket's slices into one new flat tensor to allreduce
+        (``allreduce_and_copy_with_multiple_ranks``) and copies the rank's own slices back.
+        The norm reads the fp64 copies again, and the step copies the updated fp32 partition
+        into the model's parameters. The copies are ``Traffic.copies``, the blocks
+        ``Traffic.fresh`` (each parameter's from ``module``, where it is given). ZeRO-0 and 3
+        modelled without them. (What gloo does inside the all-gather, into a flat tensor of
+        its own that a host faults in at every call from about 32 MiB, is in the calibrated
+        sweep's time of that collective.)"""
         stage = cls._planned_stage(options)
-        size = parameters * cls._width(spec)
+        width = cls._width(spec)
+        size = parameters * width
         axis: Axis = "dp_shard" if stage else "dp_replicate"
         gather = Collective(kind="all_gather", axis=axis, size=size, what="parameters")
         gradients = Collective(kind="reduce_scatter" if stage >= 2 else "all_reduce", axis=axis,
@@ -317,14 +325,22 @@ class DeepSpeedBackend(DDPBackend):
             else (gather, gather, gradients))
         copies, fresh = 0.0, ()  # ZeRO-0 and 3: none modelled
         if stage in (1, 2):
-            bucket, partition = cls._zero_buffers(stage, spec, parameters, plan.dp_shard)
-            copies = bucket + 2 * partition
+            ranks = plan.dp_shard
+            bucket, partition = cls._zero_buffers(stage, spec, parameters, ranks)
+            stepped = partition / width  # the partition's parameters
+            copies = (2 * bucket + 2 * partition  # in, divided; out, flattened
+                      + stepped * (width + 2 * 8) / 2  # to fp64 and read for the norm
+                      + stepped * (4 + width) / 2)  # the fp32 partition into the weights
             norms: list[float] = []
             if module is not None:
                 counts = [p.numel() for p in module.parameters() if p.requires_grad]
-                share = parameters / max(1, sum(counts)) / plan.dp_shard
+                share = parameters / max(1, sum(counts)) / ranks
                 norms = [8 * n * share for n in counts]
-            fresh = (bucket, partition, partition, *norms)
+            flat: tuple[float, ...] = ()
+            if ranks > 1:
+                copies += bucket + bucket / ranks  # the slices flattened, its own copied back
+                flat = (bucket,)
+            fresh = (bucket, partition, partition, *norms, *flat)
         return Traffic(collectives=found, window="step" if stage == 3 else "none",
                        shards_optimizer=stage > 0, copies=copies, fresh=fresh)
 

@@ -302,16 +302,30 @@ def test_fsdp_allocates_its_gathered_units_and_reduced_gradients_anew() -> None:
 
 
 def test_deepspeed_zero_1_and_2_copy_into_buffers_allocated_at_every_step() -> None:
-    """DeepSpeed 0.19's stage_1_and_2.py: every gradient into the reduction bucket, the rank's
-    partition out of it, each of the partition's gradients in fp64 for the norm, the partition
-    flattened: the MLP's 100.7 MB at 2 ranks. ZeRO-0 and 3: none modelled."""
+    """DeepSpeed 0.19's stage_1_and_2.py: every gradient into the reduction bucket, divided
+    there in place, the bucket's slices flattened to be allocated and the rank's own copied
+    back, the rank's partition out of it, each of the partition's gradients in fp64 for the
+    norm and read by it, the partition flattened, and the updated partition into the weights:
+    the MLP's 100.7 MB at 2 ranks. At one rank no slices are flattened. ZeRO-0 and 3: none
+    modelled."""
     spec, params, net = describe("fp32"), 25_175_040, meta_model(mlp)
     ds = get_backend("deepspeed")
     flow = ds.step_traffic({"zero_stage": 1}, ParallelPlan(dp_shard=2), spec, params, module=net)
-    assert flow.copies == pytest.approx(GRADIENTS + GRADIENTS)  # the bucket, 2 x a half
-    assert flow.fresh[:3] == pytest.approx((GRADIENTS, GRADIENTS / 2, GRADIENTS / 2))
-    assert max(flow.fresh[3:]) == pytest.approx(8 * (4096 * 4096) / 2)  # the fp64 norm copy
-    assert sum(flow.fresh[3:]) == pytest.approx(8 * params / 2)
+    half = GRADIENTS / 2
+    assert flow.copies == pytest.approx(
+        2 * GRADIENTS + GRADIENTS * 1.5  # in and divided; flattened, a half back
+        + 2 * half  # out, flattened
+        + half * (4 + 16) / 8 + half)  # to fp64 and read (20 bytes a parameter); to the weights
+    assert flow.fresh[:3] == pytest.approx((GRADIENTS, half, half))
+    norms = flow.fresh[3:-1]
+    assert max(norms) == pytest.approx(8 * (4096 * 4096) / 2)  # the fp64 norm copy
+    assert sum(norms) == pytest.approx(8 * params / 2)
+    assert flow.fresh[-1] == pytest.approx(GRADIENTS)  # the slices flattened
+    alone = ds.step_traffic({"zero_stage": 1}, ParallelPlan(dp_shard=1), spec, params,
+                            module=net)
+    assert alone.copies == pytest.approx(2 * GRADIENTS + 2 * GRADIENTS + 2.5 * GRADIENTS
+                                         + GRADIENTS)
+    assert len(alone.fresh) == 3 + len(norms)
     for stage in (0, 3):
         other = ds.step_traffic({"zero_stage": stage}, ParallelPlan(dp_shard=2), spec, params,
                                 module=net)
