@@ -292,9 +292,11 @@ class DeepSpeedBackend(DDPBackend):
                      parameters: float, microbatches: int = 1,
                      module: torch.nn.Module | None = None) -> Traffic:
         """In the mode's dtype (``_width``): ZeRO-0 the gradients' allreduce after the
-        backward; ZeRO-1 the same, then an all-gather of the updated parameters; ZeRO-2 a
-        reduce-scatter of the gradients and the all-gather; ZeRO-3 the parameters all-gathered
-        for the forward and again for the backward, the gradients reduce-scattered. mpt leaves
+        backward; ZeRO-1 and 2 the same, then an all-gather of the updated parameters (both
+        allreduce the whole bucket, DeepSpeed's default ``use_multi_rank_bucket_allreduce``:
+        measured, 100.7 MB allreduced per step at 2 ranks under either); ZeRO-3 the
+        parameters all-gathered for the forward and again for the backward, the gradients
+        reduce-scattered. mpt leaves
         ``overlap_comm`` at DeepSpeed's default: off for stages 0-2, on for stage 3 (which then
         prefetches over the whole step).
 
@@ -318,7 +320,7 @@ class DeepSpeedBackend(DDPBackend):
         size = parameters * width
         axis: Axis = "dp_shard" if stage else "dp_replicate"
         gather = Collective(kind="all_gather", axis=axis, size=size, what="parameters")
-        gradients = Collective(kind="reduce_scatter" if stage >= 2 else "all_reduce", axis=axis,
+        gradients = Collective(kind="reduce_scatter" if stage == 3 else "all_reduce", axis=axis,
                                size=size, what="gradients")
         found: tuple[Collective, ...] = (
             (gradients,) if stage == 0 else (gradients, gather) if stage < 3

@@ -321,6 +321,12 @@ def test_deepspeed_zero_1_and_2_copy_into_buffers_allocated_at_every_step() -> N
     assert max(norms) == pytest.approx(8 * (4096 * 4096) / 2)  # the fp64 norm copy
     assert sum(norms) == pytest.approx(8 * params / 2)
     assert flow.fresh[-1] == pytest.approx(GRADIENTS)  # the slices flattened
+    # ZeRO-2 sends what ZeRO-1 does (DeepSpeed allreduces the whole bucket by default)
+    two = ds.step_traffic({"zero_stage": 2}, ParallelPlan(dp_shard=2), spec, params, module=net)
+    assert [c.kind for c in two.collectives] == ["all_reduce", "all_gather"]
+    assert two.collectives == flow.collectives
+    three = ds.step_traffic({"zero_stage": 3}, ParallelPlan(dp_shard=2), spec, params)
+    assert [c.kind for c in three.collectives] == ["all_gather", "all_gather", "reduce_scatter"]
     alone = ds.step_traffic({"zero_stage": 1}, ParallelPlan(dp_shard=1), spec, params,
                             module=net)
     assert alone.copies == pytest.approx(2 * GRADIENTS + 2 * GRADIENTS + 2.5 * GRADIENTS
