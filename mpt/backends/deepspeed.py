@@ -296,18 +296,17 @@ class DeepSpeedBackend(DDPBackend):
         allreduce the whole bucket, DeepSpeed's default ``use_multi_rank_bucket_allreduce``:
         measured, 100.7 MB allreduced per step at 2 ranks under either); ZeRO-3 the
         parameters all-gathered for the forward and again for the backward, the gradients
-        reduce-scattered. mpt leaves
-        ``overlap_comm`` at DeepSpeed's default: off for stages 0-2, on for stage 3 (which then
-        prefetches over the whole step).
+        reduce-scattered. mpt leaves ``overlap_comm`` at DeepSpeed's default: off for stages
+        0-2, on for stage 3 (which then prefetches over the whole step).
 
         Around them ZeRO-1 and 2 (DeepSpeed 0.19's ``stage_1_and_2.py``, contiguous gradients
         as by default) allocate anew at every step: the reduction bucket, into which every
         gradient is copied (ZeRO-1 in fp32, ZeRO-2 in the mode's dtype; ``reduce_bucket_size``
         elements, of which the gradients' are written), the rank's partition of the reduced
         gradients copied out of it, each of that partition's gradients in fp64 for the norm
-        (``get_norm_dtype``), and the partition flattened for the optimizer. Over every byte of
-        the bucket ``average_tensor`` divides it in place by the ranks; over N > 1 ranks it
-        gathers the bucket's slices into one new flat tensor to allreduce
+        (``get_norm_dtype``), and the partition flattened for the optimizer. ``average_tensor``
+        divides the whole bucket in place by the ranks; over N > 1 ranks it gathers the
+        bucket's slices into one new flat tensor to allreduce
         (``allreduce_and_copy_with_multiple_ranks``) and copies the rank's own slices back.
         The norm reads the fp64 copies again, and the step copies the updated fp32 partition
         into the model's parameters. The copies are ``Traffic.copies``, the blocks

@@ -303,7 +303,7 @@ def test_fsdp_allocates_its_gathered_units_and_reduced_gradients_anew() -> None:
 
 def test_deepspeed_zero_1_and_2_copy_into_buffers_allocated_at_every_step() -> None:
     """DeepSpeed 0.19's stage_1_and_2.py: every gradient into the reduction bucket, divided
-    there in place, the bucket's slices flattened to be allocated and the rank's own copied
+    there in place, the bucket's slices flattened to be allreduced and the rank's own copied
     back, the rank's partition out of it, each of the partition's gradients in fp64 for the
     norm and read by it, the partition flattened, and the updated partition into the weights:
     the MLP's 100.7 MB at 2 ranks. At one rank no slices are flattened. ZeRO-0 and 3: none
