@@ -115,6 +115,8 @@ def predicted(cell: dict[str, Any], device: Any, link: Any, step: Any = None) ->
                   batch=nodes * BATCH, input_shape=shape, input_dtype=dtype,
                   optimizer="sgd-momentum", step=step)
     label = LABELS.get(cell["backend"], f"--backend {cell['backend']}")
+    if cell["compression"] != "none":
+        label += f" --grad-compression {cell['compression']}"
     return next(((p, rank) for rank, p in enumerate(result.fitting) if p.layout.label == label),
                 None)
 
@@ -131,12 +133,13 @@ def main() -> None:
                         help="price without the model's measured step (the ops alone)")
     args = parser.parse_args()
     cells = [c for c in json.loads(args.results.read_text())
-             if c["compression"] == "none" and c["model"] in INPUTS
+             if c["compression"] != "powersgd" and c["model"] in INPUTS
              and (c["nodes"] == 1 or c["rate"] != UNSHAPED)]
     found = {key: calibrated(*key, args.results.parent, args.reuse) for key in sorted(
         {(c["model"], c["nodes"], c["rate"] if c["nodes"] > 1 else UNSHAPED) for c in cells})}
     rows = []
-    for cell in sorted(cells, key=lambda c: (c["model"], c["nodes"], c["rate"], c["backend"])):
+    for cell in sorted(cells, key=lambda c: (c["model"], c["nodes"], c["rate"], c["backend"],
+                                             c["compression"])):
         figures = found[cell["model"], cell["nodes"],
                         cell["rate"] if cell["nodes"] > 1 else UNSHAPED]
         device = figures.device(f"{cell['nodes']} node(s)")
@@ -145,9 +148,11 @@ def main() -> None:
         at = predicted(cell, device, None, step)
         on = at if link is None else predicted(cell, device, link, step)  # one node: no link
         if at is None or on is None:
-            print(f"  {cell['model']} {cell['backend']} {cell['nodes']}: no such layout planned")
+            print(f"  {cell['model']} {cell['backend']} {cell['compression']} {cell['nodes']}: "
+                  "no such layout planned")
             continue
-        rows.append({key: cell[key] for key in ("model", "backend", "nodes", "rate")} | {
+        rows.append({key: cell[key] for key in ("model", "backend", "compression", "nodes",
+                                                "rate")} | {
             "mpt": cell["mpt_step"], "raw": cell.get("raw_step"),
             **{how: {"step": p.step, "compute": p.compute, "exposed": p.exposed, "rank": rank}
                for how, (p, rank) in (("at_rate", at), ("on_link", on))}})
@@ -158,13 +163,15 @@ def main() -> None:
 
 
 def report(rows: list[dict[str, Any]]) -> None:
-    print("| model | backend | nodes | link | predicted at the rate (s) | predicted, link measured "
-          "(s): compute + exposed | mpt (s) | predicted / mpt: rate | measured link | raw (s) |")
-    print("| --- " * 10 + "|")
+    print("| model | backend | compression | nodes | link | predicted at the rate (s) | "
+          "predicted, link measured (s): compute + exposed | mpt (s) | predicted / mpt: rate | "
+          "measured link | raw (s) |")
+    print("| --- " * 11 + "|")
     for r in rows:
         link = r["rate"] if r["nodes"] > 1 else "-"
         at, on = r["at_rate"], r["on_link"]
-        print(f"| {r['model']} | {r['backend']} | {r['nodes']} | {link} | {at['step']:.3f} | "
+        print(f"| {r['model']} | {r['backend']} | {r.get('compression', 'none')} | {r['nodes']} "
+              f"| {link} | {at['step']:.3f} | "
               f"{on['step']:.3f}: {on['compute']:.3f} + {on['exposed']:.3f} | {r['mpt']:.3f} | "
               f"{at['step'] / r['mpt']:.2f} | **{on['step'] / r['mpt']:.2f}** | "
               f"{'-' if r['raw'] is None else format(r['raw'], '.3f')} |")
@@ -183,8 +190,12 @@ def report(rows: list[dict[str, Any]]) -> None:
         chosen = min(group, key=lambda r: r["on_link"]["rank"])  # the plan's first
         best = min(group, key=lambda r: r["mpt"])
         off = chosen["mpt"] / best["mpt"] - 1
-        print(f"{model} {nodes} node(s) {rate}: plan's best {chosen['backend']} measured "
-              f"{chosen['mpt']:.3f} s, the best measured {best['backend']} {best['mpt']:.3f} s: "
+        def name(r: dict[str, Any]) -> str:
+            return r["backend"] + ("" if r.get("compression", "none") == "none"
+                                   else f" {r['compression']}")
+
+        print(f"{model} {nodes} node(s) {rate}: plan's best {name(chosen)} measured "
+              f"{chosen['mpt']:.3f} s, the best measured {name(best)} {best['mpt']:.3f} s: "
               f"{off * 100:+.1f} % ({'within' if off <= 0.10 else 'over'} 10 %)")
 
 

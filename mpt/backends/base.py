@@ -25,6 +25,19 @@ from mpt.state.named import from_named, to_named
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+"""The dtype gradients are reduced in under each cast ``--grad-compression``."""
+
+
+def wire_dtype(spec: PrecisionSpec, comm: GradComm | None) -> torch.dtype:
+    """The dtype gradients are reduced in: the cast ``comm`` names, else ``spec.reduce``."""
+    return CAST_DTYPES.get(comm.compression if comm else "none", spec.reduce)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch's name of ``dtype`` without its module (``bfloat16``)."""
+    return str(dtype).removeprefix("torch.")
+
 
 class Launch(Protocol):
     """What a backend's launch checks read of the job `mpt launch` starts
@@ -344,12 +357,13 @@ class Backend(ABC):
     @classmethod
     def step_traffic(cls, options: Mapping[str, Any], plan: ParallelPlan, spec: PrecisionSpec,
                      parameters: float, microbatches: int = 1,
-                     module: nn.Module | None = None) -> Traffic:
+                     module: nn.Module | None = None, comm: GradComm | None = None
+                     ) -> Traffic:
         """What the backend with ``options`` sends per optimizer step in ``plan`` for a rank
         that trains ``parameters`` parameters (its stage's, its tensor-parallel share) in
         ``spec``, with ``microbatches`` per step under a pipeline, and what it may hide behind;
         ``module``, the stage (on the meta device), for a backend whose buffers follow how it
-        groups the modules.
+        groups the modules; ``comm``, the run's ``--grad-compression`` (None: none).
 
         The default, whole replicas (ddp, apex, horovod): one allreduce of the gradients in
         ``spec.reduce``, bucketed and started from backward hooks, so it may hide behind the
@@ -357,12 +371,21 @@ class Backend(ABC):
         averages one flat bucket after the backward: nothing hidden. The gradients are copied
         into the buckets and, once reduced, back out (torch's DDP with
         ``gradient_as_bucket_view`` off, mpt's flat bucket, Horovod's fusion buffer): twice
-        their bytes copied per step (none for a replica alone, which is not wrapped).
+        their bytes copied per step (none for a replica alone, which is not wrapped). A cast
+        ``--grad-compression`` allreduces in its dtype, cast there and back (torch's
+        ``fp16_compress_hook`` and ``bf16_compress_hook``, Horovod's ``Compression.fp16``):
+        each element read in one dtype and written in the other, both ways.
         """
         window: Window = "none" if plan.model_size > 1 else "backward"
+        wire = wire_dtype(spec, comm)
         gradients = Collective(kind="all_reduce", axis="dp_replicate",
-                               size=parameters * spec.reduce.itemsize, what="gradients")
-        copies = 2 * parameters * spec.params.itemsize if plan.dp_replicate > 1 else 0.0
+                               size=parameters * wire.itemsize, what="gradients",
+                               dtype=dtype_name(wire))
+        copies = 0.0
+        if plan.dp_replicate > 1:
+            copies = 2 * parameters * spec.params.itemsize
+            if wire != spec.reduce:  # cast there and back
+                copies += parameters * (spec.reduce.itemsize + wire.itemsize)
         return Traffic(collectives=(gradients,), window=window, shards_optimizer=False,
                        copies=copies)
 

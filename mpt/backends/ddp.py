@@ -18,7 +18,14 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from mpt.backends import dtensor_state
-from mpt.backends.base import Availability, Backend, BackendOption, devices_of, local_part
+from mpt.backends.base import (
+    CAST_DTYPES,
+    Availability,
+    Backend,
+    BackendOption,
+    devices_of,
+    local_part,
+)
 from mpt.backends.powersgd import DEFAULT_RANK, DEFAULT_START_STEP, PowerSGD, powersgd_hook
 from mpt.comm import GradComm
 from mpt.errors import UsageError
@@ -66,8 +73,6 @@ POWERSGD_OPTIONS: dict[str, BackendOption] = {
 }
 """PowerSGD's two knobs (torch's defaults), as ``--backend-options`` of ddp and apex."""
 
-CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-"""The dtype gradients are reduced in under each cast ``--grad-compression``."""
 CAST_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
 """torch's comm hooks that reduce each bucket cast to fp16 or bf16 and cast it back."""
 

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mpt.backends.base import Availability, BackendOption, holds
+from mpt.backends.base import CAST_DTYPES, Availability, BackendOption, dtype_name, holds
 from mpt.backends.ddp import DDPBackend
 from mpt.backends.deepspeed_config import (
     DEFAULT_STAGE,
@@ -290,7 +290,8 @@ class DeepSpeedBackend(DDPBackend):
     @classmethod
     def step_traffic(cls, options: Mapping[str, Any], plan: ParallelPlan, spec: PrecisionSpec,
                      parameters: float, microbatches: int = 1,
-                     module: torch.nn.Module | None = None) -> Traffic:
+                     module: torch.nn.Module | None = None, comm: GradComm | None = None
+                     ) -> Traffic:
         """In the mode's dtype (``_width``): ZeRO-0 the gradients' allreduce after the
         backward; ZeRO-1 and 2 the same, then an all-gather of the updated parameters (both
         allreduce the whole bucket, DeepSpeed's default ``use_multi_rank_bucket_allreduce``:
@@ -313,14 +314,23 @@ class DeepSpeedBackend(DDPBackend):
         ``Traffic.fresh`` (each parameter's from ``module``, where it is given). ZeRO-0 and 3
         modelled without them. (What gloo does inside the all-gather, into a flat tensor of
         its own that a host faults in at every call from about 32 MiB, is in the calibrated
-        sweep's time of that collective.)"""
+        sweep's time of that collective.)
+
+        A cast ``--grad-compression`` is DeepSpeed's ``communication_data_type``: the gradients
+        are reduced in it, the parameters gathered as they are. Where the dtype sent is not
+        the bucket's (that, or ZeRO-1's fp32 bucket in a 16-bit mode), ``allreduce_bucket``
+        casts the flat tensor to it and the result back (ZeRO-3 not modelled so)."""
         stage = cls._planned_stage(options)
         width = cls._width(spec)
         size = parameters * width
+        mode = torch.float32 if width == 4 else spec.compute
+        wire = CAST_DTYPES.get(comm.compression if comm else "none")
+        sent = wire or mode
         axis: Axis = "dp_shard" if stage else "dp_replicate"
         gather = Collective(kind="all_gather", axis=axis, size=size, what="parameters")
         gradients = Collective(kind="reduce_scatter" if stage == 3 else "all_reduce", axis=axis,
-                               size=size, what="gradients")
+                               size=parameters * sent.itemsize, what="gradients",
+                               dtype=dtype_name(sent))
         found: tuple[Collective, ...] = (
             (gradients,) if stage == 0 else (gradients, gather) if stage < 3
             else (gather, gather, gradients))
@@ -341,6 +351,10 @@ class DeepSpeedBackend(DDPBackend):
             if ranks > 1:
                 copies += bucket + bucket / ranks  # the slices flattened, its own copied back
                 flat = (bucket,)
+                if sent != (torch.float32 if stage == 1 else mode):  # cast there and back
+                    cast = bucket / (4 if stage == 1 else width) * sent.itemsize
+                    copies += bucket + cast
+                    flat += (cast,)
             fresh = (bucket, partition, partition, *norms, *flat)
         return Traffic(collectives=found, window="step" if stage == 3 else "none",
                        shards_optimizer=stage > 0, copies=copies, fresh=fresh)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from mpt.backends.base import Availability, BackendOption, on_meta
+from mpt.backends.base import Availability, BackendOption, dtype_name, on_meta, wire_dtype
 from mpt.backends.ddp import CAST_DTYPES, DDPBackend
 from mpt.backends.meta import check_materialisable, materialise, rank0_random_state
 from mpt.comm import GradComm
@@ -310,7 +310,8 @@ class FSDPBackend(DDPBackend):
     @classmethod
     def step_traffic(cls, options: Mapping[str, Any], plan: ParallelPlan, spec: PrecisionSpec,
                      parameters: float, microbatches: int = 1,
-                     module: nn.Module | None = None) -> Traffic:
+                     module: nn.Module | None = None, comm: GradComm | None = None
+                     ) -> Traffic:
         """Each unit's parameters all-gathered in the forward and, resharded after it (the
         default, not under a pipeline), again in the backward; gradients reduce-scattered;
         all of it prefetched or overlapped over the whole step. Under a pipeline that once per
@@ -328,33 +329,45 @@ class FSDPBackend(DDPBackend):
 
         Each of those buffers is allocated anew (``Traffic.fresh``; of ``module``'s units, where
         it is given): per gather the flat output (none at one shard) and each gathered
-        parameter's storage, per reduce-scatter its flat input and the shard it returns."""
+        parameter's storage, per reduce-scatter its flat input and the shard it returns.
+
+        A cast ``--grad-compression`` is the units' reduce dtype (``foreach_reduce``): the
+        gradients are cast as they are copied into the flat input, reduced and divided in it,
+        and the shard cast back into a new tensor of the gradients' dtype."""
         values = cls.check_options(options)
-        grads, weights = parameters * spec.reduce.itemsize, parameters * spec.params.itemsize
+        wire = wire_dtype(spec, comm)
+        width, kept = wire.itemsize, spec.reduce.itemsize  # on the wire; the gradients'
+        grads, weights = parameters * width, parameters * spec.params.itemsize
         reshard = _reshards(values, plan)
         times = microbatches if plan.pp > 1 and reshard else 1
         gather = Collective(kind="all_gather", axis="dp_shard", size=weights * times,
                             what="parameters")
+        reduced_as = dict(what="gradients", dtype=dtype_name(wire))
         found = [gather, *([gather] if reshard else []),
                  Collective(kind="reduce_scatter", axis="dp_shard", size=grads * times,
-                            what="gradients")]
+                            **reduced_as)]
         if plan.dp_replicate > 1:
             found.append(Collective(kind="all_reduce", axis="dp_replicate",
-                                    size=grads / plan.dp_shard * times, what="gradient shard"))
+                                    size=grads / plan.dp_shard * times,
+                                    **{**reduced_as, "what": "gradient shard"}))
         around = 1 + 1 / plan.dp_shard  # the whole tensor and its shard
         flat = gathers_flat(plan.dp_shard)
+        cast = (kept + width) / 2  # per element read in one dtype and written in the other
+        reduce_copies = (parameters * (cast + (width + cast) / plan.dp_shard) if wire != spec.reduce
+                         else grads * around)
         copies = ((2 if reshard else 1) * weights * (around if flat else 1)
-                  + grads * around) * times
+                  + reduce_copies) * times
         fresh: list[float] = []
         if module is not None:
             held = unit_parameters(module, values["wrap"])
             share = parameters / max(1, sum(map(sum, held)))  # a tensor-parallel rank's part
             for unit in held:
                 gathered = [n * share * spec.params.itemsize for n in unit]
-                reduced = sum(unit) * share * spec.reduce.itemsize
+                reduced = sum(unit) * share * width
                 gather = [sum(gathered), *gathered] if flat else gathered
+                back = [sum(unit) * share * kept / plan.dp_shard] if wire != spec.reduce else []
                 fresh += (gather * (2 if reshard else 1)
-                          + [reduced, reduced / plan.dp_shard]) * times
+                          + [reduced, reduced / plan.dp_shard, *back]) * times
         return Traffic(collectives=tuple(found), window="step", shards_optimizer=True,
                        copies=copies, fresh=tuple(fresh))
 

@@ -270,11 +270,14 @@ class HorovodBackend(Backend):
     @classmethod
     def step_traffic(cls, options: Mapping[str, Any], plan: ParallelPlan, spec: PrecisionSpec,
                      parameters: float, microbatches: int = 1,
-                     module: nn.Module | None = None) -> Traffic:
+                     module: nn.Module | None = None, comm: GradComm | None = None
+                     ) -> Traffic:
         """The default's allreduce of the gradients, run by Horovod's own ring: priced by its
         fit where the calibration swept it (``mpt plan --calibrate`` with Horovod installed),
-        which on a shared CPU is 1.5-3.3 x torch's gloo allreduce (docs/benchmarks.md)."""
-        flow = super().step_traffic(options, plan, spec, parameters, microbatches, module)
+        which on a shared CPU is 1.5-3.3 x torch's gloo allreduce (docs/benchmarks.md); its
+        fp32 fit prices ``--grad-compression fp16`` by the bytes (no fp16 sweep of it)."""
+        flow = super().step_traffic(options, plan, spec, parameters, microbatches, module,
+                                    comm)
         return dataclasses.replace(flow, collectives=tuple(
             dataclasses.replace(c, library="horovod") for c in flow.collectives))
 

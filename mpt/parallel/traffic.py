@@ -35,6 +35,11 @@ class Collective:
     """The library whose own collective runs it where that is not torch.distributed's
     (``horovod``): the cost model prices it by that library's calibrated fit, where there is
     one."""
+    dtype: str = "float32"
+    """The elements' dtype on the wire (torch's name: ``bfloat16`` under a 16-bit precision or
+    ``--grad-compression``): the cost model prices it by that dtype's calibrated fit where
+    there is one (gloo sums 16-bit elements on a CPU slower per byte than fp32 ones), else by
+    its bytes."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

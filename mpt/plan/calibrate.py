@@ -4,8 +4,8 @@
 CPU, NCCL on GPUs), each as `mpt launch` starts a rank (one intra-op thread):
 
 1. a sweep of allreduce, all-gather and reduce-scatter sizes (16 KiB - 32 MiB) between them,
-   each fitted by least squares to ``t = latency + ring factor x size / bus bandwidth``
-   (nccl-tests' busbw);
+   the allreduce and the reduce-scatter also in bf16 and fp16, each fitted by least squares
+   to ``t = latency + ring factor x size / bus bandwidth`` (nccl-tests' busbw);
 2. then as many ranks of each node at once as will train there (``--gpus``: the rest wait), so
    that each shares the machine as it will while training, rank 0's figures kept: per dtype
    (float32, bfloat16, float16), matmuls of ``N`` x ``N`` weights whose smallest dimension
@@ -57,7 +57,7 @@ import torch
 
 from mpt.environments.world import World
 from mpt.errors import UsageError
-from mpt.plan.network import ring_factor, ring_steps
+from mpt.plan.network import fit_key, ring_factor, ring_steps
 from mpt.plan.profiles import CollectiveFit, Device, Link, MeasuredStep, StepSpec
 
 FORMAT = "mpt-plan-calibration/2"
@@ -69,6 +69,8 @@ what training sends (DDP's 25 MiB buckets, fsdp's units): beyond the caches, a m
 slower than one of 8 MiB (here 13.6 ms for a 16.8 MB all-gather against 6.6-8 ms from a sweep
 that stopped at 8 MiB)."""
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SWEPT_16 = (torch.bfloat16, torch.float16)
+"""The 16-bit dtypes the sweep reduces in beside fp32 (all-gathers move bytes alike in any)."""
 SMALLEST = (1, 4, 16, 64, 256)
 """The smallest matmul dimensions swept (a batch's rows; then the square's ``N``)."""
 COLD_BYTES = 1 << 26
@@ -208,24 +210,30 @@ def _timed(run: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> fl
 def sweep(world: int, device: torch.device, sync: Callable[[], None],
           group: Any = None) -> dict[str, dict[str, float]]:
     """Every collective's fit over ``SIZES`` between the ``world`` ranks of ``group`` (default:
-    every rank; collective: each of them calls it)."""
+    every rank; collective: each of them calls it): in fp32, and the two that reduce (what
+    a 16-bit precision or ``--grad-compression`` sends) in ``SWEPT_16`` too, named by
+    ``fit_key``."""
     import torch.distributed as dist
 
     gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
     scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-    points: dict[str, list[tuple[float, float]]] = {"all_reduce": [], "all_gather": [],
-                                                     "reduce_scatter": []}
+    points: dict[tuple[str, torch.dtype], list[tuple[float, float]]] = {}
     for size in SIZES:
-        whole = torch.ones(size // 4, device=device)
-        part = torch.ones(size // 4 // world, device=device)
-        runs = {"all_reduce": lambda whole=whole: dist.all_reduce(whole, group=group),
-                "all_gather": lambda whole=whole, part=part: gather(whole, part, group=group),
-                "reduce_scatter": lambda whole=whole, part=part: scatter(part, whole,
-                                                                         group=group)}
-        for name, run in runs.items():
-            seconds = _timed(run, 5, sync)
-            points[name].append((ring_factor(name, world) * size, seconds))
-    return {name: ring_fit(name, found, world) for name, found in points.items()}
+        for dtype in (torch.float32, *SWEPT_16):
+            whole = torch.ones(size // dtype.itemsize, device=device, dtype=dtype)
+            part = torch.ones(size // dtype.itemsize // world, device=device, dtype=dtype)
+            runs = {"all_reduce": lambda whole=whole: dist.all_reduce(whole, group=group),
+                    "reduce_scatter": lambda whole=whole, part=part: scatter(part, whole,
+                                                                             group=group)}
+            if dtype == torch.float32:
+                runs["all_gather"] = lambda whole=whole, part=part: gather(whole, part,
+                                                                           group=group)
+            for name, run in runs.items():
+                seconds = _timed(run, 5, sync)
+                points.setdefault((name, dtype), []).append(
+                    (ring_factor(name, world) * size, seconds))
+    return {fit_key(name, dtype=str(dtype).removeprefix("torch.")): ring_fit(name, found, world)
+            for (name, dtype), found in points.items()}
 
 
 def ring_fit(kind: str, points: list[tuple[float, float]], ranks: int) -> dict[str, float]:
@@ -459,8 +467,8 @@ def _worker(local_rank: int, world: World, out: str, step: StepSpec | None,
         dist.barrier()
         link = sweep(world.world_size, device, sync) if world.nodes > 1 else {}
         if horovod:  # its ring over every rank: within the node, or across the nodes
-            (link if world.nodes > 1 else within)["horovod:all_reduce"] = horovod_sweep(
-                world, horovod, device, sync)
+            found = horovod_sweep(world, horovod, device, sync)
+            (link if world.nodes > 1 else within)[fit_key("all_reduce", "horovod")] = found
         dist.barrier()
         if model is not None:
             model.time()

@@ -22,9 +22,10 @@ The step, for a rank of the slowest pipeline stage:
 - pipeline (1F1B/GPipe, M micro-batches, P stages): M micro-batches of compute, a bubble of
   (P - 1) micro-batches, and each micro-batch's activation and its gradient sent across every
   cut, taken as exposed.
-- data parallelism: the collectives of the backend's ``step_traffic``, less the part that
-  hides behind its window (the backward, the whole step, or none) times the device's
-  ``overlap``.
+- data parallelism: the collectives of the backend's ``step_traffic`` (in the dtype they
+  send: ``--grad-compression``'s cast, priced by that dtype's calibrated fit where there is
+  one), less the part that hides behind its window (the backward, the whole step, or none)
+  times the device's ``overlap``.
 
 Memory per rank, at the higher of two peaks: the backend's ``estimate_row`` of its
 ``estimate_memory`` for the stage's blocks at the shard size, its tp-split parameters over T,
@@ -42,12 +43,13 @@ process, DeepSpeed ZeRO-0's buffers.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
 from mpt.backends import get_backend
+from mpt.comm import GradComm
 from mpt.estimate import MemoryEstimate
 from mpt.parallel import ParallelPlan
 from mpt.parallel.traffic import Traffic
@@ -72,6 +74,8 @@ class Layout:
     """Samples per micro-batch on each rank."""
     flags: tuple[str, ...]
     """The `mpt launch` flags that choose it."""
+    comm: GradComm = field(default_factory=GradComm)
+    """Its ``--grad-compression`` (the backend's default buckets)."""
 
     @property
     def label(self) -> str:
@@ -214,7 +218,7 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
                             cluster.device.device_type)
     stage = model.net if plan.pp == 1 else _stage_module(model, stages[slowest])
     flow = get_backend(layout.backend).step_traffic(layout.options, plan, spec, trained, m,
-                                                    module=stage)
+                                                    module=stage, comm=layout.comm)
     dp_seconds, dp_link, dp_rank, crosses = _data_parallel(flow, plan, cluster)
     window = {"backward": terms["backward"], "step": terms["forward"] + terms["backward"],
               "none": 0.0}[flow.window] * cluster.device.overlap
@@ -274,7 +278,7 @@ def _data_parallel(flow: Traffic, plan: ParallelPlan, cluster: Cluster
     seconds = link = rank = 0.0
     crosses = False
     for c in flow.collectives:
-        moved = collective(c.kind, c.size, plan, c.axis, cluster, c.library)
+        moved = collective(c.kind, c.size, plan, c.axis, cluster, c.library, c.dtype)
         seconds, link, rank = seconds + moved.seconds, link + moved.link_bytes, \
             rank + moved.per_rank
         crosses = crosses or moved.crosses

@@ -2,7 +2,8 @@
 
 Each combination of backend, the option sets it declares worth comparing
 (``Backend.plan_variants``: DeepSpeed's ZeRO stages, fsdp's HSDP replicas and, under a
-pipeline, its resharding), pipeline stages P and tensor-parallel size T goes through
+pipeline, its resharding), pipeline stages P, tensor-parallel size T and, where more than one
+replica reduces gradients, each cast ``--grad-compression`` (``CASTS``) goes through
 ``RunConfig`` and ``RunConfig.layout`` (the launcher's own checks: backend capabilities,
 precision, divisibility of the world), then the checks the model meets when it is set up
 (``stage_blocks`` for P, ``tensor_plan`` for T) and the batch's (it must split over the
@@ -20,6 +21,7 @@ from typing import Any
 from torch import nn
 
 from mpt.backends import registered
+from mpt.comm import CASTS
 from mpt.errors import MptError, UsageError
 from mpt.parallel import divisors
 from mpt.parallel.tensor import tensor_plan
@@ -39,7 +41,8 @@ class Refused:
 
 
 
-def _flags(backend: str, options: Mapping[str, Any], pp: int, tp: int) -> tuple[str, ...]:
+def _flags(backend: str, options: Mapping[str, Any], pp: int, tp: int,
+           compression: str = "none") -> tuple[str, ...]:
     """The `mpt launch` flags of a combination (each option by its own flag, none for an
     option at its default)."""
     cls = registered()[backend]
@@ -52,6 +55,8 @@ def _flags(backend: str, options: Mapping[str, Any], pp: int, tp: int) -> tuple[
         flags.append(f"--pipeline-stages {pp}")
     if tp > 1:
         flags.append(f"--tensor-parallel {tp}")
+    if compression != "none":
+        flags.append(f"--grad-compression {compression}")
     return tuple(flags)
 
 
@@ -69,23 +74,28 @@ def layouts(net: nn.Module, *, nodes: int, gpus: int, precision: str, batch: int
         for pp in divisors(world):
             for options in cls.plan_variants(world, pp):
                 for tp in divisors(gpus):
-                    flags = _flags(backend, options, pp, tp)
-                    try:
-                        cls.check_precision(spec, device_type, options)
-                        found.append(layout(net, backend, options, pp, tp, world=world,
-                                            precision=precision, batch=batch))
-                    except MptError as exc:
-                        refused.append(Refused(flags=flags, reason=str(exc)))
+                    replicas = world // (pp * tp)  # the ranks that reduce each gradient
+                    for compression in ("none", *(CASTS if replicas > 1 else ())):
+                        flags = _flags(backend, options, pp, tp, compression)
+                        try:
+                            cls.check_precision(spec, device_type, options)
+                            found.append(layout(net, backend, options, pp, tp, world=world,
+                                                precision=precision, batch=batch,
+                                                compression=compression))
+                        except MptError as exc:
+                            refused.append(Refused(flags=flags, reason=str(exc)))
     return found, refused
 
 
 def layout(net: nn.Module, backend: str, options: Mapping[str, Any], pp: int, tp: int, *,
-           world: int, precision: str, batch: int, microbatches: int | None = None) -> Layout:
+           world: int, precision: str, batch: int, microbatches: int | None = None,
+           compression: str = "none") -> Layout:
     """The layout of one combination (``microbatches``: `mpt launch --microbatches`, mpt's
-    default 2P where None); a UsageError where mpt refuses it."""
+    default 2P where None; ``compression``: ``--grad-compression``); a UsageError where mpt
+    refuses it."""
     settings: dict[str, Any] = {"backend": backend, "backend_options": dict(options),
                                 "pipeline_stages": pp, "tensor_parallel": tp,
-                                "precision": precision}
+                                "precision": precision, "grad_compression": compression}
     if microbatches is not None:
         settings["microbatches"] = microbatches
     config = RunConfig.parse(settings)
@@ -103,4 +113,4 @@ def layout(net: nn.Module, backend: str, options: Mapping[str, Any], pp: int, tp
                          f"pass a multiple of {plan.dp_size * microbatches}")
     return Layout(backend=backend, options=options, plan=plan, microbatches=microbatches,
                   micro_batch=per_replica // microbatches,
-                  flags=_flags(backend, options, pp, tp))
+                  flags=_flags(backend, options, pp, tp, compression), comm=config.grad_comm)

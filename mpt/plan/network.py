@@ -63,23 +63,37 @@ def ring_steps(kind: str, ranks: int) -> int:
     return 2 * (ranks - 1) if kind == "all_reduce" else ranks - 1
 
 
-def fit_of(fits: Mapping[str, CollectiveFit], kind: str, library: str = ""
-           ) -> CollectiveFit | None:
-    """The fit of ``kind`` run by ``library`` (calibrated as ``library:kind``), else torch's."""
-    return fits.get(f"{library}:{kind}") or fits.get(kind)
+def fit_key(kind: str, library: str = "", dtype: str = "float32") -> str:
+    """The name a calibration gives the fit of collective ``kind`` run by ``library`` (""
+    for torch.distributed) on ``dtype`` elements: ``all_reduce``, ``horovod:all_reduce``,
+    ``reduce_scatter/bfloat16``."""
+    return (f"{library}:" if library else "") + kind + (
+        "" if dtype == "float32" else f"/{dtype}")
+
+
+def fit_of(fits: Mapping[str, CollectiveFit], kind: str, library: str = "",
+           dtype: str = "float32") -> CollectiveFit | None:
+    """The most specific fit calibrated of ``kind``: run by ``library`` on ``dtype`` elements,
+    else by ``library`` on fp32 ones (priced by bytes), else torch's likewise."""
+    for key in (fit_key(kind, library, dtype), fit_key(kind, library), fit_key(kind, "", dtype),
+                kind):
+        if key in fits:
+            return fits[key]
+    return None
 
 
 def collective(kind: str, size: float, plan: ParallelPlan, axis: Axis, cluster: Cluster,
-               library: str = "") -> Transfer:
-    """A collective of a ``size``-byte tensor over every group of ``axis`` at once, run by
-    ``library``'s own collective where one was calibrated (else torch.distributed's)."""
+               library: str = "", dtype: str = "float32") -> Transfer:
+    """A collective of a ``size``-byte tensor of ``dtype`` elements over every group of
+    ``axis`` at once, run by ``library``'s own collective where one was calibrated (else
+    torch.distributed's), priced by the fit ``fit_of`` finds."""
     groups = plan.groups(axis)
     ranks = len(groups[0])
     if ranks == 1 or size <= 0:
         return Transfer(seconds=0.0, per_rank=0.0, link_bytes=0.0, crosses=False)
     per_rank = ring_factor(kind, ranks) * size
     steps = ring_steps(kind, ranks)
-    fit = fit_of(cluster.device.collectives, kind, library)
+    fit = fit_of(cluster.device.collectives, kind, library, dtype)
     latency = fit.latency if fit else cluster.device.intra_node.latency
     intra_bandwidth = fit.bus_bandwidth if fit else cluster.device.intra_node.bandwidth
     nodes_of = [{rank // cluster.gpus for rank in group} for group in groups]
@@ -90,7 +104,7 @@ def collective(kind: str, size: float, plan: ParallelPlan, axis: Axis, cluster: 
     if crossing:
         busiest = max(sum(node in nodes for nodes in crossing) for node in range(cluster.nodes))
         link_bytes = busiest * per_rank
-        between = fit_of(cluster.link.collectives, kind, library)  # measured across nodes
+        between = fit_of(cluster.link.collectives, kind, library, dtype)  # across nodes
         latency = max(latency, between.latency if between else cluster.link.latency)
         link_bandwidth = between.bus_bandwidth if between else link_bandwidth
     seconds = steps * latency + max(intra, link_bytes / link_bandwidth)

@@ -164,7 +164,8 @@ def test_calibrate_across_two_nodes_measures_the_link_between_them(tmp_path, fre
     assert not outputs[1].exists() and "across 2 nodes: allreduce bus bandwidth" in said[0]
     found = calibrate.load(outputs[0])
     assert found.nodes == 2 and found.ranks == 1 and found.hosts == [found.identity["host"]]
-    assert {"all_reduce", "all_gather", "reduce_scatter"} <= set(found.link)
+    assert {"all_reduce", "all_gather", "reduce_scatter", "all_reduce/bfloat16",
+            "reduce_scatter/float16"} <= set(found.link)
     assert all(fit["bus_bandwidth"] > 0 for fit in found.link.values())
     assert found.collectives == found.link  # one process per node: no collective within one
     step = found.measured_step()
