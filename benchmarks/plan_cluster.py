@@ -133,7 +133,7 @@ def main() -> None:
                         help="price without the model's measured step (the ops alone)")
     args = parser.parse_args()
     cells = [c for c in json.loads(args.results.read_text())
-             if c["compression"] != "powersgd" and c["model"] in INPUTS
+             if c["model"] in INPUTS
              and (c["nodes"] == 1 or c["rate"] != UNSHAPED)]
     found = {key: calibrated(*key, args.results.parent, args.reuse) for key in sorted(
         {(c["model"], c["nodes"], c["rate"] if c["nodes"] > 1 else UNSHAPED) for c in cells})}

@@ -130,6 +130,9 @@ def raw_side(backend: str, model, rt, loss_fn):
 
     if rt.world_size == 1:  # one process: the raw job is plain torch, whatever the library
         return sgd_step(model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9))
+    if compression == "powersgd":
+        raise SystemExit("no raw PowerSGD loop: torch's hook on gloo hangs with two buckets or "
+                         "more (mpt.backends.powersgd); run it with --mpt-only")
     if backend in ("ddp", "apex"):
         ddp = nn.parallel.DistributedDataParallel(
             model, **({} if bucket_mb is None else {"bucket_cap_mb": bucket_mb}))
@@ -251,6 +254,11 @@ def worker(args: argparse.Namespace) -> None:
     rt.close()
 
 
+POWERSGD_START = 2
+"""``powersgd_start_step`` of a PowerSGD cell (the earliest torch allows): its warm-up steps
+(``--warmup``, at least this many) run the plain allreduce, its timed steps PowerSGD."""
+
+
 def run_cell(model: str, backend: str, compression: str, nodes: int, rate: str,
              args: argparse.Namespace, out: Path) -> dict | None:
     """One job on a fresh emulated cluster; its worker's JSON, or None (with the refusal's line,
@@ -264,6 +272,8 @@ def run_cell(model: str, backend: str, compression: str, nodes: int, rate: str,
                    "--rounds", str(args.rounds), "--warmup", str(args.warmup),
                    *(["--mpt-only"] if args.mpt_only else [])]
     bucket = [] if args.bucket_mb is None else ["--bucket-mb", str(args.bucket_mb)]
+    if compression == "powersgd":  # started within the warm-up: the cell times its own steps
+        bucket += ["--backend-options", json.dumps({"powersgd_start_step": POWERSGD_START})]
     with EmulatedCluster(nodes=nodes, shape=LinkShape(rate=rate)) as cluster:
         commands = [launch_command(cluster, nr, Path(__file__).resolve(), worker_args,
                                    launch_args=["--backend", backend,
@@ -413,6 +423,9 @@ def main() -> None:
     reason = unavailable_reason()
     if reason:
         raise SystemExit(f"scaling: {reason}")
+    if "powersgd" in args.compression.split(",") and args.warmup < POWERSGD_START:
+        raise SystemExit(f"scaling: --warmup {args.warmup} would time PowerSGD's plain steps: "
+                         f"pass --warmup {POWERSGD_START} or more")
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"scaling: {os.cpu_count()} CPU(s) shared by every node, 1 process and 1 thread per "
           f"node, batch {BATCH}/process, fp32, {args.steps} steps x {args.rounds} rounds per "

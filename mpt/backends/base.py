@@ -339,12 +339,13 @@ class Backend(ABC):
 
     @classmethod
     def estimate_buffers(cls, stage: nn.Module, spec: PrecisionSpec, row: MemoryEstimate,
-                         share: float, plan: ParallelPlan, options: Mapping[str, Any]
-                         ) -> Buffers:
+                         share: float, plan: ParallelPlan, options: Mapping[str, Any],
+                         comm: GradComm | None = None) -> Buffers:
         """What a rank holds beyond ``row`` (the ``estimate_row`` of ``stage``, the model or a
         pipeline stage on the meta device) while it trains ``share`` of ``stage``'s parameters
-        (its tensor-parallel share) in ``spec`` with ``options`` in ``plan``, and what of it the
-        backward frees. The default: none."""
+        (its tensor-parallel share) in ``spec`` with ``options`` and ``comm`` (the run's
+        ``--grad-compression``) in ``plan``, and what of it the backward frees. The default:
+        none."""
         return Buffers()
 
     @classmethod

@@ -7,6 +7,7 @@ torch's comm hooks (``fp16_compress_hook``, ``bf16_compress_hook``, PowerSGD).
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import gc
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -31,6 +32,7 @@ from mpt.comm import GradComm
 from mpt.errors import UsageError
 from mpt.estimate import Buffers, MemoryEstimate
 from mpt.parallel import ParallelPlan
+from mpt.parallel.traffic import Collective, Traffic
 from mpt.parse import parse_int
 from mpt.precision import PrecisionSpec
 
@@ -113,6 +115,26 @@ def flat_buckets(sizes: Sequence[int], limit: float, kinds: Sequence[object] = (
     return found
 
 
+def powersgd_factors(module: nn.Module, rank: int, min_compression_rate: float = 2.0
+                     ) -> tuple[int, list[tuple[int, int, int]]]:
+    """How torch's ``powerSGD_hook`` takes ``module``'s trained parameters at ``rank``: the
+    elements it allreduces as they are, and each matrix it sends as two factors, as (n, m, r):
+    the gradient viewed as its first dimension x the rest, compressed where r (n + m) x
+    ``min_compression_rate`` (torch's default 2) < n m, at r = min(n, m, ``rank``)."""
+    plain, matrices = 0, []
+    for param in module.parameters():
+        if not param.requires_grad:
+            continue
+        n = param.shape[0] if param.dim() else 1
+        m = param.numel() // max(n, 1)
+        r = min(n, m, rank)
+        if (n + m) * r * min_compression_rate < n * m:
+            matrices.append((n, m, r))
+        else:
+            plain += param.numel()
+    return plain, matrices
+
+
 class DDPBackend(Backend):
     """One model replica per process; DDP averages gradients in buckets during backward.
 
@@ -154,18 +176,60 @@ class DDPBackend(Backend):
 
     @classmethod
     def estimate_buffers(cls, stage: nn.Module, spec: PrecisionSpec, row: MemoryEstimate,
-                         share: float, plan: ParallelPlan, options: Mapping[str, Any]
-                         ) -> Buffers:
+                         share: float, plan: ParallelPlan, options: Mapping[str, Any],
+                         comm: GradComm | None = None) -> Buffers:
         """torch's DDP (``gradient_as_bucket_view`` off) keeps its buckets, a copy of the
-        gradients. Under ``--pipeline-stages`` or ``--tensor-parallel`` mpt averages after the
-        backward instead (``reduce_stage``), one flat bucket at a time, each freed before the
-        next and all before the step: the largest of them, between the two."""
+        gradients, and under ``--grad-compression powersgd`` its error feedback, another (and
+        the factors, ``powersgd_factors``). Under ``--pipeline-stages`` or
+        ``--tensor-parallel`` mpt averages after the backward instead (``reduce_stage``), one
+        flat bucket at a time, each freed before the next and all before the step: the
+        largest of them, between the two."""
         if plan.pp == 1 and plan.tp == 1:
-            return Buffers(held=row.gradients)
+            if comm is None or comm.compression != "powersgd" or plan.dp_replicate == 1:
+                return Buffers(held=row.gradients)
+            rank = cls.check_options(options)["powersgd_rank"]
+            factors = sum(n * r + m * r for n, m, r in powersgd_factors(stage, rank)[1])
+            return Buffers(held=2 * row.gradients + int(factors * spec.reduce.itemsize))
         sizes = [int(p.numel() * spec.reduce.itemsize * share) for p in stage.parameters()
                  if p.requires_grad]
         return Buffers(between=max((sum(sizes[span]) for span in flat_buckets(
             sizes, DEFAULT_BUCKET_MB * 2**20)), default=0))
+
+    @classmethod
+    def step_traffic(cls, options: Mapping[str, Any], plan: ParallelPlan, spec: PrecisionSpec,
+                     parameters: float, microbatches: int = 1,
+                     module: nn.Module | None = None, comm: GradComm | None = None
+                     ) -> Traffic:
+        """The default's, but under ``--grad-compression powersgd`` (``module`` given) torch's
+        ``powerSGD_hook`` once it has started (``--backend-options powersgd_start_step``;
+        before, the default's allreduce): per bucket the error feedback added to the
+        gradients in place and the sum cloned; the tensors it does not compress
+        (``powersgd_factors``) gathered into one flat tensor, allreduced, divided and copied
+        back; each matrix M sent as its two factors, P = M Q allreduced, orthogonalised,
+        Q = M^T P allreduced, and M = P Q^T written back; the new error, the clone less that,
+        a new tensor. The three products per matrix are ``Traffic.matmuls``; the factors'
+        Gram-Schmidt or QR (r x r per row) is not priced."""
+        flow = super().step_traffic(options, plan, spec, parameters, microbatches, module, comm)
+        if comm is None or comm.compression != "powersgd" or module is None or (
+                plan.dp_replicate == 1):
+            return flow
+        width = spec.reduce.itemsize  # the buckets' dtype
+        plain, matrices = powersgd_factors(module, cls.check_options(options)["powersgd_rank"])
+        sent = [("gradients PowerSGD leaves", plain),
+                ("PowerSGD's P factors", sum(n * r for n, m, r in matrices)),
+                ("PowerSGD's Q factors", sum(m * r for n, m, r in matrices))]
+        bucket = (comm.bucket_mb or DEFAULT_BUCKET_MB) * 2**20
+        whole, left = divmod(parameters * width, bucket)
+        blocks = (bucket,) * int(whole) + ((left,) if left else ())
+        return dataclasses.replace(
+            flow,
+            collectives=tuple(Collective(kind="all_reduce", axis="dp_replicate", size=n * width,
+                                         what=what, dtype=flow.collectives[0].dtype)
+                              for what, n in sent if n),
+            copies=flow.copies + width * (1.5 + 1 + 1.5) * parameters + 3 * width * plain,
+            fresh=(*flow.fresh, *blocks, *blocks, plain * width),  # clone, error; the flat
+            matmuls=tuple(shape for n, m, r in matrices
+                          for shape in ((n, m, r), (m, n, r), (n, r, m))))
 
     group_alone: ClassVar[bool] = False
     """Whether a world of one still gets a process group (fully_shard and DeepSpeed need one,

@@ -275,8 +275,8 @@ class FSDPBackend(DDPBackend):
 
     @classmethod
     def estimate_buffers(cls, stage: nn.Module, spec: PrecisionSpec, row: MemoryEstimate,
-                         share: float, plan: ParallelPlan, options: Mapping[str, Any]
-                         ) -> Buffers:
+                         share: float, plan: ParallelPlan, options: Mapping[str, Any],
+                         comm: GradComm | None = None) -> Buffers:
         """What fully_shard holds beside the unit that runs in the backward (which the row
         counts with its unsharded gradients): a reduce-scatter's input and the unit it gathers
         ahead, or, with ``--fsdp-reshard-after-forward no``, the units still gathered since the

@@ -62,3 +62,8 @@ class Traffic:
     (fsdp's: ``FSDPBackend.step_traffic``). A host allocator maps the large ones anew at every
     allocation, and their first write costs what ``Device.fresh_seconds`` says; a GPU's
     caching allocator keeps them. Empty: none modelled."""
+    matmuls: tuple[tuple[int, int, int], ...] = ()
+    """The backend's own matmuls per step, each as (rows, inner, columns), in the gradients'
+    dtype (PowerSGD's products of each gradient matrix and its factors: ``DDPBackend``): the
+    cost model prices each as it prices the model's, at the throughput of its shape, in the
+    compute."""

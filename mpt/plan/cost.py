@@ -43,7 +43,7 @@ process, DeepSpeed ZeRO-0's buffers.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import nn
@@ -225,9 +225,10 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
     stepped = trained / plan.dp_shard if flow.shards_optimizer else trained
     terms["optimizer step"] = optimizer_seconds(stepped, model, cluster)
     terms["buffer copies"] = copy_seconds(flow, cluster)
+    terms["backend matmuls"] = matmul_seconds(flow, cluster, spec)
     terms["data-parallel communication"] = max(0.0, dp_seconds - window)
     compute = (terms["forward"] + terms["backward"] + terms["optimizer step"]
-               + terms["buffer copies"])
+               + terms["buffer copies"] + terms["backend matmuls"])
     exposed = (terms["data-parallel communication"] + terms["tensor-parallel allreduces"]
                + terms["pipeline sends"])
     terms["pipeline bubble"] = bubble
@@ -251,6 +252,16 @@ def copy_seconds(flow: Traffic, cluster: Cluster) -> float:
     device = cluster.device
     return (2 * flow.copies / device.memory_bandwidth
             + device.fresh_seconds([int(n) for n in flow.fresh]))
+
+
+def matmul_seconds(flow: Traffic, cluster: Cluster, spec: PrecisionSpec) -> float:
+    """The backend's own matmuls (``Traffic.matmuls``), in the gradients' dtype, each priced
+    as a model's matmul is (``op_seconds``)."""
+    reduced = replace(spec, compute=spec.reduce)
+    return sum(op_seconds(Op(flops=2 * rows * inner * columns,
+                             bytes=4 * (rows * inner + inner * columns + rows * columns),
+                             shape=(rows, inner, columns)), cluster, reduced, 1)
+               for rows, inner, columns in flow.matmuls)
 
 
 def optimizer_seconds(parameters: float, model: Model, cluster: Cluster) -> float:
@@ -287,8 +298,6 @@ def _data_parallel(flow: Traffic, plan: ParallelPlan, cluster: Cluster
 
 def _with_limiter(p: Prediction, stage: int, dp_words: str) -> Prediction:
     """``p`` with its limiter: memory where it does not fit, else its largest term."""
-    from dataclasses import replace
-
     if p.short:
         return replace(p, limiter=f"memory: {p.short / 2**30:.2f} GiB short per rank")
     candidates = {"compute": p.compute, dp_words: p.terms["data-parallel communication"],
@@ -349,7 +358,8 @@ def _memory(layout: Layout, model: Model, stages: list[list[str]], work: Workloa
         saved = activation_width(spec) * sum(
             (b.activations - (b.shared_input if i else 0))
             * (1 - _split_share(b) + _split_share(b) / plan.tp) for i, b in enumerate(blocks))
-        beyond = cls.estimate_buffers(stage, spec, row, share, plan, layout.options)
+        beyond = cls.estimate_buffers(stage, spec, row, share, plan, layout.options,
+                                      layout.comm)
         found = Held(row=row, activations=int(saved * in_flight),
                      buffers=beyond.held + _receive_buffers(stages, index, by_name, layout, spec),
                      transient=_step_transient(stage, model.optimizer_states, share,

@@ -3,7 +3,8 @@
 Each combination of backend, the option sets it declares worth comparing
 (``Backend.plan_variants``: DeepSpeed's ZeRO stages, fsdp's HSDP replicas and, under a
 pipeline, its resharding), pipeline stages P, tensor-parallel size T and, where more than one
-replica reduces gradients, each cast ``--grad-compression`` (``CASTS``) goes through
+replica reduces gradients, each ``--grad-compression`` (``COMPRESSIONS``: PowerSGD at its
+default rank, priced once it has started) goes through
 ``RunConfig`` and ``RunConfig.layout`` (the launcher's own checks: backend capabilities,
 precision, divisibility of the world), then the checks the model meets when it is set up
 (``stage_blocks`` for P, ``tensor_plan`` for T) and the batch's (it must split over the
@@ -21,7 +22,7 @@ from typing import Any
 from torch import nn
 
 from mpt.backends import registered
-from mpt.comm import CASTS
+from mpt.comm import COMPRESSIONS
 from mpt.errors import MptError, UsageError
 from mpt.parallel import divisors
 from mpt.parallel.tensor import tensor_plan
@@ -75,7 +76,7 @@ def layouts(net: nn.Module, *, nodes: int, gpus: int, precision: str, batch: int
             for options in cls.plan_variants(world, pp):
                 for tp in divisors(gpus):
                     replicas = world // (pp * tp)  # the ranks that reduce each gradient
-                    for compression in ("none", *(CASTS if replicas > 1 else ())):
+                    for compression in COMPRESSIONS if replicas > 1 else ("none",):
                         flags = _flags(backend, options, pp, tp, compression)
                         try:
                             cls.check_precision(spec, device_type, options)

@@ -137,3 +137,51 @@ def test_a_dtype_is_priced_by_its_own_fit_else_by_its_bytes() -> None:
         GRADIENTS / 2 / 60e6, rel=0.01)
     assert comm["--backend ddp --grad-compression bf16"] == pytest.approx(
         GRADIENTS / 2 / 100e6, rel=0.01)
+
+
+POWERSGD = GradComm(compression="powersgd")
+VECTORS = 4096 + 4096 + 1024  # the MLP's biases, which PowerSGD sends as they are
+SIDES = 1024 + 4096 + 4096  # each matrix's rows, and each one's columns, summed
+
+
+def test_powersgd_sends_each_matrix_as_two_factors_and_the_rest_as_it_is() -> None:
+    """torch's ``powerSGD_hook`` at rank r: each weight n x m as P (n x r) and Q (m x r), the
+    biases allreduced as they are; its three products per matrix (M Q, M^T P, P Q^T); the
+    error feedback added, the sum cloned and the new error made (4 bytes a gradient each way,
+    1.5 + 1 + 1.5), the biases gathered, divided and copied back; the error kept beside
+    DDP's buckets."""
+    spec, ddp, net = describe("fp32"), get_backend("ddp"), meta_model(mlp)
+    pair = ParallelPlan(dp_replicate=2)
+    plain = ddp.step_traffic({}, pair, spec, PARAMS, module=net)
+    flow = ddp.step_traffic({}, pair, spec, PARAMS, module=net, comm=POWERSGD)
+    assert {c.what: c.size for c in flow.collectives} == {
+        "gradients PowerSGD leaves": 4 * VECTORS, "PowerSGD's P factors": 4 * SIDES,
+        "PowerSGD's Q factors": 4 * SIDES}
+    assert flow.matmuls == ((4096, 1024, 1), (1024, 4096, 1), (4096, 1, 1024),
+                            (4096, 4096, 1), (4096, 4096, 1), (4096, 1, 4096),
+                            (1024, 4096, 1), (4096, 1024, 1), (1024, 1, 4096))
+    assert flow.copies == pytest.approx(plain.copies + 4 * GRADIENTS + 3 * 4 * VECTORS)
+    ranked = ddp.step_traffic({"powersgd_rank": 2}, pair, spec, PARAMS, module=net,
+                              comm=POWERSGD)
+    assert {c.what: c.size for c in ranked.collectives}["PowerSGD's Q factors"] == 8 * SIDES
+    assert ddp.step_traffic({}, ParallelPlan(dp_replicate=1), spec, PARAMS, module=net,
+                            comm=POWERSGD) == ddp.step_traffic({}, ParallelPlan(dp_replicate=1),
+                                                               spec, PARAMS, module=net)
+
+    result = _plan(2, 1)
+    ddp_plain, compressed = (_by_label(result, f"--backend ddp{flag}")
+                             for flag in ("", " --grad-compression powersgd"))
+    assert compressed.memory.buffers - ddp_plain.memory.buffers == 4 * PARAMS + 8 * SIDES
+    assert compressed.terms["backend matmuls"] > 0 == ddp_plain.terms["backend matmuls"]
+    assert compressed.link_bytes == pytest.approx(4 * (VECTORS + 2 * SIDES))
+
+
+def test_powersgd_is_planned_where_mpt_runs_it_and_refused_elsewhere() -> None:
+    result = _plan(2, 2)
+    labels = {p.layout.label for p in result.fitting}
+    assert {"--backend ddp --grad-compression powersgd",
+            "--backend apex --grad-compression powersgd"} <= labels
+    reasons = {" ".join(r.flags): r.reason for r in result.refused}
+    for refused in ("--backend fsdp", "--backend horovod", "--backend deepspeed --zero-stage 1",
+                    "--backend ddp --pipeline-stages 2"):
+        assert "PowerSGD" in reasons[f"{refused} --grad-compression powersgd"]
