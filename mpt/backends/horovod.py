@@ -274,8 +274,8 @@ class HorovodBackend(Backend):
                      ) -> Traffic:
         """The default's allreduce of the gradients, run by Horovod's own ring: priced by its
         fit where the calibration swept it (``mpt plan --calibrate`` with Horovod installed),
-        which on a shared CPU is 1.5-3.3 x torch's gloo allreduce (docs/benchmarks.md); its
-        fp32 fit prices ``--grad-compression fp16`` by the bytes (no fp16 sweep of it)."""
+        which on a shared CPU is 1.5-3.3 x torch's gloo allreduce (docs/benchmarks.md), and
+        ``--grad-compression fp16`` by its fp16 fit."""
         flow = super().step_traffic(options, plan, spec, parameters, microbatches, module,
                                     comm)
         return dataclasses.replace(flow, collectives=tuple(

@@ -246,13 +246,14 @@ def ring_fit(kind: str, points: list[tuple[float, float]], ranks: int) -> dict[s
 
 
 def horovod_sweep(world: World, address: str, device: torch.device,
-                  sync: Callable[[], None]) -> dict[str, float]:
+                  sync: Callable[[], None]) -> dict[str, dict[str, float]]:
     """Horovod's own allreduce between every rank of ``world`` over ``SIZES`` and its default
     tensor-fusion buffer (``FUSION_DEFAULT``: what it sends at once of a step's gradients, and
     its ring's speed per byte still grows there, 0.065 GB/s at 32 MiB and 0.085 at 64 MiB
-    across 4 nodes at 1 Gbit/s), fitted by ``ring_fit``: this rank's ``hvd.init()`` joins the
-    others at the rendezvous ``address`` over gloo, as under `mpt launch`, and leaves before
-    the rest of the calibration."""
+    across 4 nodes at 1 Gbit/s), in fp32 and in fp16 (``--grad-compression fp16``, whose sums
+    Horovod's CPU ops run slower per byte), each fitted by ``ring_fit`` and named by
+    ``fit_key``: this rank's ``hvd.init()`` joins the others at the rendezvous ``address`` over
+    gloo, as under `mpt launch`, and leaves before the rest of the calibration."""
     from mpt.backends.horovod import FUSION_DEFAULT
     from mpt.launchers.horovod_join import join_env
 
@@ -260,15 +261,19 @@ def horovod_sweep(world: World, address: str, device: torch.device,
     import horovod.torch as hvd
 
     hvd.init()
+    found = {}
     try:
-        points = []
-        for size in (*SIZES, FUSION_DEFAULT):
-            whole = torch.ones(size // 4, device=device)
-            seconds = _timed(lambda whole=whole: hvd.allreduce(whole, op=hvd.Sum), 5, sync)
-            points.append((ring_factor("all_reduce", world.world_size) * size, seconds))
+        for dtype in (torch.float32, torch.float16):
+            points = []
+            for size in (*SIZES, FUSION_DEFAULT):
+                whole = torch.ones(size // dtype.itemsize, device=device, dtype=dtype)
+                seconds = _timed(lambda whole=whole: hvd.allreduce(whole, op=hvd.Sum), 5, sync)
+                points.append((ring_factor("all_reduce", world.world_size) * size, seconds))
+            name = fit_key("all_reduce", "horovod", str(dtype).removeprefix("torch."))
+            found[name] = ring_fit("all_reduce", points, world.world_size)
     finally:
         hvd.shutdown()
-    return ring_fit("all_reduce", points, world.world_size)
+    return found
 
 
 def _cold_flops(shapes: tuple[tuple[int, int], tuple[int, int]], dtype: torch.dtype,
@@ -467,8 +472,8 @@ def _worker(local_rank: int, world: World, out: str, step: StepSpec | None,
         dist.barrier()
         link = sweep(world.world_size, device, sync) if world.nodes > 1 else {}
         if horovod:  # its ring over every rank: within the node, or across the nodes
-            found = horovod_sweep(world, horovod, device, sync)
-            (link if world.nodes > 1 else within)[fit_key("all_reduce", "horovod")] = found
+            (link if world.nodes > 1 else within).update(
+                horovod_sweep(world, horovod, device, sync))
         dist.barrier()
         if model is not None:
             model.time()

@@ -177,7 +177,8 @@ def test_calibrate_across_two_nodes_measures_the_link_between_them(tmp_path, fre
     except ImportError:
         assert "horovod:all_reduce" not in found.link
     else:
-        assert found.link["horovod:all_reduce"]["bus_bandwidth"] > 0
+        for name in ("horovod:all_reduce", "horovod:all_reduce/float16"):
+            assert found.link[name]["bus_bandwidth"] > 0
 
 
 @pytest.mark.slow
