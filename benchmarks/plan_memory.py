@@ -10,6 +10,8 @@
         benchmarks/plan_memory.py --model deep     # eight alike units
     .venv/bin/mpt launch --gpus 4 --pipeline-stages 2 --backend fsdp --host-memory lean \
         benchmarks/plan_memory.py                   # the fullest stage's ranks
+    .venv/bin/mpt launch --gpus 2 --backend ddp --host-memory lean --grad-compression powersgd \
+        --backend-options '{"powersgd_start_step": 2}' benchmarks/plan_memory.py  # its error
 
 Every rank builds the MLP of tests/plan/plan_models.py (25.2 M parameters, 403 MB of fp32 Adam
 state; ``--model deep``: that file's eight alike layers, 29.4 M) and trains it for ``--steps``
@@ -78,7 +80,8 @@ def _status(key: str) -> int:
 
 def predicted(rt: mpt.Runtime, build: Callable[[], torch.nn.Module], batch: int
               ) -> Prediction:
-    """The cost model's row for this launch: its backend, precision, ranks and global batch.
+    """The cost model's row for this launch: its backend, precision, ranks, global batch and
+    ``--grad-compression``.
     Of the device, memory depends only on its type (torch's Adam steps CPU tensors one at a
     time); the throughput figures below are placeholders no memory term reads."""
     net = meta_model(build)
@@ -87,7 +90,8 @@ def predicted(rt: mpt.Runtime, build: Callable[[], torch.nn.Module], batch: int
     chosen = layout(net, rt.backend.name, rt.config.backend_options, rt.topology.plan.pp, 1,
                     world=rt.world_size, precision=spec.name,
                     batch=batch * rt.topology.dp_size,
-                    microbatches=pipeline.microbatches if pipeline else None)
+                    microbatches=pipeline.microbatches if pipeline else None,
+                    compression=rt.config.grad_compression)
     host = Device(name="cpu", flops={"float32": 1e11}, memory_bandwidth=1e10,
                   memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
                   intra_node=link_profile("10gbit"), device_type=rt.device.type)

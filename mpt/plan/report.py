@@ -83,6 +83,12 @@ def print_tables(result: Plan, script: str, console: Console) -> None:
     console.print(f"{len(result.refused)} other combinations are refused by mpt (--json lists "
                   "each with its reason). Not counted in memory: the allocator's slack, the "
                   "process (a few hundred MiB), DeepSpeed ZeRO-0's buffers.")
+    if any(p.layout.comm.compression == "powersgd" for p in result.fitting):
+        console.print("--grad-compression powersgd is priced once it has started (--backend-"
+                      "options powersgd_start_step, 1000 by default; the plain allreduce "
+                      "before); on a CPU host its measured steps ran 1.6-2.6 x the priced ones, "
+                      "the first writes of its per-bucket copies among what is not priced "
+                      "(docs/plan.md).")
     if result.fitting:
         console.print("best: " + launch_line(result.best, cluster, script, result.batch,
                                              result.precision), markup=False)

@@ -38,6 +38,9 @@ def test_table_for_people(monkeypatch, capsys) -> None:
     code, out, _ = _run(monkeypatch, capsys, f"{MODELS}:mlp", "--gpus", "2")
     assert code == 0
     assert "limited by" in out and "best: mpt launch" in out
+    assert "powersgd is priced once it has started" in " ".join(out.split())
+    code, alone, _ = _run(monkeypatch, capsys, f"{MODELS}:mlp", "--gpus", "1")
+    assert code == 0 and "powersgd" not in alone  # one replica: nothing to compress
 
 
 @pytest.mark.parametrize(("args", "words"), [
