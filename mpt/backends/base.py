@@ -381,7 +381,8 @@ class Backend(ABC):
         wire = wire_dtype(spec, comm)
         gradients = Collective(kind="all_reduce", axis="dp_replicate",
                                size=parameters * wire.itemsize, what="gradients",
-                               dtype=dtype_name(wire))
+                               dtype=dtype_name(wire), calls=cls.gradient_calls(
+                                   parameters * spec.reduce.itemsize, plan, comm))
         copies = 0.0
         if plan.dp_replicate > 1:
             copies = 2 * parameters * spec.params.itemsize
@@ -389,6 +390,12 @@ class Backend(ABC):
                 copies += parameters * (spec.reduce.itemsize + wire.itemsize)
         return Traffic(collectives=(gradients,), window=window, shards_optimizer=False,
                        copies=copies)
+
+    @classmethod
+    def gradient_calls(cls, size: float, plan: ParallelPlan, comm: GradComm | None) -> int:
+        """The calls the default's allreduce of ``size`` bytes of gradients is made in (its
+        buckets, by ``comm.bucket_mb``); the default: one."""
+        return 1
 
     @classmethod
     def availability(cls) -> Availability:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import gc
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -196,6 +197,22 @@ class DDPBackend(Backend):
             sizes, DEFAULT_BUCKET_MB * 2**20)), default=0))
 
     @classmethod
+    def bucket_cap(cls, comm: GradComm | None) -> float:
+        """Bytes of gradients one bucket holds: ``--bucket-mb``, else torch's 25 MiB."""
+        return (comm.bucket_mb if comm and comm.bucket_mb else DEFAULT_BUCKET_MB) * 2**20
+
+    @classmethod
+    def gradient_calls(cls, size: float, plan: ParallelPlan, comm: GradComm | None) -> int:
+        """DDP's buckets (``bucket_kwargs``): a first of ``FIRST_BUCKET_MB``, then one per
+        ``bucket_cap``; under ``--pipeline-stages`` or ``--tensor-parallel`` mpt's flat buckets
+        (``flat_buckets``) of ``bucket_cap`` each."""
+        cap = cls.bucket_cap(comm)
+        if plan.model_size > 1:
+            return max(1, math.ceil(size / cap))
+        first = FIRST_BUCKET_MB * 2**20
+        return 1 + max(0, math.ceil((size - first) / cap))
+
+    @classmethod
     def step_traffic(cls, options: Mapping[str, Any], plan: ParallelPlan, spec: PrecisionSpec,
                      parameters: float, microbatches: int = 1,
                      module: nn.Module | None = None, comm: GradComm | None = None
@@ -218,13 +235,15 @@ class DDPBackend(Backend):
         sent = [("gradients PowerSGD leaves", plain),
                 ("PowerSGD's P factors", sum(n * r for n, m, r in matrices)),
                 ("PowerSGD's Q factors", sum(m * r for n, m, r in matrices))]
-        bucket = (comm.bucket_mb or DEFAULT_BUCKET_MB) * 2**20
+        bucket = cls.bucket_cap(comm)
         whole, left = divmod(parameters * width, bucket)
         blocks = (bucket,) * int(whole) + ((left,) if left else ())
+        calls = flow.collectives[0].calls  # three per bucket
         return dataclasses.replace(
             flow,
             collectives=tuple(Collective(kind="all_reduce", axis="dp_replicate", size=n * width,
-                                         what=what, dtype=flow.collectives[0].dtype)
+                                         what=what, dtype=flow.collectives[0].dtype,
+                                         calls=calls)
                               for what, n in sent if n),
             copies=flow.copies + width * (1.5 + 1 + 1.5) * parameters + 3 * width * plain,
             fresh=(*flow.fresh, *blocks, *blocks, plain * width),  # clone, error; the flat

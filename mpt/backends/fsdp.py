@@ -317,7 +317,8 @@ class FSDPBackend(DDPBackend):
         all of it prefetched or overlapped over the whole step. Under a pipeline that once per
         schedule, or, with ``--fsdp-reshard-after-forward yes``, once per micro-batch (nothing
         is kept gathered between them). HSDP (``--fsdp-replicate R``) does this within each
-        shard group, then allreduces the gradient shard across the R replicas.
+        shard group, then allreduces the gradient shard across the R replicas. Each is one
+        call per unit (of ``module``, where it is given).
 
         Around each collective fully_shard copies in memory (torch's ``_fsdp_collectives``):
         an all-gather copies the rank's shard into the flat input and the gathered output out
@@ -340,9 +341,11 @@ class FSDPBackend(DDPBackend):
         grads, weights = parameters * width, parameters * spec.params.itemsize
         reshard = _reshards(values, plan)
         times = microbatches if plan.pp > 1 and reshard else 1
+        calls = times * (sum(1 for unit in unit_parameters(module, values["wrap"]) if unit)
+                         if module else 1)
         gather = Collective(kind="all_gather", axis="dp_shard", size=weights * times,
-                            what="parameters")
-        reduced_as = dict(what="gradients", dtype=dtype_name(wire))
+                            what="parameters", calls=calls)
+        reduced_as = dict(what="gradients", dtype=dtype_name(wire), calls=calls)
         found = [gather, *([gather] if reshard else []),
                  Collective(kind="reduce_scatter", axis="dp_shard", size=grads * times,
                             **reduced_as)]

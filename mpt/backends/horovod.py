@@ -35,6 +35,7 @@ import atexit
 import dataclasses
 import functools
 import gc
+import math
 import os
 import socket
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
@@ -266,6 +267,13 @@ class HorovodBackend(Backend):
         step) and the part of Horovod's tensor-fusion buffer the fused gradients write: at
         most its default 128 MiB (``--bucket-mb``, which sets it, is not an option here)."""
         return Buffers(held=row.gradients + min(FUSION_DEFAULT, row.gradients))
+
+    @classmethod
+    def gradient_calls(cls, size: float, plan: ParallelPlan, comm: GradComm | None) -> int:
+        """One per fill of the tensor-fusion buffer (``--bucket-mb``, else
+        ``FUSION_DEFAULT``); Horovod fuses what is ready each cycle, so it may send more."""
+        fusion = comm.bucket_mb * 2**20 if comm and comm.bucket_mb else FUSION_DEFAULT
+        return max(1, math.ceil(size / fusion))
 
     @classmethod
     def step_traffic(cls, options: Mapping[str, Any], plan: ParallelPlan, spec: PrecisionSpec,

@@ -35,6 +35,9 @@ class Collective:
     """The library whose own collective runs it where that is not torch.distributed's
     (``horovod``): the cost model prices it by that library's calibrated fit, where there is
     one."""
+    calls: int = 1
+    """The separate calls it is made in (DDP's buckets, fsdp's units, PowerSGD's buckets):
+    each pays the ring's latency, and together they carry ``size``."""
     dtype: str = "float32"
     """The elements' dtype on the wire (torch's name: ``bfloat16`` under a 16-bit precision or
     ``--grad-compression``): the cost model prices it by that dtype's calibrated fit where

@@ -289,7 +289,7 @@ def _data_parallel(flow: Traffic, plan: ParallelPlan, cluster: Cluster
     seconds = link = rank = 0.0
     crosses = False
     for c in flow.collectives:
-        moved = collective(c.kind, c.size, plan, c.axis, cluster, c.library, c.dtype)
+        moved = collective(c.kind, c.size, plan, c.axis, cluster, c.library, c.dtype, c.calls)
         seconds, link, rank = seconds + moved.seconds, link + moved.link_bytes, \
             rank + moved.per_rank
         crosses = crosses or moved.crosses

@@ -83,10 +83,11 @@ def fit_of(fits: Mapping[str, CollectiveFit], kind: str, library: str = "",
 
 
 def collective(kind: str, size: float, plan: ParallelPlan, axis: Axis, cluster: Cluster,
-               library: str = "", dtype: str = "float32") -> Transfer:
+               library: str = "", dtype: str = "float32", calls: int = 1) -> Transfer:
     """A collective of a ``size``-byte tensor of ``dtype`` elements over every group of
-    ``axis`` at once, run by ``library``'s own collective where one was calibrated (else
-    torch.distributed's), priced by the fit ``fit_of`` finds."""
+    ``axis`` at once, in ``calls`` calls (each pays the ring's latency), run by ``library``'s
+    own collective where one was calibrated (else torch.distributed's), priced by the fit
+    ``fit_of`` finds."""
     groups = plan.groups(axis)
     ranks = len(groups[0])
     if ranks == 1 or size <= 0:
@@ -107,7 +108,7 @@ def collective(kind: str, size: float, plan: ParallelPlan, axis: Axis, cluster: 
         between = fit_of(cluster.link.collectives, kind, library, dtype)  # across nodes
         latency = max(latency, between.latency if between else cluster.link.latency)
         link_bandwidth = between.bus_bandwidth if between else link_bandwidth
-    seconds = steps * latency + max(intra, link_bytes / link_bandwidth)
+    seconds = calls * steps * latency + max(intra, link_bytes / link_bandwidth)
     return Transfer(seconds=seconds, per_rank=per_rank, link_bytes=link_bytes,
                     crosses=bool(crossing))
 

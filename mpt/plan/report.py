@@ -86,7 +86,7 @@ def print_tables(result: Plan, script: str, console: Console) -> None:
     if any(p.layout.comm.compression == "powersgd" for p in result.fitting):
         console.print("--grad-compression powersgd is priced once it has started (--backend-"
                       "options powersgd_start_step, 1000 by default; the plain allreduce "
-                      "before); on a CPU host its measured steps ran 1.6-2.6 x the priced ones, "
+                      "before); on a CPU host its measured steps ran 1.1-2.4 x the priced ones, "
                       "the first writes of its per-bucket copies among what is not priced "
                       "(docs/plan.md).")
     if result.fitting:
