@@ -341,8 +341,8 @@ class FSDPBackend(DDPBackend):
         grads, weights = parameters * width, parameters * spec.params.itemsize
         reshard = _reshards(values, plan)
         times = microbatches if plan.pp > 1 and reshard else 1
-        calls = times * (sum(1 for unit in unit_parameters(module, values["wrap"]) if unit)
-                         if module else 1)
+        held = unit_parameters(module, values["wrap"]) if module is not None else []
+        calls = times * max(1, sum(1 for unit in held if unit))  # the units that hold any
         gather = Collective(kind="all_gather", axis="dp_shard", size=weights * times,
                             what="parameters", calls=calls)
         reduced_as = dict(what="gradients", dtype=dtype_name(wire), calls=calls)
@@ -361,8 +361,7 @@ class FSDPBackend(DDPBackend):
         copies = ((2 if reshard else 1) * weights * (around if flat else 1)
                   + reduce_copies) * times
         fresh: list[float] = []
-        if module is not None:
-            held = unit_parameters(module, values["wrap"])
+        if held:
             share = parameters / max(1, sum(map(sum, held)))  # a tensor-parallel rank's part
             for unit in held:
                 gathered = [n * share * spec.params.itemsize for n in unit]
