@@ -1,7 +1,8 @@
 """`mpt plan` and ``--grad-compression``: each cast is a layout wherever replicas reduce
 gradients, its collectives sent in the cast's dtype and priced by that dtype's calibrated fit,
 and each backend's casts there and back in its copies (what torch's comm hooks, fully_shard,
-DeepSpeed and Horovod do, term by term)."""
+DeepSpeed and Horovod do, term by term); PowerSGD's factors, products and error feedback,
+where ddp and apex run it."""
 
 from __future__ import annotations
 
