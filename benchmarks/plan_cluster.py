@@ -162,6 +162,12 @@ def main() -> None:
     print(f"rows: {out}")
 
 
+def _named(row: dict[str, Any]) -> str:
+    """A row's backend, and its compression where it has one."""
+    compression = row.get("compression", "none")
+    return row["backend"] + ("" if compression == "none" else f" {compression}")
+
+
 def report(rows: list[dict[str, Any]]) -> None:
     print("| model | backend | compression | nodes | link | predicted at the rate (s) | "
           "predicted, link measured (s): compute + exposed | mpt (s) | predicted / mpt: rate | "
@@ -190,12 +196,8 @@ def report(rows: list[dict[str, Any]]) -> None:
         chosen = min(group, key=lambda r: r["on_link"]["rank"])  # the plan's first
         best = min(group, key=lambda r: r["mpt"])
         off = chosen["mpt"] / best["mpt"] - 1
-        def name(r: dict[str, Any]) -> str:
-            return r["backend"] + ("" if r.get("compression", "none") == "none"
-                                   else f" {r['compression']}")
-
-        print(f"{model} {nodes} node(s) {rate}: plan's best {name(chosen)} measured "
-              f"{chosen['mpt']:.3f} s, the best measured {name(best)} {best['mpt']:.3f} s: "
+        print(f"{model} {nodes} node(s) {rate}: plan's best {_named(chosen)} measured "
+              f"{chosen['mpt']:.3f} s, the best measured {_named(best)} {best['mpt']:.3f} s: "
               f"{off * 100:+.1f} % ({'within' if off <= 0.10 else 'over'} 10 %)")
 
 

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from mpt.backends.base import Availability, BackendOption
-from mpt.backends.ddp import CAST_DTYPES, POWERSGD_OPTIONS, DDPBackend, bucket_kwargs
+from mpt.backends.base import CAST_DTYPES, Availability, BackendOption
+from mpt.backends.ddp import POWERSGD_OPTIONS, DDPBackend, bucket_kwargs
 from mpt.comm import GradComm
 from mpt.errors import MissingDependencyError, UsageError
 from mpt.parse import parse_bool, parse_number

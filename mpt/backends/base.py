@@ -20,6 +20,7 @@ from mpt.parallel import Axis, ParallelPlan
 from mpt.parallel.traffic import Collective, Traffic, Window
 from mpt.parse import parse_bool, parse_text
 from mpt.precision import Precision, PrecisionSpec
+from mpt.precision.base import dtype_name
 from mpt.state.named import from_named, to_named
 
 if TYPE_CHECKING:
@@ -29,14 +30,10 @@ CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 """The dtype gradients are reduced in under each cast ``--grad-compression``."""
 
 
-def wire_dtype(spec: PrecisionSpec, comm: GradComm | None) -> torch.dtype:
-    """The dtype gradients are reduced in: the cast ``comm`` names, else ``spec.reduce``."""
-    return CAST_DTYPES.get(comm.compression if comm else "none", spec.reduce)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """torch's name of ``dtype`` without its module (``bfloat16``)."""
-    return str(dtype).removeprefix("torch.")
+def wire_dtype(comm: GradComm | None, default: torch.dtype) -> torch.dtype:
+    """The dtype gradients are reduced in: the cast ``comm`` names, else ``default`` (the
+    backend's own)."""
+    return CAST_DTYPES.get(comm.compression if comm else "none", default)
 
 
 class Launch(Protocol):
@@ -378,7 +375,7 @@ class Backend(ABC):
         each element read in one dtype and written in the other, both ways.
         """
         window: Window = "none" if plan.model_size > 1 else "backward"
-        wire = wire_dtype(spec, comm)
+        wire = wire_dtype(comm, spec.reduce)
         gradients = Collective(kind="all_reduce", axis="dp_replicate",
                                size=parameters * wire.itemsize, what="gradients",
                                dtype=dtype_name(wire), calls=cls.gradient_calls(

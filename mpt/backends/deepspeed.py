@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mpt.backends.base import CAST_DTYPES, Availability, BackendOption, dtype_name, holds
+from mpt.backends.base import Availability, BackendOption, holds, wire_dtype
 from mpt.backends.ddp import DDPBackend
 from mpt.backends.deepspeed_config import (
     DEFAULT_STAGE,
@@ -57,6 +57,7 @@ from mpt.estimate import Buffers, MemoryEstimate, parameter_counts
 from mpt.parallel import Axis, ParallelPlan
 from mpt.parallel.traffic import Collective, Traffic
 from mpt.precision import LossScaleConfig, Precision, PrecisionSpec
+from mpt.precision.base import dtype_name
 from mpt.state.flat import FlatPiece
 from mpt.state.named import from_named
 
@@ -324,8 +325,7 @@ class DeepSpeedBackend(DDPBackend):
         width = cls._width(spec)
         size = parameters * width
         mode = torch.float32 if width == 4 else spec.compute
-        wire = CAST_DTYPES.get(comm.compression if comm else "none")
-        sent = wire or mode
+        sent = wire_dtype(comm, mode)
         axis: Axis = "dp_shard" if stage else "dp_replicate"
         gather = Collective(kind="all_gather", axis=axis, size=size, what="parameters")
         gradients = Collective(kind="reduce_scatter" if stage == 3 else "all_reduce", axis=axis,

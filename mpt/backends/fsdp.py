@@ -19,8 +19,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from mpt.backends.base import Availability, BackendOption, dtype_name, on_meta, wire_dtype
-from mpt.backends.ddp import CAST_DTYPES, DDPBackend
+from mpt.backends.base import CAST_DTYPES, Availability, BackendOption, on_meta, wire_dtype
+from mpt.backends.ddp import DDPBackend
 from mpt.backends.meta import check_materialisable, materialise, rank0_random_state
 from mpt.comm import GradComm
 from mpt.errors import UsageError
@@ -29,6 +29,7 @@ from mpt.parallel import Axis, ParallelPlan, divisors
 from mpt.parallel.traffic import Collective, Traffic
 from mpt.parse import parse_bool, parse_int, parse_text
 from mpt.precision import PrecisionSpec
+from mpt.precision.base import dtype_name
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -336,7 +337,7 @@ class FSDPBackend(DDPBackend):
         gradients are cast as they are copied into the flat input, reduced and divided in it,
         and the shard cast back into a new tensor of the gradients' dtype."""
         values = cls.check_options(options)
-        wire = wire_dtype(spec, comm)
+        wire = wire_dtype(comm, spec.reduce)
         width, kept = wire.itemsize, spec.reduce.itemsize  # on the wire; the gradients'
         grads, weights = parameters * width, parameters * spec.params.itemsize
         reshard = _reshards(values, plan)

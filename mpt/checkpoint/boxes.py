@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from mpt.precision.base import dtype_name
 from mpt.state.flat import FlatPiece
 
 
@@ -52,27 +53,23 @@ class Box:
         return cls(key, dtype, tuple(shape), tuple(offsets), tuple(sizes))
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def held(key: str, value: torch.Tensor | FlatPiece) -> tuple[Box, torch.Tensor] | None:
     """The box this rank holds of state tensor ``value`` and its data (None: it holds none)."""
     if isinstance(value, FlatPiece):
         box = value.write_box()  # whole rows (the tails exchanged by the backend)
         if box is None:
             return None
-        return Box(key, _dtype_name(value.dtype), tuple(value.shape), tuple(box[0]),
+        return Box(key, dtype_name(value.dtype), tuple(value.shape), tuple(box[0]),
                    tuple(box[1])), value.write_data()
     if isinstance(value, DTensor):
         local = value.to_local()
         if not local.numel():
             return None
         [chunk] = value.__create_chunk_list__()
-        return Box(key, _dtype_name(value.dtype), tuple(value.shape), tuple(chunk.offsets),
+        return Box(key, dtype_name(value.dtype), tuple(value.shape), tuple(chunk.offsets),
                    tuple(chunk.sizes)), local
     shape = tuple(value.shape)
-    return Box(key, _dtype_name(value.dtype), shape, (0,) * len(shape), shape), value
+    return Box(key, dtype_name(value.dtype), shape, (0,) * len(shape), shape), value
 
 
 def assign(holders: list[list[Box]]) -> list[list[Box]]:

@@ -59,6 +59,7 @@ from mpt.environments.world import World
 from mpt.errors import UsageError
 from mpt.plan.network import fit_key, ring_factor, ring_steps
 from mpt.plan.profiles import CollectiveFit, Device, Link, MeasuredStep, StepSpec
+from mpt.precision.base import dtype_name
 
 FORMAT = "mpt-plan-calibration/2"
 """Version 2 added ``matmul_sweep`` and ``update_seconds``; ``fresh_bandwidth`` came later and
@@ -232,7 +233,7 @@ def sweep(world: int, device: torch.device, sync: Callable[[], None],
                 seconds = _timed(run, 5, sync)
                 points.setdefault((name, dtype), []).append(
                     (ring_factor(name, world) * size, seconds))
-    return {fit_key(name, dtype=str(dtype).removeprefix("torch.")): ring_fit(name, found, world)
+    return {fit_key(name, dtype=dtype_name(dtype)): ring_fit(name, found, world)
             for (name, dtype), found in points.items()}
 
 
@@ -269,7 +270,7 @@ def horovod_sweep(world: World, address: str, device: torch.device,
                 whole = torch.ones(size // dtype.itemsize, device=device, dtype=dtype)
                 seconds = _timed(lambda whole=whole: hvd.allreduce(whole, op=hvd.Sum), 5, sync)
                 points.append((ring_factor("all_reduce", world.world_size) * size, seconds))
-            name = fit_key("all_reduce", "horovod", str(dtype).removeprefix("torch."))
+            name = fit_key("all_reduce", "horovod", dtype_name(dtype))
             found[name] = ring_fit("all_reduce", points, world.world_size)
     finally:
         hvd.shutdown()
@@ -311,7 +312,7 @@ def matmul_figures(device: torch.device, sync: Callable[[], None]
     peaks: dict[str, float] = {}
     sweeps: dict[str, dict[str, list[list[float]]]] = {}
     for dtype in DTYPES:
-        name = str(dtype).removeprefix("torch.")
+        name = dtype_name(dtype)
         square = _cold_flops(((n, n), (n, n)), dtype, device, sync)
         rows = [[s, _cold_flops(((s, n), (n, n)), dtype, device, sync)] for s in SMALLEST]
         inner = [[s, _cold_flops(((n, s), (s, n)), dtype, device, sync)] for s in SMALLEST]

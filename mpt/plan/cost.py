@@ -56,6 +56,7 @@ from mpt.parallel.traffic import Traffic
 from mpt.plan.network import Cluster, collective, send
 from mpt.plan.workload import BlockCost, Op, Workload
 from mpt.precision import PrecisionSpec
+from mpt.precision.base import dtype_name
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -160,7 +161,7 @@ def op_seconds(op: Op, cluster: Cluster, spec: PrecisionSpec, tp: int) -> float:
     device = cluster.device
     matmul = op.flops > 0
     width = spec.compute.itemsize / 4 if matmul else activation_width(spec)
-    dtype = str(spec.compute).removeprefix("torch.") if matmul else "float32"
+    dtype = dtype_name(spec.compute) if matmul else "float32"
     seconds = max(op.flops / device.matmul_flops(dtype, op.shape),
                   op.bytes * width / device.memory_bandwidth)
     seconds += device.fresh_seconds([int(n * width) for n in op.results])

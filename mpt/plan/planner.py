@@ -20,6 +20,7 @@ from mpt.plan.network import Cluster
 from mpt.plan.profiles import MeasuredStep
 from mpt.plan.workload import profile, tp_plan_of
 from mpt.precision import PrecisionSpec, describe
+from mpt.precision.base import dtype_name
 from mpt.run_config import RunConfig
 
 
@@ -74,7 +75,7 @@ def measured_scales(model: Model, cluster: Cluster, spec: PrecisionSpec,
     another optimizer no optimizer step."""
     parameters = parameter_counts(model.net)[0]
     if step is None or (step.parameters, step.spec.input_shape, step.spec.input_dtype) != (
-            parameters, tuple(input_shape), str(input_dtype).removeprefix("torch.")):
+            parameters, tuple(input_shape), dtype_name(input_dtype)):
         return {}, "op by op"
     timed = step.spec
     found: dict[str, Any] = {}

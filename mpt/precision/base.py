@@ -13,6 +13,11 @@ import torch
 from mpt.precision.forward import AutocastForward
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch's name of ``dtype`` without its module (``bfloat16``)."""
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PrecisionSpec:
     """What a precision does to the numbers of a step: the contract a backend maps onto its
