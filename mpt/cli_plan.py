@@ -57,6 +57,9 @@ def plan_command(
     optimizer: Annotated[str, typer.Option(
         help=f"Its state per parameter: {', '.join(OPTIMIZER_STATES)}.")] = "adam",
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON for tools.")] = False,
+    top: Annotated[int, typer.Option(
+        metavar="N", help="The table shows the N fastest layouts and the N closest to "
+        "fitting (0: all; --json lists all).")] = 25,
     calibrate: Annotated[bool, typer.Option(
         "--calibrate", help="Measure this machine (matmuls by dtype, memory, collectives "
         "between its --gpus processes, at least 2) and save the figures; with --nodes N, run "
@@ -79,6 +82,8 @@ def plan_command(
     for flag, count in (("--nodes", nodes), ("--gpus", gpus)):
         if count < 1:
             raise UsageError(flag, count, "it must be at least 1", f"pass {flag} 1 or more")
+    if top < 0:
+        raise UsageError("--top", top, "it cannot be negative", "pass 0 for every layout, or N")
     if model is None and not calibrate:
         raise UsageError("MODEL", "(none)", "no model to plan for",
                          "pass FILE.py:FUNCTION, or --calibrate to measure this machine")
@@ -145,7 +150,8 @@ def plan_command(
     else:
         from mpt.plan.report import print_tables
 
-        print_tables(result, script, Console(width=max(out.width, 160), highlight=False))
+        print_tables(result, script, Console(width=max(out.width, 160), highlight=False),
+                     top=top)
 
 
 def _input_shape(given: str | None, net: object) -> list[int]:

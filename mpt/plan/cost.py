@@ -19,9 +19,11 @@ The step, for a rank of the slowest pipeline stage:
   never hidden (they run on the rank's own cores or stream).
 - tensor parallelism: the plan's allreduces of activations, in the forward and the backward, on
   the critical path (each waits for its matmul and the next op waits for it).
-- pipeline (1F1B/GPipe, M micro-batches, P stages): M micro-batches of compute, a bubble of
-  (P - 1) micro-batches, and each micro-batch's activation and its gradient sent across every
-  cut, taken as exposed.
+- pipeline (P stages, M micro-batches, the layout's ``--pipeline-schedule``): the schedule
+  simulated action by action over the model's chunks (``mpt.plan.schedule``: P stages, or 2P
+  chunks under a looped schedule, each with its own forward, backward and send of its output):
+  the busiest rank's M micro-batches of compute, the bubble it waits for the others, and the
+  sends on the critical path, taken as exposed.
 - data parallelism: the collectives of the backend's ``step_traffic`` (in the dtype they
   send: ``--grad-compression``'s cast, priced by that dtype's calibrated fit where there is
   one), less the part that hides behind its window (the backward, the whole step, or none)
@@ -33,11 +35,12 @@ and its ``estimate_buffers`` (DDP's buckets, fsdp's prefetched unit and reduce-s
 or, under a pipeline, its stage kept gathered, Horovod's copies and fusion buffer, ZeRO-1/2/3's
 buckets and ZeRO-3's gathered parameters), and under a pipeline torch's receive buffers, one
 per micro-batch; then either the backward's activations (what autograd saves, a tensor two
-blocks save counted once, times the micro-batches 1F1B keeps in flight on the first stage,
-min(M, P); under tp, the activations of split ops over T by their share of the forward's
-bytes; 16-bit under a cast model) or the optimizer step's temporaries, less what the backward
-frees before the step (fsdp's gathered units). Not counted: the allocator's slack, the
-process, DeepSpeed ZeRO-0's buffers.
+blocks save counted once; under a pipeline the most the schedule keeps at once for its
+backwards on that rank, from the simulation: 1F1B min(M, P - s) micro-batches on stage s,
+GPipe M, the looped schedules their warm-up's chunks; under tp, the activations of split ops
+over T by their share of the forward's bytes; 16-bit under a cast model) or the optimizer
+step's temporaries, less what the backward frees before the step (fsdp's gathered units). Not
+counted: the allocator's slack, the process, DeepSpeed ZeRO-0's buffers.
 """
 
 from __future__ import annotations
@@ -53,7 +56,9 @@ from mpt.comm import GradComm
 from mpt.estimate import MemoryEstimate
 from mpt.parallel import ParallelPlan
 from mpt.parallel.traffic import Traffic
+from mpt.pipeline.config import LOOPED
 from mpt.plan.network import Cluster, collective, send
+from mpt.plan.schedule import ChunkCost, simulate
 from mpt.plan.workload import BlockCost, Op, Workload
 from mpt.precision import PrecisionSpec
 from mpt.precision.base import dtype_name
@@ -73,6 +78,8 @@ class Layout:
     """Micro-batches per step under a pipeline (1 without one)."""
     micro_batch: int
     """Samples per micro-batch on each rank."""
+    schedule: str = "1f1b"
+    """``--pipeline-schedule`` under a pipeline."""
     flags: tuple[str, ...]
     """The `mpt launch` flags that choose it."""
     comm: GradComm = field(default_factory=GradComm)
@@ -132,7 +139,8 @@ class Model:
     net: nn.Module
     """The model, on the meta device."""
     stages: Callable[[int], list[list[str]]]
-    """The block names of each of P stages (mpt's own split)."""
+    """The block names of each of n pipeline chunks (mpt's own split: P stages, or 2P chunks
+    under a looped schedule)."""
     workload: Callable[[int], Workload]
     """The model's cost at a micro-batch size (cached by the caller)."""
     tp_plan: Mapping[str, str]
@@ -193,30 +201,47 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
     plan, tp = layout.plan, layout.plan.tp
     work = model.workload(layout.micro_batch)
     by_name = {block.name: block for block in work.blocks}
-    stages = model.stages(plan.pp) if plan.pp > 1 else [[b.name for b in work.blocks]]
-    terms: dict[str, float] = {}
-    per_stage = []
-    for names in stages:
+    per_rank = LOOPED.get(layout.schedule, 1) if plan.pp > 1 else 1
+    chunks = (model.stages(plan.pp * per_rank) if plan.pp > 1
+              else [[b.name for b in work.blocks]])
+    passes, tp_times, costs = [], [], []
+    for index, names in enumerate(chunks):
         blocks = [by_name[name] for name in names]
         timed = [_block_seconds(b, cluster, spec, tp) for b in blocks]
         forward = model.compute_scale * sum(f for f, _ in timed)
         backward = model.compute_scale * sum(b for _, b in timed)
-        width = spec.compute.itemsize
-        tp_bytes = sum(b.tp_forward_bytes + b.tp_backward_bytes for b in blocks) * width / 4
-        tp_time = collective("all_reduce", tp_bytes, plan, "tp", cluster)
-        per_stage.append((forward, backward, tp_time))
-    slowest = max(range(len(stages)), key=lambda s: sum(per_stage[s][:2]) +
-                  per_stage[s][2].seconds)
-    forward, backward, tp_time = per_stage[slowest]
+        width = spec.compute.itemsize / 4
+        tp_forward = sum(b.tp_forward_bytes for b in blocks) * width
+        tp_backward = sum(b.tp_backward_bytes for b in blocks) * width
+        tp_time = collective("all_reduce", tp_forward + tp_backward, plan, "tp", cluster)
+        # each tp allreduce waits for its matmul and the next op for it: in its own pass
+        share = tp_forward / (tp_forward + tp_backward) if tp_time.seconds else 0.0
+        out = blocks[-1].output_bytes * activation_width(spec) if index < len(chunks) - 1 else 0
+        passes.append((forward, backward))
+        tp_times.append(tp_time)
+        costs.append(ChunkCost(forward=forward + share * tp_time.seconds,
+                               backward=backward + (1 - share) * tp_time.seconds,
+                               weight=backward / 2, activations=_saved(blocks, spec, plan.tp),
+                               send=send(out, plan, cluster).seconds))
     m = layout.microbatches
-    terms["forward"], terms["backward"] = m * forward, m * backward
-    terms["tensor-parallel allreduces"] = m * tp_time.seconds
-    bubble = (plan.pp - 1) * (forward + backward + tp_time.seconds)
-    cut = max((by_name[names[-1]].output_bytes for names in stages[:-1]), default=0)
-    p2p = send(cut, plan, cluster)
-    terms["pipeline sends"] = 2 * m * p2p.seconds
-    held, trained = _memory(layout, model, stages, work, spec, slowest,
-                            cluster.device.device_type)
+    ranks = [[c for c in range(len(chunks)) if c % plan.pp == r] for r in range(plan.pp)]
+    if plan.pp > 1:
+        timeline = simulate(layout.schedule, plan.pp, m, costs)
+        bubble, sends, activations = timeline.bubble, timeline.sends, timeline.held
+        slowest = max(range(plan.pp), key=lambda r: timeline.busy[r])
+    else:
+        bubble, sends, activations, slowest = 0.0, 0.0, (costs[0].activations,), 0
+    mine = ranks[slowest]
+    terms: dict[str, float] = {}
+    terms["forward"] = m * sum(passes[c][0] for c in mine)
+    terms["backward"] = m * sum(passes[c][1] for c in mine)
+    terms["tensor-parallel allreduces"] = m * sum(tp_times[c].seconds for c in mine)
+    terms["pipeline sends"] = sends
+    cut = max((by_name[names[-1]].output_bytes for names in chunks[:-1]), default=0)
+    p2p = send(cut * activation_width(spec), plan, cluster)
+    stages = [[name for c in held_chunks for name in chunks[c]] for held_chunks in ranks]
+    held, trained = _memory(layout, model, stages, ranks, chunks, activations, work, spec,
+                            slowest, cluster.device.device_type)
     stage = model.net if plan.pp == 1 else _stage_module(model, stages[slowest])
     flow = get_backend(layout.backend).step_traffic(layout.options, plan, spec, trained, m,
                                                     module=stage, comm=layout.comm)
@@ -235,12 +260,14 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
     terms["pipeline bubble"] = bubble
     kinds = "/".join(dict.fromkeys(c.kind.replace("_", "-") for c in flow.collectives))
     where = f"{cluster.link.name} node link" if crosses else "in-node link"
+    sent = 2 * m * per_rank  # an activation and its gradient per micro-batch and chunk
     prediction = Prediction(
         layout=layout, memory=held, capacity=cluster.device.memory, compute=compute,
         exposed=exposed,
         hidden=dp_seconds - terms["data-parallel communication"], bubble=bubble,
-        link_bytes=dp_link + 2 * m * p2p.link_bytes + m * tp_time.link_bytes,
-        rank_bytes=dp_rank + 2 * m * p2p.per_rank + m * tp_time.per_rank,
+        link_bytes=dp_link + sent * p2p.link_bytes
+        + m * sum(tp_times[c].link_bytes for c in mine),
+        rank_bytes=dp_rank + sent * p2p.per_rank + m * sum(tp_times[c].per_rank for c in mine),
         terms=terms, limiter="")
     return _with_limiter(prediction, slowest, f"dp {kinds} ({where})")
 
@@ -337,10 +364,22 @@ class Held:
                 + max(self.activations, self.between, self.transient - self.released))
 
 
-def _memory(layout: Layout, model: Model, stages: list[list[str]], work: Workload,
+def _saved(blocks: list[BlockCost], spec: PrecisionSpec, tp: int) -> int:
+    """What autograd keeps of one micro-batch through ``blocks`` (a chunk's): each block's
+    saved tensors, a split op's over T, in the precision's width."""
+    # A chunk's first block receives its input: the previous block's copy is elsewhere.
+    return int(activation_width(spec) * sum(
+        (b.activations - (b.shared_input if i else 0))
+        * (1 - _split_share(b) + _split_share(b) / tp) for i, b in enumerate(blocks)))
+
+
+def _memory(layout: Layout, model: Model, stages: list[list[str]], ranks: list[list[int]],
+            chunks: list[list[str]], activations: tuple[int, ...], work: Workload,
             spec: PrecisionSpec, slowest: int, device_type: str) -> tuple[Held, float]:
     """What a rank of the fullest stage holds, and the parameters a rank of stage ``slowest``
-    (the one whose time the step is) trains: its tp share."""
+    (the one whose time the step is) trains: its tp share. ``stages``: each pipeline rank's
+    block names; ``ranks``: the chunks of ``chunks`` it runs; ``activations``: its peak of
+    what its backwards need (the schedule's)."""
     plan = layout.plan
     by_name = {block.name: block for block in work.blocks}
     cls = get_backend(layout.backend)
@@ -353,16 +392,11 @@ def _memory(layout: Layout, model: Model, stages: list[list[str]], work: Workloa
         rows = cls.estimate_memory(stage, spec, model.optimizer_states, plan.dp_shard,
                                    dict(layout.options))
         row = _scaled(cls.estimate_row(rows, layout.options), share)
-        in_flight = min(layout.microbatches, plan.pp - index) if plan.pp > 1 else 1
-        blocks = [by_name[n] for n in names]
-        # A stage's first block receives its input: the previous block's copy is elsewhere.
-        saved = activation_width(spec) * sum(
-            (b.activations - (b.shared_input if i else 0))
-            * (1 - _split_share(b) + _split_share(b) / plan.tp) for i, b in enumerate(blocks))
         beyond = cls.estimate_buffers(stage, spec, row, share, plan, layout.options,
                                       layout.comm)
-        found = Held(row=row, activations=int(saved * in_flight),
-                     buffers=beyond.held + _receive_buffers(stages, index, by_name, layout, spec),
+        received = sum(_receive_buffers(chunks, c, by_name, layout, spec) for c in ranks[index])
+        found = Held(row=row, activations=activations[index],
+                     buffers=beyond.held + received,
                      transient=_step_transient(stage, model.optimizer_states, share,
                                                plan.dp_shard if sharded else 1, device_type),
                      released=beyond.released, between=beyond.between)
@@ -374,15 +408,15 @@ def _memory(layout: Layout, model: Model, stages: list[list[str]], work: Workloa
     return best, trained
 
 
-def _receive_buffers(stages: list[list[str]], index: int, by_name: Mapping[str, BlockCost],
+def _receive_buffers(chunks: list[list[str]], index: int, by_name: Mapping[str, BlockCost],
                      layout: Layout, spec: PrecisionSpec) -> int:
     """What torch's ``PipelineStage`` allocates at its first step and keeps, for each
-    micro-batch: a stage's input where another stage sends it, and the gradient of its output
-    where another stage sends that back."""
+    micro-batch: a chunk's input where another chunk sends it, and the gradient of its output
+    where another chunk sends that back."""
     if layout.plan.pp == 1:
         return 0
-    inputs = by_name[stages[index - 1][-1]].output_bytes if index > 0 else 0
-    outputs = by_name[stages[index][-1]].output_bytes if index < len(stages) - 1 else 0
+    inputs = by_name[chunks[index - 1][-1]].output_bytes if index > 0 else 0
+    outputs = by_name[chunks[index][-1]].output_bytes if index < len(chunks) - 1 else 0
     return int(layout.microbatches * activation_width(spec) * (inputs + outputs))
 
 

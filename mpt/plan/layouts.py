@@ -2,15 +2,16 @@
 
 Each combination of backend, the option sets it declares worth comparing
 (``Backend.plan_variants``: DeepSpeed's ZeRO stages, fsdp's HSDP replicas and, under a
-pipeline, its resharding), pipeline stages P, tensor-parallel size T and, where more than one
-replica reduces gradients, each ``--grad-compression`` (``COMPRESSIONS``: PowerSGD at its
-default rank, priced once it has started) goes through
+pipeline, its resharding), pipeline stages P with each ``--pipeline-schedule`` and
+``--microbatches`` M of P, 2P, 4P and 8P that splits a replica's batch, tensor-parallel size T
+and, where more than one replica reduces gradients, each ``--grad-compression``
+(``COMPRESSIONS``: PowerSGD at its default rank, priced once it has started) goes through
 ``RunConfig`` and ``RunConfig.layout`` (the launcher's own checks: backend capabilities,
-precision, divisibility of the world), then the checks the model meets when it is set up
-(``stage_blocks`` for P, ``tensor_plan`` for T) and the batch's (it must split over the
-replicas and the micro-batches). A refused combination keeps mpt's one-line reason. T stays
-within a node (tp groups are a node's consecutive ranks); the pipeline runs mpt's default
-schedule, 1F1B with 2P micro-batches.
+precision, divisibility of the world, the schedule's micro-batches), then the checks the model
+meets when it is set up (``stage_blocks`` for P stages or, under a looped schedule, 2P chunks;
+``tensor_plan`` for T) and the batch's (it must split over the replicas and the
+micro-batches). A refused combination keeps mpt's one-line reason. T stays within a node (tp
+groups are a node's consecutive ranks).
 """
 
 from __future__ import annotations
@@ -26,9 +27,15 @@ from mpt.comm import COMPRESSIONS
 from mpt.errors import MptError, UsageError
 from mpt.parallel import divisors
 from mpt.parallel.tensor import tensor_plan
+from mpt.pipeline.config import SCHEDULES
 from mpt.pipeline.split import stage_blocks
 from mpt.plan.cost import Layout
 from mpt.run_config import RunConfig
+
+DEFAULT_SCHEDULE = RunConfig().pipeline_schedule
+"""mpt's ``--pipeline-schedule`` where none is given."""
+MICROBATCHES = (1, 2, 4, 8)
+"""Micro-batch counts priced under P stages, as multiples of P (mpt's default: 2)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -43,7 +50,8 @@ class Refused:
 
 
 def _flags(backend: str, options: Mapping[str, Any], pp: int, tp: int,
-           compression: str = "none") -> tuple[str, ...]:
+           compression: str = "none", schedule: str = DEFAULT_SCHEDULE,
+           microbatches: int | None = None) -> tuple[str, ...]:
     """The `mpt launch` flags of a combination (each option by its own flag, none for an
     option at its default)."""
     cls = registered()[backend]
@@ -54,6 +62,10 @@ def _flags(backend: str, options: Mapping[str, Any], pp: int, tp: int,
             flags.append(f"{cls.options[name].flag} {shown}")
     if pp > 1:
         flags.append(f"--pipeline-stages {pp}")
+        if schedule != DEFAULT_SCHEDULE:
+            flags.append(f"--pipeline-schedule {schedule}")
+        if microbatches is not None:
+            flags.append(f"--microbatches {microbatches}")
     if tp > 1:
         flags.append(f"--tensor-parallel {tp}")
     if compression != "none":
@@ -77,33 +89,56 @@ def layouts(net: nn.Module, *, nodes: int, gpus: int, precision: str, batch: int
                 for tp in divisors(gpus):
                     replicas = world // (pp * tp)  # the ranks that reduce each gradient
                     for compression in COMPRESSIONS if replicas > 1 else ("none",):
-                        flags = _flags(backend, options, pp, tp, compression)
-                        try:
-                            cls.check_precision(spec, device_type, options)
-                            found.append(layout(net, backend, options, pp, tp, world=world,
-                                                precision=precision, batch=batch,
-                                                compression=compression))
-                        except MptError as exc:
-                            refused.append(Refused(flags=flags, reason=str(exc)))
+                        for schedule in _schedules(pp):
+                            try:
+                                cls.check_precision(spec, device_type, options)
+                                for m in _microbatches(pp, batch // max(replicas, 1)):
+                                    found.append(layout(
+                                        net, backend, options, pp, tp, world=world,
+                                        precision=precision, batch=batch, microbatches=m,
+                                        compression=compression, schedule=schedule))
+                            except MptError as exc:
+                                # every M priced splits the batch: a refusal holds for all
+                                flags = _flags(backend, options, pp, tp, compression, schedule)
+                                refused.append(Refused(flags=flags, reason=str(exc)))
+                                if schedule == DEFAULT_SCHEDULE:
+                                    break  # at mpt's default schedule, for every schedule
     return found, refused
+
+
+def _schedules(pp: int) -> tuple[str, ...]:
+    """The schedules priced at P stages, mpt's default first; none without a pipeline."""
+    if pp == 1:
+        return (DEFAULT_SCHEDULE,)
+    return (DEFAULT_SCHEDULE, *(s for s in SCHEDULES if s != DEFAULT_SCHEDULE))
+
+
+def _microbatches(pp: int, per_replica: int) -> list[int | None]:
+    """The micro-batch counts priced at P stages: every one of P, 2P, 4P and 8P
+    (``MICROBATCHES``) that splits a replica's batch, else mpt's default 2P, for its refusal;
+    without a pipeline, none."""
+    if pp == 1:
+        return [None]
+    return [f * pp for f in MICROBATCHES if per_replica % (f * pp) == 0] or [2 * pp]
 
 
 def layout(net: nn.Module, backend: str, options: Mapping[str, Any], pp: int, tp: int, *,
            world: int, precision: str, batch: int, microbatches: int | None = None,
-           compression: str = "none") -> Layout:
+           compression: str = "none", schedule: str = DEFAULT_SCHEDULE) -> Layout:
     """The layout of one combination (``microbatches``: `mpt launch --microbatches`, mpt's
-    default 2P where None; ``compression``: ``--grad-compression``); a UsageError where mpt
-    refuses it."""
+    default 2P where None; ``compression``: ``--grad-compression``; ``schedule``:
+    ``--pipeline-schedule``); a UsageError where mpt refuses it."""
     settings: dict[str, Any] = {"backend": backend, "backend_options": dict(options),
                                 "pipeline_stages": pp, "tensor_parallel": tp,
-                                "precision": precision, "grad_compression": compression}
+                                "precision": precision, "grad_compression": compression,
+                                "pipeline_schedule": schedule}
     if microbatches is not None:
         settings["microbatches"] = microbatches
     config = RunConfig.parse(settings)
     plan = config.layout(world)
     pipeline = config.pipeline_at(world)
-    if pp > 1:
-        stage_blocks(net, pp)
+    if pipeline is not None:
+        stage_blocks(net, pipeline.chunks)
     if tp > 1:
         tensor_plan(net, tp)
     microbatches = pipeline.microbatches if pipeline is not None else 1
@@ -114,4 +149,8 @@ def layout(net: nn.Module, backend: str, options: Mapping[str, Any], pp: int, tp
                          f"pass a multiple of {plan.dp_size * microbatches}")
     return Layout(backend=backend, options=options, plan=plan, microbatches=microbatches,
                   micro_batch=per_replica // microbatches,
-                  flags=_flags(backend, options, pp, tp, compression), comm=config.grad_comm)
+                  schedule=pipeline.schedule if pipeline is not None else DEFAULT_SCHEDULE,
+                  flags=_flags(backend, options, pp, tp, compression,
+                               pipeline.schedule if pipeline is not None else DEFAULT_SCHEDULE,
+                               microbatches if pipeline is not None else None),
+                  comm=config.grad_comm)

@@ -148,6 +148,4 @@ def launch_line(prediction: Prediction, cluster: Cluster, script: str, batch: in
         parts.append("--nr 0")
     parts += [*prediction.layout.flags, f"--precision {precision}",
               f"--global-batch-size {batch}"]
-    if prediction.layout.plan.pp > 1:
-        parts.append(f"--microbatches {prediction.layout.microbatches}")
     return " ".join([*parts, script])

@@ -51,35 +51,59 @@ def _entry(p: Prediction) -> dict[str, Any]:
             "link_bytes": p.link_bytes, "rank_bytes": p.rank_bytes, "limiter": p.limiter}
 
 
+SHORT = {"--backend ": "", "--pipeline-stages ": "P=", "--pipeline-schedule ": "",
+         "--microbatches ": "M=", "--tensor-parallel ": "T=", "--grad-compression ": ""}
+"""How the table writes a layout's flags (it is wide): the backend, a schedule and a
+compression by their names, P, M and T by their letters (``LEGEND``)."""
+LEGEND = ("P: --pipeline-stages, M: --microbatches, T: --tensor-parallel; a --pipeline-schedule "
+          "(1f1b where none) and a --grad-compression by their names")
+
+
 def _short(label: str) -> str:
-    """A layout's flags without ``--backend`` (the table is wide)."""
-    return label.removeprefix("--backend ")
+    """A layout's flags as the table writes them (``SHORT``)."""
+    for flag, short in SHORT.items():
+        label = label.replace(flag, short)
+    return label
 
 
-def print_tables(result: Plan, script: str, console: Console) -> None:
-    """The ranking, the layouts that do not fit, and the best layout's launch line."""
+def _first(rows: tuple[Prediction, ...], top: int) -> tuple[Prediction, ...]:
+    return rows[:top] if top else rows
+
+
+def _left_out(console: Console, count: int, top: int, which: str) -> None:
+    if top and count > top:
+        console.print(f"the {top} {which} of {count} layouts; --top 0 shows all, --json lists "
+                      "each")
+
+
+def print_tables(result: Plan, script: str, console: Console, top: int = 0) -> None:
+    """The ranking, the layouts that do not fit, and the best layout's launch line; each table
+    cut at ``top`` rows (0: every row), saying how many it leaves out."""
     cluster = result.cluster
     table = Table(title=f"{result.parameters:,} parameters on {cluster.nodes} x {cluster.gpus}"
-                  f" ranks, global batch {result.batch}, {result.precision}; {_source(result)}")
+                  f" ranks, global batch {result.batch}, {result.precision}; {_source(result)}",
+                  caption=LEGEND)
     for column in ("layout", "memory/rank GiB", "step ms", "compute", "exposed comm",
                    "bubble", "samples/s", "MB/link/step", "limited by"):
         table.add_column(column, justify="left" if column in ("layout", "limited by")
                          else "right", no_wrap=column in ("layout", "limited by"))
-    for p in result.fitting:
+    for p in _first(result.fitting, top):
         table.add_row(_short(p.layout.label), f"{p.total_memory / GIB:.2f}", f"{p.step * 1e3:.1f}",
                       f"{p.compute * 1e3:.1f}", f"{p.exposed * 1e3:.1f}",
                       f"{p.bubble * 1e3:.1f}", f"{result.batch / p.step:,.0f}",
                       f"{p.link_bytes / MB:.1f}", p.limiter)
     console.print(table)
+    _left_out(console, len(result.fitting), top, "fastest")
     if result.short:
         lacking = Table(title=f"layouts that do not fit in {cluster.device.memory / GIB:.1f} "
                         "GiB per rank")
         for column in ("layout", "needs GiB/rank", "short GiB"):
             lacking.add_column(column, justify="left" if column == "layout" else "right")
-        for p in result.short:
+        for p in _first(result.short, top):
             lacking.add_row(_short(p.layout.label), f"{p.total_memory / GIB:.2f}",
                             f"{p.short / GIB:.2f}")
         console.print(lacking)
+        _left_out(console, len(result.short), top, "closest to fitting")
     console.print(f"{len(result.refused)} other combinations are refused by mpt (--json lists "
                   "each with its reason). Not counted in memory: the allocator's slack, the "
                   "process (a few hundred MiB), DeepSpeed ZeRO-0's buffers.")

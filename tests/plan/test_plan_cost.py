@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from plan_models import mlp
+from plan_models import deep, mlp
 
 from mpt.backends import get_backend
 from mpt.errors import UsageError
@@ -94,12 +94,60 @@ def test_bytes_on_the_link_match_the_measured_ones() -> None:
     assert zero1.link_bytes / 1e6 == pytest.approx(151.0, abs=0.2)
 
 
-def test_pipeline_bubble_is_p_minus_1_over_m_plus_p_minus_1() -> None:
+def test_a_pipelines_bubble_is_its_schedules_simulated_wait() -> None:
+    """The plan's bubble and sends are the simulation's of the layout's schedule over its
+    chunks; the MLP's two stages differ (its middle Linear holds two thirds of the
+    parameters), so the faster one's idle time is not the slower one's bubble."""
     result = _plan(1, 2)
-    piped = _by_label(result, "--backend ddp --pipeline-stages 2")
-    m, p = piped.layout.microbatches, piped.layout.plan.pp
-    work = piped.terms["forward"] + piped.terms["backward"]
-    assert piped.bubble / (work + piped.bubble) == pytest.approx((p - 1) / (m + p - 1))
+    for schedule in ("1f1b", "gpipe", "interleaved-1f1b"):
+        flag = "" if schedule == "1f1b" else f" --pipeline-schedule {schedule}"
+        piped = _by_label(result, f"--backend ddp --pipeline-stages 2{flag} --microbatches 4")
+        assert piped.layout.schedule == schedule
+        assert piped.bubble > 0
+        work = piped.terms["forward"] + piped.terms["backward"]
+        # below 1F1B's formula for equal stages: the slower stage waits for the faster one
+        assert piped.bubble / (work + piped.bubble) < (2 - 1) / (4 + 2 - 1)
+
+
+def test_the_schedules_of_alike_stages_wait_as_their_papers_say() -> None:
+    """Eight alike layers at P = 2, M = 4: 1F1B and GPipe wait about P - 1 micro-batches of
+    work (not exactly: the first and last Linear are half the others), interleaved 1F1B about
+    half of that, zero bubble less again; GPipe keeps all M micro-batches' activations, 1F1B
+    P of them on the first stage."""
+    result = plan(meta_model(deep), _cluster(1, 2), precision="fp32", batch=16,
+                  input_shape=[1024], input_dtype=torch.float32)
+    by = {p.layout.schedule: p for p in result.fitting if p.layout.backend == "ddp"
+          and p.layout.plan.pp == 2 and p.layout.microbatches == 4}
+
+    def waited(p) -> float:  # in micro-batches of the busiest rank's work
+        return p.bubble / (p.terms["forward"] + p.terms["backward"]) * 4
+
+    assert waited(by["1f1b"]) == pytest.approx(1, rel=0.1)
+    assert waited(by["gpipe"]) == pytest.approx(1, rel=0.1)
+    assert waited(by["interleaved-1f1b"]) < 0.6 * waited(by["1f1b"])
+    assert waited(by["interleaved-zb"]) < waited(by["interleaved-1f1b"])
+    assert by["gpipe"].memory.activations == pytest.approx(2 * by["1f1b"].memory.activations,
+                                                           rel=0.01)
+
+
+def test_every_schedule_and_micro_batch_count_is_a_layout() -> None:
+    """At P = 2 and 16 samples a replica: each schedule at M = 2, 4, 8 and 16; the MLP's 5
+    blocks cut into 4 chunks, so the looped schedules run too."""
+    result = _plan(1, 2)
+    found = {(p.layout.schedule, p.layout.microbatches) for p in result.fitting
+             if p.layout.backend == "ddp" and p.layout.plan.pp == 2}
+    assert found == {(s, m) for s in ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb")
+                     for m in (2, 4, 8, 16)}
+
+
+def test_a_looped_schedule_of_a_model_with_too_few_blocks_is_refused_in_mpts_words() -> None:
+    """mpt cuts 2P chunks under a looped schedule: the MLP's 5 blocks do not make 8."""
+    result = _plan(1, 4)
+    reasons = {" ".join(r.flags): r.reason for r in result.refused}
+    assert "the model has 5 blocks to split" in reasons[
+        "--backend ddp --pipeline-stages 4 --pipeline-schedule interleaved-1f1b"]
+    assert any(p.layout.label.startswith("--backend ddp --pipeline-stages 4 --microbatches")
+               for p in result.fitting)
 
 
 def test_refusals_are_mpts_own() -> None:
@@ -164,8 +212,9 @@ def test_a_pipeline_over_fsdp_that_fits_only_resharding_is_planned_so() -> None:
     """fsdp under a pipeline keeps each stage gathered by default; `mpt plan` prices the
     resharding variant beside it, which fits where the default is short."""
     h100 = device_profile("h100-sxm")
-    kept, resharded = ("--backend fsdp --pipeline-stages 2",
-                       "--backend fsdp --fsdp-reshard-after-forward yes --pipeline-stages 2")
+    kept, resharded = ("--backend fsdp --pipeline-stages 2 --microbatches 4",
+                       "--backend fsdp --fsdp-reshard-after-forward yes --pipeline-stages 2 "
+                       "--microbatches 4")
     roomy = plan(meta_model(mlp), Cluster(nodes=1, gpus=4, device=h100,
                                           link=link_profile("1gbit")),
                  precision="fp32", batch=32, input_shape=[1024], input_dtype=torch.float32)

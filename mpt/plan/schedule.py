@@ -1,0 +1,176 @@
+"""A pipeline schedule's step, simulated action by action.
+
+Each pipeline rank runs its actions in the order its schedule gives them: forwards (F), whole
+backwards (B) or, under a zero-bubble schedule, the inputs' gradients (I) and later the
+weights' (W) of one model chunk for one micro-batch. An action starts when its rank is free
+and what it needs has arrived: a forward, the previous chunk's forward of the same
+micro-batch (plus a send where another rank ran it); a backward (B or I), the next chunk's
+backward of that micro-batch (plus a send back) and its own forward; a W, its I. The step of
+the schedule is when the last rank finishes. Run once with the sends and once without, it
+splits into the busiest rank's compute, the bubble (ranks waiting for each other) and the
+sends on the critical path. The same walk counts what each rank holds for the backward: a
+chunk's activations from its forward to the end of its backward (W where there is one).
+
+The orders are torch's: GPipe's and 1F1B's from their ``_step_microbatches`` loops (written
+out below: torch 2.14's ``pipeline_order`` of 1F1B, used only to draw it, numbers the first
+stage's forwards from 1), and the looped schedules' from the schedule classes themselves, by
+torch's ``get_schedule_ops``, which builds a schedule without processes to read its actions.
+Not modelled: a send that waits for its receiver (gloo's), a send fused with a receive
+(1F1B posts the forward's send with the next backward's receive), each action's own overhead.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from mpt.pipeline.config import LOOPED
+
+TORCH_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B",
+               "interleaved-zb": "InterleavedZeroBubble"}
+"""``--pipeline-schedule`` -> torch's schedule name (``get_schedule_class``)."""
+
+Action = tuple[str, int, int]
+"""(kind: F, B, I or W; model chunk; micro-batch)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ChunkCost:
+    """One model chunk (a stage, or one of a rank's two under a looped schedule) for one
+    micro-batch."""
+
+    forward: float
+    """Seconds of its forward."""
+    backward: float
+    """Seconds of its whole backward (B = I + W)."""
+    weight: float
+    """Seconds of the backward's weight gradients (a zero-bubble schedule's W)."""
+    activations: int
+    """Bytes autograd keeps from its forward to its backward."""
+    send: float
+    """Seconds to send its output to the next chunk, or the gradient of that back (0 for the
+    last chunk)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Timeline:
+    """A schedule's step over the pipeline ranks."""
+
+    step: float
+    """Seconds from the first forward to the last rank's last action."""
+    without_sends: float
+    """The same with every send free: ``step - without_sends`` is the sends' share."""
+    busy: tuple[float, ...]
+    """Each rank's seconds of compute."""
+    held: tuple[int, ...]
+    """Each rank's peak bytes of activations kept for backwards."""
+
+    @property
+    def bubble(self) -> float:
+        """Seconds the busiest rank waits for the others, sends aside."""
+        return self.without_sends - max(self.busy)
+
+    @property
+    def sends(self) -> float:
+        """Seconds the sends add to the step."""
+        return self.step - self.without_sends
+
+
+@functools.cache
+def order(schedule: str, stages: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
+    """Every pipeline rank's actions, in the order torch's ``schedule`` runs them."""
+    if schedule == "gpipe":
+        return tuple(tuple([("F", s, i) for i in range(microbatches)]
+                           + [("B", s, i) for i in range(microbatches)])
+                     for s in range(stages))
+    if schedule == "1f1b":
+        return tuple(_one_f_one_b(s, stages, microbatches) for s in range(stages))
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    ops = get_schedule_ops(TORCH_NAMES[schedule], stages, microbatches,
+                           num_stages_per_rank=LOOPED[schedule])
+    return tuple(tuple((a.computation_type.value, a.stage_index, a.microbatch_index)
+                       for a in rank if a is not None and a.computation_type.value in "FBIW")
+                 for rank in ops)
+
+
+def _one_f_one_b(stage: int, stages: int, microbatches: int) -> tuple[Action, ...]:
+    """torch's ``Schedule1F1B``: min(M, P - s) forwards, then a backward and a forward in
+    turn, then the backwards left."""
+    warmup = min(microbatches, stages - stage)
+    actions = [("F", stage, i) for i in range(warmup)]
+    forward = warmup
+    for backward in range(microbatches):
+        actions.append(("B", stage, backward))
+        if forward < microbatches:
+            actions.append(("F", stage, forward))
+            forward += 1
+    return tuple(actions)
+
+
+def simulate(schedule: str, stages: int, microbatches: int,
+             chunks: list[ChunkCost]) -> Timeline:
+    """The step of ``schedule`` over ``stages`` ranks and ``microbatches`` micro-batches of
+    ``chunks`` (in forward order; chunk c runs on rank c mod P)."""
+    actions = order(schedule, stages, microbatches)
+    step, busy, held = _walk(actions, chunks, sends=True)
+    free, _, _ = _walk(actions, chunks, sends=False)
+    return Timeline(step=step, without_sends=free, busy=busy, held=held)
+
+
+def _walk(actions: tuple[tuple[Action, ...], ...], chunks: list[ChunkCost], *, sends: bool
+          ) -> tuple[float, tuple[float, ...], tuple[int, ...]]:
+    """Run every rank's actions as soon as each may start: the last finish, each rank's
+    compute and each rank's peak of activations held."""
+    last = len(chunks) - 1
+    done: dict[Action, float] = {}
+    position = [0] * len(actions)
+    clock = [0.0] * len(actions)
+    busy = [0.0] * len(actions)
+    holding = [0] * len(actions)
+    peak = [0] * len(actions)
+    split = {chunk for rank in actions for kind, chunk, _ in rank if kind == "W"}
+    while any(p < len(rank) for p, rank in zip(position, actions, strict=True)):
+        progressed = False
+        for r, rank in enumerate(actions):
+            while position[r] < len(rank):
+                kind, c, i = rank[position[r]]
+                ready = _ready(kind, c, i, last, chunks, done, sends)
+                if ready is None:
+                    break
+                cost = chunks[c]
+                seconds = {"F": cost.forward, "B": cost.backward, "W": cost.weight,
+                           "I": cost.backward - cost.weight}[kind]
+                clock[r] = max(clock[r], ready) + seconds
+                busy[r] += seconds
+                done[(kind, c, i)] = clock[r]
+                if kind == "F":
+                    holding[r] += cost.activations
+                    peak[r] = max(peak[r], holding[r])
+                elif kind == "W" or (kind == "B" and c not in split):
+                    holding[r] -= cost.activations
+                position[r] += 1
+                progressed = True
+        if not progressed:
+            raise ValueError("the schedule's actions wait on each other")
+    return max(clock), tuple(busy), tuple(peak)
+
+
+def _ready(kind: str, c: int, i: int, last: int, chunks: list[ChunkCost],
+           done: dict[Action, float], sends: bool) -> float | None:
+    """When action (kind, c, i) may start, or None while what it needs is not done."""
+    if kind == "F":
+        needs = [(("F", c - 1, i), chunks[c - 1].send)] if c else []
+    elif kind == "W":
+        needs = [(("I", c, i), 0.0)]
+    else:
+        needs = [(("F", c, i), 0.0)]
+        if c < last:
+            after = ("I", c + 1, i) if ("I", c + 1, i) in done else ("B", c + 1, i)
+            needs.append((after, chunks[c].send))
+    times = []
+    for action, send in needs:
+        if action not in done:
+            return None
+        times.append(done[action] + (send if sends else 0.0))
+    return max(times, default=0.0)

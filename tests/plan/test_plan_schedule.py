@@ -1,0 +1,81 @@
+"""The pipeline schedules simulated action by action, against their closed forms: GPipe's and
+1F1B's (M + P - 1) micro-batches, interleaved 1F1B's bubble over V chunks per rank (Megatron-LM,
+Narayanan et al. 2021), zero bubble's below it, and what each keeps for its backwards."""
+
+from __future__ import annotations
+
+import pytest
+
+from mpt.plan.schedule import ChunkCost, order, simulate
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb")
+
+
+def _alike(stages: int, per_rank: int, send: float = 0.0) -> list[ChunkCost]:
+    """Chunks of one stage's forward 1 s and backward 2 s (input and weight gradients 1 s
+    each) split over ``per_rank`` chunks, each keeping 100 bytes a micro-batch per chunk."""
+    return [ChunkCost(forward=1 / per_rank, backward=2 / per_rank, weight=1 / per_rank,
+                      activations=100 // per_rank, send=send)
+            for _ in range(stages * per_rank)]
+
+
+@pytest.mark.parametrize(("stages", "microbatches"), [(2, 4), (2, 8), (4, 8), (4, 16)])
+def test_gpipe_and_1f1b_take_m_plus_p_minus_1_micro_batches(stages: int, microbatches: int
+                                                             ) -> None:
+    for schedule in ("gpipe", "1f1b"):
+        timeline = simulate(schedule, stages, microbatches, _alike(stages, 1))
+        assert timeline.step == pytest.approx((microbatches + stages - 1) * 3)
+        assert timeline.bubble == pytest.approx((stages - 1) * 3)
+        assert timeline.busy == pytest.approx((microbatches * 3,) * stages)
+
+
+@pytest.mark.parametrize(("stages", "microbatches"), [(2, 4), (4, 8), (4, 16)])
+def test_interleaving_two_chunks_halves_the_bubble_and_zero_bubble_cuts_it_further(
+        stages: int, microbatches: int) -> None:
+    looped = simulate("interleaved-1f1b", stages, microbatches, _alike(stages, 2))
+    assert looped.bubble == pytest.approx((stages - 1) * 3 / 2)
+    zero = simulate("interleaved-zb", stages, microbatches, _alike(stages, 2))
+    assert zero.bubble < looped.bubble / 2
+
+
+@pytest.mark.parametrize(("stages", "microbatches"), [(2, 4), (4, 8)])
+def test_what_each_schedule_keeps_for_its_backwards(stages: int, microbatches: int) -> None:
+    """GPipe every micro-batch on every stage; torch's 1F1B min(M, P - s) on stage s;
+    interleaved 1F1B on rank r (P - r - 1) x 2 + (V - 1) x P + 1 chunks of 1/V of a stage."""
+    assert simulate("gpipe", stages, microbatches, _alike(stages, 1)).held == (
+        (100 * microbatches,) * stages)
+    assert simulate("1f1b", stages, microbatches, _alike(stages, 1)).held == tuple(
+        100 * min(microbatches, stages - s) for s in range(stages))
+    assert simulate("interleaved-1f1b", stages, microbatches, _alike(stages, 2)).held == tuple(
+        50 * ((stages - r - 1) * 2 + stages + 1) for r in range(stages))
+
+
+def test_sends_on_the_critical_path_are_counted_apart_from_the_bubble() -> None:
+    """GPipe's first forward and last backward cross each cut once more than the others
+    overlap: 2 (P - 1) sends."""
+    timeline = simulate("gpipe", 4, 8, _alike(4, 1, send=0.25))
+    assert timeline.sends == pytest.approx(2 * 3 * 0.25)
+    assert timeline.bubble == pytest.approx(3 * 3)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_every_rank_runs_each_of_its_chunks_forward_and_backward_once_per_micro_batch(
+        schedule: str) -> None:
+    per_rank = 2 if schedule.startswith("interleaved") else 1
+    actions = order(schedule, 4, 8)
+    for rank, mine in enumerate(actions):
+        chunks = {c for _, c, _ in mine}
+        assert chunks == {rank + 4 * k for k in range(per_rank)}
+        forwards = sorted((c, i) for kind, c, i in mine if kind == "F")
+        backwards = sorted((c, i) for kind, c, i in mine if kind in "BI")
+        assert forwards == backwards == sorted((c, i) for c in chunks for i in range(8))
+
+
+def test_1f1b_follows_torchs_runtime_loop() -> None:
+    """torch's Schedule1F1B._step_microbatches: stage s runs min(M, P - s) forwards, then a
+    backward and a forward in turn, then the backwards left."""
+    assert order("1f1b", 2, 4) == (
+        (("F", 0, 0), ("F", 0, 1), ("B", 0, 0), ("F", 0, 2), ("B", 0, 1), ("F", 0, 3),
+         ("B", 0, 2), ("B", 0, 3)),
+        (("F", 1, 0), ("B", 1, 0), ("F", 1, 1), ("B", 1, 1), ("F", 1, 2), ("B", 1, 2),
+         ("F", 1, 3), ("B", 1, 3)))
