@@ -205,6 +205,72 @@ def planned(args: argparse.Namespace) -> Callable[[int], tuple[float, float]]:
     return steps
 
 
+def mlp() -> Any:
+    """The MLP of ``--schedules`` (8 Linear(1024, 1024) + ReLU), for `mpt plan
+    benchmarks/pipeline.py:mlp --calibrate` to time its own step."""
+    from torch import nn
+
+    return nn.Sequential(*(layer for _ in range(8) for layer in (nn.Linear(1024, 1024),
+                                                                 nn.ReLU())))
+
+
+def schedules(args: argparse.Namespace) -> None:
+    """P = 2 on two nodes at --rate under every schedule and M of 2, 4, 8, 16, measured
+    against `mpt plan`'s step of each (calibrated on two such nodes, its compute scaled by the
+    MLP's own step), and whether the plan's first of them measured within 10 % of the best."""
+    from plan_cluster import run_calibration
+
+    from mpt.pipeline.config import SCHEDULES
+    from mpt.plan.layouts import MICROBATCHES
+
+    args.width, args.layers = 1024, 8  # mlp(): what the calibration times
+    out = Path(args.calibration or f"calibration-pipeline-{args.rate}-{args.batch_size}.json")
+    figures = run_calibration(
+        [sys.executable, "-m", "mpt", "plan", f"{__file__}:mlp", "--calibrate", "--optimizer",
+         "adamw", "--batch", str(args.batch_size)], 2, args.rate, out, reuse=True)
+    ranked = planned_schedules(args, figures)
+    print(f"MLP 8 x 1024, P = 2 over 2 nodes x 1 process, links of {args.rate}, global batch "
+          f"{args.batch_size}; planned from {out}")
+    print(f"{'schedule':<18}{'M':>4}{'measured ms':>13}{'planned ms':>12}{'ratio':>7}"
+          f"{'plan rank':>11}")
+    measured = {}
+    for schedule in SCHEDULES:
+        for m in (f * 2 for f in MICROBATCHES):
+            if args.batch_size % m:
+                continue
+            step = on_two_nodes(args, "--pipeline-stages", "2", "--pipeline-schedule",
+                                schedule, "--microbatches", str(m))
+            measured[schedule, m] = step
+            plan, rank = ranked[schedule, m]
+            print(f"{schedule:<18}{m:>4}{step * 1e3:>13.1f}{plan * 1e3:>12.1f}"
+                  f"{plan / step:>7.2f}{rank:>11}", flush=True)
+    first = min(measured, key=lambda key: ranked[key][1])
+    best = min(measured, key=lambda key: measured[key])
+    print(f"plan's first: {first[0]} M = {first[1]}, measured {measured[first] * 1e3:.1f} ms, "
+          f"{measured[first] / measured[best] - 1:+.1%} against the measured best "
+          f"({best[0]} M = {best[1]}, {measured[best] * 1e3:.1f} ms)")
+
+
+def planned_schedules(args: argparse.Namespace, figures: Any
+                      ) -> dict[tuple[str, int], tuple[float, int]]:
+    """`mpt plan`'s step of ddp at P = 2 under each schedule and M, and its place in the
+    plan's ranking, on the calibration's device and the link it measured."""
+    import torch
+
+    from mpt.estimate import meta_model
+    from mpt.plan.network import Cluster
+    from mpt.plan.planner import plan
+
+    cluster = Cluster(nodes=2, gpus=1, device=figures.device("the calibration"),
+                      link=figures.measured_link("the calibration"))
+    result = plan(meta_model(mlp), cluster, precision="fp32", batch=args.batch_size,
+                  input_shape=[1024], input_dtype=torch.float32, optimizer="adamw",
+                  step=figures.measured_step())
+    return {(p.layout.schedule, p.layout.microbatches): (p.step, rank)
+            for rank, p in enumerate(result.fitting)
+            if p.layout.backend == "ddp" and p.layout.plan.pp == 2}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, default=2)
@@ -225,11 +291,17 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=4096, help="--crossover: last batch")
     parser.add_argument("--calibration", help="--crossover: `mpt plan`'s prediction from this "
                         "calibration of two nodes")
+    parser.add_argument("--schedules", action="store_true",
+                        help="every schedule and M at P = 2 on two emulated nodes (root), "
+                        "against `mpt plan` (calibrated there first, or --calibration FILE)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
+        return
+    if args.schedules:
+        schedules(args)
         return
     if args.crossover:
         args.width = args.width or 1024

@@ -67,24 +67,29 @@ def calibrate_command(model: str, nodes: int) -> list[str]:
 
 
 def calibrated(model: str, nodes: int, rate: str, folder: Path, reuse: bool) -> Any:
-    """`mpt plan MODEL --calibrate`: on one node by 2 processes (one measures the device);
-    else with ``--nodes N`` on each of ``nodes`` emulated nodes shaped at ``rate`` (a fresh
-    cluster shaped as the cell's): the device figures and the model's step of N one-thread
-    processes at once, and every collective measured across the nodes. ``reuse``: an earlier
-    file, where there is."""
+    """`mpt plan MODEL --calibrate` of a cell's model (``run_calibration``), into ``folder``."""
+    out = folder / (f"calibration-1-{model}.json" if nodes == 1
+                    else f"calibration-{nodes}-{rate}-{model}.json")
+    return run_calibration(calibrate_command(model, nodes), nodes, rate, out, reuse)
+
+
+def run_calibration(command: list[str], nodes: int, rate: str, out: Path, reuse: bool) -> Any:
+    """Run `mpt plan ... --calibrate` ``command`` into ``out``: on one node by 2 processes
+    (one measures the device); else with ``--nodes N`` on each of ``nodes`` emulated nodes
+    shaped at ``rate`` (a fresh cluster shaped as the cell's): the device figures and the
+    model's step of N one-thread processes at once, and every collective measured across the
+    nodes. ``reuse``: an earlier file, where there is."""
     import subprocess
 
     from mpt.cluster import EmulatedCluster, LinkShape, run_nodes
     from mpt.plan import calibrate
 
-    out = folder / (f"calibration-1-{model}.json" if nodes == 1
-                    else f"calibration-{nodes}-{rate}-{model}.json")
     if reuse and out.exists():
         return calibrate.load(out)
     out.unlink(missing_ok=True)
-    print(f"calibrating: {model} on {nodes} node(s)" + (f" at {rate}" if nodes > 1 else ""),
+    print(f"calibrating: {out.name}, {nodes} node(s)" + (f" at {rate}" if nodes > 1 else ""),
           flush=True)
-    command = [*calibrate_command(model, nodes), "--output", str(out)]
+    command = [*command, "--output", str(out)]
     if nodes == 1:
         subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         return calibrate.load(out)

@@ -10,6 +10,9 @@
         benchmarks/plan_memory.py --model deep     # eight alike units
     .venv/bin/mpt launch --gpus 4 --pipeline-stages 2 --backend fsdp --host-memory lean \
         benchmarks/plan_memory.py                   # the fullest stage's ranks
+    .venv/bin/mpt launch --gpus 2 --pipeline-stages 2 --pipeline-schedule gpipe \
+        --microbatches 8 --host-memory lean benchmarks/plan_memory.py --model deep \
+        --batch 2048                                # what a schedule keeps for its backwards
     .venv/bin/mpt launch --gpus 2 --backend ddp --host-memory lean --grad-compression powersgd \
         --backend-options '{"powersgd_start_step": 2}' benchmarks/plan_memory.py  # its error
 
@@ -20,9 +23,10 @@ among them). The kernel keeps the process's peak resident set size (``VmHWM``, r
 before the model is built); the measured figure is that peak above the RSS at the restart (the
 process, torch, mpt's modules and the process group are not what the model costs, and the plan
 does not count them). Then the rank prices its own launch with the cost model
-(``mpt.plan.cost.predict`` of the launch's backend, precision, ranks, pipeline stages and
-batch: the memory `mpt plan` prints for that layout, a pipeline's for its fullest stage) and
-rank 0 prints it beside the highest rank's peak, with their ratio.
+(``mpt.plan.cost.predict`` of the launch's backend, precision, ranks, pipeline stages,
+schedule, micro-batches and batch: the memory `mpt plan` prints for that layout, a
+pipeline's for its fullest stage) and rank 0 prints it beside the highest rank's peak, with
+their ratio.
 
 ``--host-memory lean`` returns every freed block of 1 MiB or more to the OS at once, so the
 resident set is what the run holds; under the default (``fast``) glibc keeps freed blocks for
@@ -91,7 +95,8 @@ def predicted(rt: mpt.Runtime, build: Callable[[], torch.nn.Module], batch: int
                     world=rt.world_size, precision=spec.name,
                     batch=batch * rt.topology.dp_size,
                     microbatches=pipeline.microbatches if pipeline else None,
-                    compression=rt.config.grad_compression)
+                    compression=rt.config.grad_compression,
+                    schedule=rt.config.pipeline_schedule)
     host = Device(name="cpu", flops={"float32": 1e11}, memory_bandwidth=1e10,
                   memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
                   intra_node=link_profile("10gbit"), device_type=rt.device.type)
