@@ -215,8 +215,9 @@ def _say_calibrated(found: Calibration, output: Path) -> None:
     step = found.measured_step()
     timed = "" if step is None else (
         f"; {step.spec.model}'s step at micro-batch {step.spec.micro_batch}: forward + "
-        f"backward {step.forward_backward * 1e3:.1f} ms, {step.spec.optimizer} step "
-        f"{step.update * 1e3:.1f} ms")
+        f"backward {step.forward_backward * 1e3:.1f} ms"
+        + "".join(f", in {k} pieces {seconds * 1e3:.1f} ms" for k, seconds in step.split.items())
+        + f", {step.spec.optimizer} step {step.update * 1e3:.1f} ms")
     err.print(f"wrote {output}: matmul GFLOP/s {flops}; memory "
               f"{found.memory_bandwidth / 1e9:.1f} GB/s; {between}allreduce bus bandwidth "
               f"within a node {found.collectives['all_reduce']['bus_bandwidth'] / 1e9:.2f} GB/s "

@@ -19,7 +19,8 @@ CPU, NCCL on GPUs), each as `mpt launch` starts a rank (one intra-op thread):
    timings after a warm-up.
 3. with a model (`mpt plan FILE.py:FUNCTION --calibrate`), by the same ranks: that model's own
    training step, built on the device at the per-rank micro-batch (``StepSpec``): its forward
-   and backward, and its optimizer step with ``zero_grad``, each the median of three spells of
+   and backward, the same samples cut into 2, 4, 8 and 16 micro-batches that accumulate
+   (``SPLITS``), and its optimizer step with ``zero_grad``, each the median of three spells of
    ``STEP_REPEATS`` timings (``ModelStep``), after ``STEP_WARMUP`` steps: one before step 1,
    one between steps 1 and 2, one after step 2. What the op-by-op model leaves out on this device
    (the host allocator's re-faulted blocks, a kernel's real speed at the model's own shapes)
@@ -89,6 +90,11 @@ OPTIMIZERS: dict[str, tuple[str, dict[str, float]]] = {
 STEP_WARMUP, STEP_REPEATS = 2, 5
 """Steps of the model's own step run before timing (state, caches, the allocator's threshold
 settle), then timed."""
+SPLITS = (2, 4, 8, 16)
+"""The model's micro-batch is also timed cut into this many pieces, each's forward and
+backward accumulating into the gradients (where the count divides it): a pipeline's
+micro-batches, or `--accumulate`'s, are smaller, and a small one runs below what its ops
+price (the backward's matmuls of few rows, each gradient accumulated again)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -135,7 +141,8 @@ class Calibration:
             return None
         spec = self.model_step["spec"]
         return MeasuredStep(**{**self.model_step, "spec": StepSpec(
-            **{**spec, "input_shape": tuple(spec["input_shape"])})})
+            **{**spec, "input_shape": tuple(spec["input_shape"])}),
+            "split": {int(k): v for k, v in self.model_step.get("split", {}).items()}})
 
     def measured_link(self, source: str) -> Link | None:
         """The link between the nodes as measured, None where one node was."""
@@ -358,26 +365,30 @@ def device_figures(device: torch.device, sync: Callable[[], None]) -> dict[str, 
 
 class ModelStep:
     """``spec``'s model built on ``device`` and trained on one micro-batch: its forward and
-    backward, and its optimizer step with ``zero_grad`` (gradients to None, as torch's default
-    frees them), timed in spells (``time``) that the calibration spreads over its run, so that
+    backward, whole and cut into each of ``SPLITS`` pieces that divides it (accumulating), and
+    its optimizer step with ``zero_grad`` (gradients to None, as torch's default frees them),
+    timed in spells (``time``) that the calibration spreads over its run, so that
     a slow spell of a shared machine moves the medians (``figures``: ``MeasuredStep``'s fields)
     by one spell's share, not wholly. A RuntimeError (out of memory, an input the model refuses)
     ends the timing and is kept as the figures' ``error``."""
 
     def __init__(self, spec: StepSpec, device: torch.device, sync: Callable[[], None]) -> None:
         self.spec, self.sync = spec, sync
-        self.timings: tuple[list[float], list[float]] = ([], [])
+        self.splits = [1, *(k for k in SPLITS if spec.micro_batch % k == 0)]
+        self.timings: dict[int, list[float]] = {k: [] for k in self.splits}
+        self.updates: list[float] = []
         self.error = ""
         self.parameters = 0
-        self.runs: tuple[Callable[[], None], ...] = ()
+        self.runs: tuple[Callable[[int], None], Callable[[], None]] | None = None
         try:
             self.runs = self._build(device)
             self._run(STEP_WARMUP, keep=False)
         except RuntimeError as exc:
             self.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
 
-    def _build(self, device: torch.device) -> tuple[Callable[[], None], Callable[[], None]]:
-        """The model, its input and optimizer on ``device``: its two timed parts."""
+    def _build(self, device: torch.device) -> tuple[Callable[[int], None], Callable[[], None]]:
+        """The model, its input and optimizer on ``device``: its two timed parts, the first
+        over the micro-batch cut into as many pieces as it is given."""
         from torch.utils._pytree import tree_leaves
 
         from mpt.estimate import load_model
@@ -399,11 +410,12 @@ class ModelStep:
         # a tiny rate: the weights stay where they began, so no step slows on overflowing values
         optimizer = getattr(torch.optim, cls)(net.parameters(), lr=1e-9, **kwargs)
 
-        def forward_backward() -> None:
-            with precision.autocast():
-                out = net(x)
-            sum(t.float().sum() for t in tree_leaves(out)
-                if isinstance(t, torch.Tensor) and t.is_floating_point()).backward()
+        def forward_backward(pieces: int) -> None:
+            for piece in x.chunk(pieces):
+                with precision.autocast():
+                    out = net(piece)
+                sum(t.float().sum() for t in tree_leaves(out)
+                    if isinstance(t, torch.Tensor) and t.is_floating_point()).backward()
 
         def update() -> None:
             optimizer.step()
@@ -412,13 +424,20 @@ class ModelStep:
         return forward_backward, update
 
     def _run(self, steps: int, keep: bool) -> None:
+        assert self.runs is not None
+        forward_backward, update = self.runs
         for _ in range(steps):
-            for run, found in zip(self.runs, self.timings, strict=True):
+            for pieces in self.splits:
                 start = time.perf_counter()
-                run()
+                forward_backward(pieces)
                 self.sync()
                 if keep:
-                    found.append(time.perf_counter() - start)
+                    self.timings[pieces].append(time.perf_counter() - start)
+                start = time.perf_counter()
+                update()
+                self.sync()
+                if keep and pieces == 1:
+                    self.updates.append(time.perf_counter() - start)
 
     def time(self, steps: int = STEP_REPEATS) -> None:
         """One spell: ``steps`` more steps timed (none once an error was kept)."""
@@ -434,8 +453,9 @@ class ModelStep:
         if self.error:
             return {"error": self.error}
         return {"spec": dataclasses.asdict(self.spec), "parameters": self.parameters,
-                "forward_backward": statistics.median(self.timings[0]),
-                "update": statistics.median(self.timings[1])}
+                "forward_backward": statistics.median(self.timings[1]),
+                "update": statistics.median(self.updates),
+                "split": {str(k): statistics.median(self.timings[k]) for k in self.splits[1:]}}
 
 
 def _worker(local_rank: int, world: World, out: str, step: StepSpec | None,

@@ -12,11 +12,12 @@ The step, for a rank of the slowest pipeline stage:
   per parameter it steps (read weight, gradient and states, write weight and states) at the
   memory bandwidth; where the calibration timed this model's own step (``MeasuredStep``),
   the forward and backward scaled by what it measured over what the ops price at its
-  micro-batch, and the optimizer step at its measured seconds per parameter (``Model``'s
-  ``compute_scale`` and ``update_seconds``); then the backend's copies into and out of its
-  collectives' buffers (``Traffic.copies``: DDP's buckets, fsdp's all-gather and
-  reduce-scatter inputs and outputs), read and written once each at the memory bandwidth,
-  never hidden (they run on the rank's own cores or stream).
+  micro-batch (and at that micro-batch cut into 2 to 16 accumulated pieces: the scale at the
+  layout's micro-batch, interpolated), and the optimizer step at its measured seconds per
+  parameter (``Model``'s ``compute_scales`` and ``update_seconds``); then the backend's
+  copies into and out of its collectives' buffers (``Traffic.copies``: DDP's buckets, fsdp's
+  all-gather and reduce-scatter inputs and outputs), read and written once each at the memory
+  bandwidth, never hidden (they run on the rank's own cores or stream).
 - tensor parallelism: the plan's allreduces of activations, in the forward and the backward, on
   the critical path (each waits for its matmul and the next op waits for it).
 - pipeline (P stages, M micro-batches, the layout's ``--pipeline-schedule``): the schedule
@@ -58,6 +59,7 @@ from mpt.parallel import ParallelPlan
 from mpt.parallel.traffic import Traffic
 from mpt.pipeline.config import LOOPED
 from mpt.plan.network import Cluster, collective, send
+from mpt.plan.profiles import interpolate
 from mpt.plan.schedule import ChunkCost, simulate
 from mpt.plan.workload import BlockCost, Op, Workload
 from mpt.precision import PrecisionSpec
@@ -149,12 +151,19 @@ class Model:
     """fp32 values the optimizer keeps per parameter."""
     optimizer: str = "adam"
     """``--optimizer``: which calibrated step cost applies."""
-    compute_scale: float = 1.0
-    """The model's own forward and backward as a calibration timed them over what the ops
-    price on that device (``measured_scales``); 1: the ops alone."""
+    compute_scales: Mapping[int, float] = field(default_factory=dict)
+    """By micro-batch size: the model's own forward and backward as a calibration timed them
+    over what the ops price on that device (``measured_scales``); empty: the ops alone."""
     update_seconds: float | None = None
     """Seconds per parameter of the model's own optimizer step and ``zero_grad`` as a
     calibration timed them; None: the device's figure for ``optimizer``."""
+
+    def compute_scale(self, micro_batch: int) -> float:
+        """``compute_scales`` at ``micro_batch``: linear in the log of the size between two
+        sizes timed, the nearest one's beyond them; 1 where none was timed."""
+        if not self.compute_scales:
+            return 1.0
+        return interpolate(sorted(self.compute_scales.items()), micro_batch)
 
 
 def activation_width(spec: PrecisionSpec) -> float:
@@ -208,8 +217,8 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
     for index, names in enumerate(chunks):
         blocks = [by_name[name] for name in names]
         timed = [_block_seconds(b, cluster, spec, tp) for b in blocks]
-        forward = model.compute_scale * sum(f for f, _ in timed)
-        backward = model.compute_scale * sum(b for _, b in timed)
+        forward = model.compute_scale(layout.micro_batch) * sum(f for f, _ in timed)
+        backward = model.compute_scale(layout.micro_batch) * sum(b for _, b in timed)
         width = spec.compute.itemsize / 4
         tp_forward = sum(b.tp_forward_bytes for b in blocks) * width
         tp_backward = sum(b.tp_backward_bytes for b in blocks) * width

@@ -69,7 +69,7 @@ def model_of(net: nn.Module, input_shape: Sequence[int], input_dtype: torch.dtyp
 def measured_scales(model: Model, cluster: Cluster, spec: PrecisionSpec,
                     step: MeasuredStep | None, input_shape: Sequence[int],
                     input_dtype: torch.dtype) -> tuple[dict[str, Any], str]:
-    """``Model``'s ``compute_scale`` and ``update_seconds`` from the calibration's timing of
+    """``Model``'s ``compute_scales`` and ``update_seconds`` from the calibration's timing of
     this model's own step (matched by its parameters and input), and the words that say where
     the compute comes from. A step timed under another precision scales no compute, one of
     another optimizer no optimizer step."""
@@ -81,10 +81,18 @@ def measured_scales(model: Model, cluster: Cluster, spec: PrecisionSpec,
     found: dict[str, Any] = {}
     used = []
     if timed.precision == spec.name:
+        scales = {}
+        for pieces, seconds in {1: step.forward_backward, **step.split}.items():
+            size = timed.micro_batch // pieces
+            scales[size] = seconds / (pieces * modelled_compute(model, cluster, spec, size))
+        found["compute_scales"] = scales
         ops = modelled_compute(model, cluster, spec, timed.micro_batch)
-        found["compute_scale"] = step.forward_backward / ops
         used.append(f"forward + backward {step.forward_backward * 1e3:.1f} ms against "
-                    f"{ops * 1e3:.1f} ms op by op (x {found['compute_scale']:.2f})")
+                    f"{ops * 1e3:.1f} ms op by op (x {scales[timed.micro_batch]:.2f})")
+        if step.split:
+            used.append("cut into " + ", ".join(
+                f"{k} x {timed.micro_batch // k}: x {scales[timed.micro_batch // k]:.2f}"
+                for k in sorted(step.split)))
     if timed.optimizer == model.optimizer:
         found["update_seconds"] = step.update / step.parameters
         used.append(f"{timed.optimizer} step {step.update * 1e3:.1f} ms")

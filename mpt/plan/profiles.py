@@ -102,6 +102,9 @@ class MeasuredStep:
     """Seconds of one forward and backward (the median)."""
     update: float
     """Seconds of one optimizer step and ``zero_grad`` (the median)."""
+    split: Mapping[int, float] = field(default_factory=dict)
+    """Seconds of the forward and backward of the same samples cut into k micro-batches that
+    accumulate, by k (the median; empty in files measured before it was)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

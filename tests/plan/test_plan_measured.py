@@ -3,6 +3,8 @@ optimizer step by, matched to the model it was timed for."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import statistics
 
 import pytest
@@ -59,6 +61,25 @@ def test_the_measured_step_is_the_compute_at_its_micro_batch_and_scales_the_othe
     assert alone.terms["optimizer step"] == pytest.approx(PARAMETERS * 1e-9)
 
 
+def test_the_step_cut_into_pieces_prices_the_smaller_micro_batches() -> None:
+    """A micro-batch of 4 is priced at what 8 samples cut in 2 accumulated pieces measured,
+    per piece, one of 2 at 4 pieces' share; 3 between them (the log of the size), 1 as 2 (the
+    smallest timed)."""
+    step = dataclasses.replace(_step(forward_backward=2.5 * _ops(8)),
+                               split={2: 2 * 3.0 * _ops(4), 4: 4 * 4.0 * _ops(2)})
+
+    def compute(per_rank: int) -> float:
+        found = _ddp(per_rank, step)[1]
+        return found.terms["forward"] + found.terms["backward"]
+
+    assert compute(8) == pytest.approx(2.5 * _ops(8))
+    assert compute(4) == pytest.approx(3.0 * _ops(4))
+    assert compute(2) == pytest.approx(4.0 * _ops(2))
+    at_3 = 4.0 + math.log(3 / 2) / math.log(4 / 2) * (3.0 - 4.0)  # from 2's scale to 4's
+    assert compute(3) == pytest.approx(at_3 * _ops(3))
+    assert compute(1) == pytest.approx(4.0 * _ops(1))
+
+
 @pytest.mark.parametrize(("changes", "scaled", "updated"), [
     ({"parameters": PARAMETERS + 1}, False, False),  # another model
     ({"input_shape": (512,)}, False, False),
@@ -90,11 +111,16 @@ def test_the_calibration_times_a_models_own_step_and_keeps_it(tmp_path) -> None:
     model = calibrate.ModelStep(spec, torch.device("cpu"), lambda: None)
     model.time()
     model.time(3)
-    assert [len(t) for t in model.timings] == [calibrate.STEP_REPEATS + 3] * 2
+    # the micro-batch of 4 whole, and cut into 2 and 4 pieces (8 and 16 do not divide it)
+    assert {k: len(t) for k, t in model.timings.items()} == {
+        1: calibrate.STEP_REPEATS + 3, 2: calibrate.STEP_REPEATS + 3,
+        4: calibrate.STEP_REPEATS + 3}
+    assert len(model.updates) == calibrate.STEP_REPEATS + 3
     figures = model.figures()
     assert figures["parameters"] == 16 * 32 + 32 + 32 * 2 + 2
-    assert figures["forward_backward"] == statistics.median(model.timings[0]) > 0
-    assert figures["update"] == statistics.median(model.timings[1]) > 0
+    assert figures["forward_backward"] == statistics.median(model.timings[1]) > 0
+    assert figures["update"] == statistics.median(model.updates) > 0
+    assert figures["split"] == {str(k): statistics.median(model.timings[k]) for k in (2, 4)}
     fit = {"latency": 1e-4, "bus_bandwidth": 1e9}
     path = tmp_path / "cal.json"
     calibrate.save(calibrate.Calibration(
@@ -103,7 +129,8 @@ def test_the_calibration_times_a_models_own_step_and_keeps_it(tmp_path) -> None:
         matmul_sweep={}, update_seconds={}, model_step=figures), path)
     assert calibrate.load(path).measured_step() == MeasuredStep(
         spec=spec, parameters=figures["parameters"],
-        forward_backward=figures["forward_backward"], update=figures["update"])
+        forward_backward=figures["forward_backward"], update=figures["update"],
+        split={k: figures["split"][str(k)] for k in (2, 4)})
 
 
 def test_a_model_that_refuses_its_input_is_kept_as_an_error(tmp_path) -> None:
@@ -117,7 +144,7 @@ def test_a_model_that_refuses_its_input_is_kept_as_an_error(tmp_path) -> None:
                     micro_batch=4, precision="fp32", optimizer="sgd")
     model = calibrate.ModelStep(spec, torch.device("cpu"), lambda: None)
     model.time()
-    assert model.timings == ([], [])
+    assert model.timings == {1: [], 2: [], 4: []} and model.updates == []
     figures = model.figures()
     assert list(figures) == ["error"] and figures["error"].startswith("RuntimeError: ")
 
