@@ -90,6 +90,9 @@ OPTIMIZERS: dict[str, tuple[str, dict[str, float]]] = {
 STEP_WARMUP, STEP_REPEATS = 2, 5
 """Steps of the model's own step run before timing (state, caches, the allocator's threshold
 settle), then timed."""
+PROBE_MICROBATCHES, PROBE_WIDTH = 8, 64
+"""The pipeline probe's micro-batches and its chunks' width (one Linear each: its compute is
+next to nothing against the schedule's own work)."""
 SPLITS = (2, 4, 8, 16)
 """The model's micro-batch is also timed cut into this many pieces, each's forward and
 backward accumulating into the gradients (where the count divides it): a pipeline's
@@ -134,6 +137,9 @@ class Calibration:
     model_step: dict[str, Any] = dataclasses.field(default_factory=dict)
     """A model's own step (``MeasuredStep``'s fields), where the calibration was given one;
     empty otherwise."""
+    pipeline_overhead: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Seconds each action of a pipeline schedule costs beyond its compute and its sends, by
+    ``--pipeline-schedule`` (``pipeline_overheads``; empty in files measured before it was)."""
 
     def measured_step(self) -> MeasuredStep | None:
         """The model's step this calibration timed, None where it timed none."""
@@ -163,7 +169,8 @@ class Calibration:
                       collectives=within.collectives, source=source,
                       device_type="cpu" if self.backend == "gloo" else "cuda",
                       matmul_sweep=self.matmul_sweep, update_seconds=self.update_seconds,
-                      fresh_bandwidth=self.fresh_bandwidth)
+                      fresh_bandwidth=self.fresh_bandwidth,
+                      pipeline_overhead=self.pipeline_overhead)
 
 
 def _link(name: str, fits: dict[str, dict[str, float]], source: str) -> Link:
@@ -363,6 +370,59 @@ def device_figures(device: torch.device, sync: Callable[[], None]) -> dict[str, 
             "fresh_bandwidth": fresh}
 
 
+def pipeline_overheads(pair: Any, position: int, device: torch.device,
+                       sync: Callable[[], None]) -> dict[str, float]:
+    """Seconds each action of each ``--pipeline-schedule`` costs beyond its compute and its
+    sends, measured by the two ranks of ``pair`` (``position`` 0 or 1): torch's schedule run
+    over chunks of one ``PROBE_WIDTH`` Linear and ``PROBE_MICROBATCHES`` micro-batches of one
+    row, less the wait the schedule's simulation gives for sends of the one-way latency the
+    same ranks measured (half a send and receive there and back), over the busiest rank's
+    actions: the stage's bookkeeping, the send and receive calls, the autograd calls of each
+    forward and backward."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+    )
+
+    from mpt.pipeline.config import LOOPED, SCHEDULES
+    from mpt.plan.schedule import ChunkCost, order, simulate
+
+    ranks = dist.get_process_group_ranks(pair)
+    other = ranks[1 - position]
+    x = torch.zeros(PROBE_MICROBATCHES, PROBE_WIDTH, device=device)
+    row = x[:1].clone()
+
+    def ping() -> None:
+        for send in (position == 0, position == 1):
+            (dist.send if send else dist.recv)(row, other, group=pair)
+
+    latency = _timed(ping, 10, sync) / 2
+    kinds = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+             "interleaved-1f1b": ScheduleInterleaved1F1B,
+             "interleaved-zb": ScheduleInterleavedZeroBubble}
+    found = {}
+    for schedule in SCHEDULES:
+        chunks = 2 * LOOPED.get(schedule, 1)
+        stages = [PipelineStage(nn.Linear(PROBE_WIDTH, PROBE_WIDTH).to(device), stage_index=i,
+                                num_stages=chunks, device=device, group=pair)
+                  for i in range(position, chunks, 2)]
+        run = kinds[schedule](stages if len(stages) > 1 else stages[0],
+                              n_microbatches=PROBE_MICROBATCHES,
+                              loss_fn=lambda out, target: out.sum(), scale_grads=False)
+        seconds = _timed(lambda run=run: run.step(x) if position == 0 else run.step(target=x),
+                         5, sync)
+        waits = simulate(schedule, 2, PROBE_MICROBATCHES, [ChunkCost(
+            forward=0.0, backward=0.0, weight=0.0, activations=0, send=latency)] * chunks)
+        actions = max(len(mine) for mine in order(schedule, 2, PROBE_MICROBATCHES))
+        found[schedule] = max(0.0, (seconds - waits.step) / actions)
+    return found
+
+
 class ModelStep:
     """``spec``'s model built on ``device`` and trained on one micro-batch: its forward and
     backward, whole and cut into each of ``SPLITS`` pieces that divides it (accumulating), and
@@ -495,6 +555,11 @@ def _worker(local_rank: int, world: World, out: str, step: StepSpec | None,
         if horovod:  # its ring over every rank: within the node, or across the nodes
             (link if world.nodes > 1 else within).update(
                 horovod_sweep(world, horovod, device, sync))
+        # the first two ranks (one node's, or two nodes' where each has one): a pipeline's
+        # actions; every rank makes the group, as torch's new_group needs
+        pair = dist.new_group([0, 1])
+        overheads = (pipeline_overheads(pair, world.rank, device, sync) if world.rank < 2
+                     else {})
         dist.barrier()
         if model is not None:
             model.time()
@@ -517,7 +582,7 @@ def _worker(local_rank: int, world: World, out: str, step: StepSpec | None,
     Path(out).write_text(json.dumps({
         "ranks": world.gpus, "nodes": world.nodes, "hosts": sorted(set(hosts)),
         "backend": "nccl" if cuda else "gloo", "collectives": within or link, "link": link,
-        "memory": memory, **figures}))
+        "memory": memory, "pipeline_overhead": overheads, **figures}))
 
 
 def measure(ranks: int = 2, step: StepSpec | None = None, training: int | None = None

@@ -24,7 +24,9 @@ The step, for a rank of the slowest pipeline stage:
   simulated action by action over the model's chunks (``mpt.plan.schedule``: P stages, or 2P
   chunks under a looped schedule, each with its own forward, backward and send of its output):
   the busiest rank's M micro-batches of compute, the bubble it waits for the others, and the
-  sends on the critical path, taken as exposed.
+  sends on the critical path, taken as exposed; on a calibrated device each action also costs
+  the schedule's own work measured there (``Device.pipeline_overhead``: "pipeline actions",
+  in the compute).
 - data parallelism: the collectives of the backend's ``step_traffic`` (in the dtype they
   send: ``--grad-compression``'s cast, priced by that dtype's calibrated fit where there is
   one), less the part that hides behind its window (the backward, the whole step, or none)
@@ -57,7 +59,7 @@ from mpt.comm import GradComm
 from mpt.estimate import MemoryEstimate
 from mpt.parallel import ParallelPlan
 from mpt.parallel.traffic import Traffic
-from mpt.pipeline.config import LOOPED
+from mpt.pipeline.config import LOOPED, ZERO_BUBBLE
 from mpt.plan.network import Cluster, collective, send
 from mpt.plan.profiles import interpolate
 from mpt.plan.schedule import ChunkCost, simulate
@@ -211,6 +213,9 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
     work = model.workload(layout.micro_batch)
     by_name = {block.name: block for block in work.blocks}
     per_rank = LOOPED.get(layout.schedule, 1) if plan.pp > 1 else 1
+    # each action of the schedule costs its own work beyond its compute (calibrated)
+    action = cluster.device.pipeline_overhead.get(layout.schedule, 0.0) if plan.pp > 1 else 0.0
+    split = layout.schedule in ZERO_BUBBLE  # the backward is two actions
     chunks = (model.stages(plan.pp * per_rank) if plan.pp > 1
               else [[b.name for b in work.blocks]])
     passes, tp_times, costs = [], [], []
@@ -228,9 +233,11 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
         out = blocks[-1].output_bytes * activation_width(spec) if index < len(chunks) - 1 else 0
         passes.append((forward, backward))
         tp_times.append(tp_time)
-        costs.append(ChunkCost(forward=forward + share * tp_time.seconds,
-                               backward=backward + (1 - share) * tp_time.seconds,
-                               weight=backward / 2, activations=_saved(blocks, spec, plan.tp),
+        costs.append(ChunkCost(forward=forward + share * tp_time.seconds + action,
+                               backward=backward + (1 - share) * tp_time.seconds
+                               + (2 if split else 1) * action,
+                               weight=backward / 2 + action,
+                               activations=_saved(blocks, spec, plan.tp),
                                send=send(out, plan, cluster).seconds))
     m = layout.microbatches
     ranks = [[c for c in range(len(chunks)) if c % plan.pp == r] for r in range(plan.pp)]
@@ -245,6 +252,7 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
     terms["forward"] = m * sum(passes[c][0] for c in mine)
     terms["backward"] = m * sum(passes[c][1] for c in mine)
     terms["tensor-parallel allreduces"] = m * sum(tp_times[c].seconds for c in mine)
+    terms["pipeline actions"] = m * len(mine) * (3 if split else 2) * action
     terms["pipeline sends"] = sends
     cut = max((by_name[names[-1]].output_bytes for names in chunks[:-1]), default=0)
     p2p = send(cut * activation_width(spec), plan, cluster)
@@ -263,7 +271,7 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
     terms["backend matmuls"] = matmul_seconds(flow, cluster, spec)
     terms["data-parallel communication"] = max(0.0, dp_seconds - window)
     compute = (terms["forward"] + terms["backward"] + terms["optimizer step"]
-               + terms["buffer copies"] + terms["backend matmuls"])
+               + terms["buffer copies"] + terms["backend matmuls"] + terms["pipeline actions"])
     exposed = (terms["data-parallel communication"] + terms["tensor-parallel allreduces"]
                + terms["pipeline sends"])
     terms["pipeline bubble"] = bubble

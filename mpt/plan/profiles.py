@@ -148,6 +148,10 @@ class Device:
     or more is first written, beyond a write into memory the process keeps (glibc maps every
     such block anew from the kernel, which faults and zeroes its pages: a weight gradient of
     64 MiB each backward); 0: no such cost (a GPU's caching allocator keeps its blocks)."""
+    pipeline_overhead: Mapping[str, float] = field(default_factory=dict)
+    """Calibrated only: seconds each action (a forward, a backward, or zero bubble's input or
+    weight gradients) of a pipeline schedule costs beyond its compute and its sends, by
+    ``--pipeline-schedule``; empty: none counted."""
 
     def fresh_seconds(self, results: Sequence[int]) -> float:
         """What first writing ``results`` (bytes of an op's result tensors) costs beyond the

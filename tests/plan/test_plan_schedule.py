@@ -79,3 +79,47 @@ def test_1f1b_follows_torchs_runtime_loop() -> None:
          ("B", 0, 2), ("B", 0, 3)),
         (("F", 1, 0), ("B", 1, 0), ("F", 1, 1), ("B", 1, 1), ("F", 1, 2), ("B", 1, 2),
          ("F", 1, 3), ("B", 1, 3)))
+
+
+def test_the_calibration_measures_each_schedules_own_work_per_action(free_port) -> None:
+    """Two gloo processes run torch's schedules over one-Linear chunks: each action costs
+    something beyond its compute and sends (its calls into the stage, autograd and gloo), and
+    less than the 50 ms that would mean a hang or a wrong count."""
+    from plan_pipeline_probe import measure
+
+    found = measure(free_port)
+    assert set(found) == set(SCHEDULES)
+    assert all(0 < seconds < 0.05 for seconds in found.values()), found
+
+
+def test_each_action_pays_the_calibrated_overhead() -> None:
+    """A device that measured 1 ms per action: a 1F1B step of 2 alike stages and 4
+    micro-batches runs 8 actions a rank and (4 + 2 - 1) x 2 on the critical path, zero bubble
+    3 per micro-batch and chunk; the compute names them apart."""
+    from dataclasses import replace
+
+    import torch
+    from plan_models import deep
+
+    from mpt.estimate import meta_model
+    from mpt.plan.network import Cluster
+    from mpt.plan.planner import plan
+    from mpt.plan.profiles import device_profile, link_profile
+
+    h100 = device_profile("h100-sxm")
+
+    def piped(device, schedule: str):
+        result = plan(meta_model(deep), Cluster(nodes=1, gpus=2, device=device,
+                                                link=link_profile("1gbit")),
+                      precision="fp32", batch=16, input_shape=[1024], input_dtype=torch.float32)
+        return next(p for p in result.fitting if p.layout.backend == "ddp"
+                    and p.layout.plan.pp == 2 and p.layout.microbatches == 4
+                    and p.layout.schedule == schedule)
+
+    slow = replace(h100, pipeline_overhead={"1f1b": 1e-3, "interleaved-zb": 1e-3})
+    plain, paid = piped(h100, "1f1b"), piped(slow, "1f1b")
+    assert paid.terms["pipeline actions"] == pytest.approx(8e-3)
+    assert paid.step - plain.step == pytest.approx(10e-3, rel=0.05)
+    zero = piped(slow, "interleaved-zb")
+    assert zero.terms["pipeline actions"] == pytest.approx(4 * 2 * 3 * 1e-3)
+    assert piped(slow, "gpipe").terms["pipeline actions"] == 0  # none measured for it
