@@ -171,6 +171,9 @@ def test_calibrate_across_two_nodes_measures_the_link_between_them(tmp_path, fre
             "reduce_scatter/float16"} <= set(found.link)
     assert all(fit["bus_bandwidth"] > 0 for fit in found.link.values())
     assert found.collectives == found.link  # one process per node: no collective within one
+    # the two nodes' ranks ran each pipeline schedule's probe across the link
+    assert set(found.pipeline_overhead) == {"gpipe", "1f1b", "interleaved-1f1b",
+                                            "interleaved-zb"}
     step = found.measured_step()
     assert step is not None and step.spec.micro_batch == 2 and step.spec.optimizer == "adamw"
     assert step.parameters == 1024 * 64 + 64 + 64 * 8 + 8 and step.forward_backward > 0
