@@ -40,7 +40,8 @@ buckets and ZeRO-3's gathered parameters), and under a pipeline torch's receive 
 per micro-batch; then either the backward's activations (what autograd saves, a tensor two
 blocks save counted once; under a pipeline the most the schedule keeps at once for its
 backwards on that rank, from the simulation: 1F1B min(M, P - s) micro-batches on stage s,
-GPipe M, the looped schedules their warm-up's chunks; under tp, the activations of split ops
+GPipe M, the looped schedules their warm-up's chunks; and the sends it keeps until its step
+ends, GPipe its backward's, the looped schedules every one; under tp, the activations of split ops
 over T by their share of the forward's bytes; 16-bit under a cast model) or the optimizer
 step's temporaries, less what the backward frees before the step (fsdp's gathered units). Not
 counted: the allocator's slack, the process, DeepSpeed ZeRO-0's buffers.
@@ -231,14 +232,16 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
         # each tp allreduce waits for its matmul and the next op for it: in its own pass
         share = tp_forward / (tp_forward + tp_backward) if tp_time.seconds else 0.0
         out = blocks[-1].output_bytes * activation_width(spec) if index < len(chunks) - 1 else 0
+        received = (by_name[chunks[index - 1][-1]].output_bytes * activation_width(spec)
+                    if index else 0)
         passes.append((forward, backward))
         tp_times.append(tp_time)
         costs.append(ChunkCost(forward=forward + share * tp_time.seconds + action,
                                backward=backward + (1 - share) * tp_time.seconds
                                + (2 if split else 1) * action,
                                weight=backward / 2 + action,
-                               activations=_saved(blocks, spec, plan.tp),
-                               send=send(out, plan, cluster).seconds))
+                               activations=_saved(blocks, spec, plan.tp), output=int(out),
+                               input=int(received), send=send(out, plan, cluster).seconds))
     m = layout.microbatches
     ranks = [[c for c in range(len(chunks)) if c % plan.pp == r] for r in range(plan.pp)]
     if plan.pp > 1:

@@ -32,6 +32,12 @@ TORCH_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleave
 
 Action = tuple[str, int, int]
 """(kind: F, B, I or W; model chunk; micro-batch)."""
+KEPT_SENDS = {"gpipe": "backward", "interleaved-1f1b": "all", "interleaved-zb": "all"}
+"""What a schedule's rank keeps of what it sends until its step ends (torch waits for those
+sends only there, and a send keeps its tensor until it is waited for): GPipe the backward's
+input gradients (its forward's sends are waited for after the last forward, while autograd
+still holds those outputs); the looped schedules (``_PipelineScheduleRuntime``) every send,
+outputs and input gradients; 1F1B none (it waits for each send before the next)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,6 +53,10 @@ class ChunkCost:
     """Seconds of the backward's weight gradients (a zero-bubble schedule's W)."""
     activations: int
     """Bytes autograd keeps from its forward to its backward."""
+    output: int = 0
+    """Bytes of its output, sent to the next chunk (0 for the last)."""
+    input: int = 0
+    """Bytes of its input's gradient, sent back to the previous chunk (0 for the first)."""
     send: float
     """Seconds to send its output to the next chunk, or the gradient of that back (0 for the
     last chunk)."""
@@ -63,7 +73,8 @@ class Timeline:
     busy: tuple[float, ...]
     """Each rank's seconds of compute."""
     held: tuple[int, ...]
-    """Each rank's peak bytes of activations kept for backwards."""
+    """Each rank's peak bytes of activations kept for backwards, and of the sends it keeps
+    to the step's end (``KEPT_SENDS``)."""
 
     @property
     def bubble(self) -> float:
@@ -113,15 +124,17 @@ def simulate(schedule: str, stages: int, microbatches: int,
     """The step of ``schedule`` over ``stages`` ranks and ``microbatches`` micro-batches of
     ``chunks`` (in forward order; chunk c runs on rank c mod P)."""
     actions = order(schedule, stages, microbatches)
-    step, busy, held = _walk(actions, chunks, sends=True)
-    free, _, _ = _walk(actions, chunks, sends=False)
+    kept = KEPT_SENDS.get(schedule, "")
+    step, busy, held = _walk(actions, chunks, kept, sends=True)
+    free, _, _ = _walk(actions, chunks, kept, sends=False)
     return Timeline(step=step, without_sends=free, busy=busy, held=held)
 
 
-def _walk(actions: tuple[tuple[Action, ...], ...], chunks: list[ChunkCost], *, sends: bool
-          ) -> tuple[float, tuple[float, ...], tuple[int, ...]]:
+def _walk(actions: tuple[tuple[Action, ...], ...], chunks: list[ChunkCost], kept: str, *,
+          sends: bool) -> tuple[float, tuple[float, ...], tuple[int, ...]]:
     """Run every rank's actions as soon as each may start: the last finish, each rank's
-    compute and each rank's peak of activations held."""
+    compute and each rank's peak of activations and kept sends (``kept``: ``KEPT_SENDS``'s)
+    held."""
     last = len(chunks) - 1
     done: dict[Action, float] = {}
     position = [0] * len(actions)
@@ -146,8 +159,11 @@ def _walk(actions: tuple[tuple[Action, ...], ...], chunks: list[ChunkCost], *, s
                 done[(kind, c, i)] = clock[r]
                 if kind == "F":
                     holding[r] += cost.activations
-                    peak[r] = max(peak[r], holding[r])
-                elif kind == "W" or (kind == "B" and c not in split):
+                elif kind in "BI":  # its input's gradient is sent; its output's outlives it
+                    holding[r] += cost.input if kept else 0
+                    holding[r] += cost.output if kept == "all" else 0
+                peak[r] = max(peak[r], holding[r])
+                if kind == "W" or (kind == "B" and c not in split):
                     holding[r] -= cost.activations
                 position[r] += 1
                 progressed = True

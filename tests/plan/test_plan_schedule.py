@@ -123,3 +123,19 @@ def test_each_action_pays_the_calibrated_overhead() -> None:
     zero = piped(slow, "interleaved-zb")
     assert zero.terms["pipeline actions"] == pytest.approx(4 * 2 * 3 * 1e-3)
     assert piped(slow, "gpipe").terms["pipeline actions"] == 0  # none measured for it
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_what_a_schedule_keeps_of_its_sends_to_the_steps_end(schedule: str) -> None:
+    """torch waits for a looped schedule's sends at the end of its step
+    (``_PipelineScheduleRuntime``), for GPipe's backward sends after its last backward, for
+    1F1B's before the next: with nothing else held, a rank's peak is M x what it keeps."""
+    per_rank = 2 if schedule.startswith("interleaved") else 1
+    chunks = [ChunkCost(forward=1.0, backward=2.0, weight=1.0, activations=0,
+                        output=10 if c < 2 * per_rank - 1 else 0, input=100 if c else 0,
+                        send=0.0) for c in range(2 * per_rank)]
+    held = simulate(schedule, 2, 4, chunks).held
+    expected = {"gpipe": (0, 4 * 100), "1f1b": (0, 0),
+                "interleaved-1f1b": (4 * (10 + 10 + 100), 4 * (10 + 100 + 100))}
+    expected["interleaved-zb"] = expected["interleaved-1f1b"]
+    assert held == expected[schedule]
