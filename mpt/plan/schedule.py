@@ -15,8 +15,10 @@ The orders are torch's: GPipe's and 1F1B's from their ``_step_microbatches`` loo
 out below: torch 2.14's ``pipeline_order`` of 1F1B, used only to draw it, numbers the first
 stage's forwards from 1), and the looped schedules' from the schedule classes themselves, by
 torch's ``get_schedule_ops``, which builds a schedule without processes to read its actions.
-Not modelled: a send that waits for its receiver (gloo's), a send fused with a receive
-(1F1B posts the forward's send with the next backward's receive), each action's own overhead.
+A rank of 1F1B waits for each of its sends to arrive before its next action (torch posts
+each send with the next receive and waits for both); the other schedules' sends run beside the
+next actions. Not modelled: two sends that share a link at once, each action's own overhead
+(``Device.pipeline_overhead`` adds the calibrated one to each action's seconds).
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ sends only there, and a send keeps its tensor until it is waited for): GPipe the
 input gradients (its forward's sends are waited for after the last forward, while autograd
 still holds those outputs); the looped schedules (``_PipelineScheduleRuntime``) every send,
 outputs and input gradients; 1F1B none (it waits for each send before the next)."""
+WAITS_FOR_SENDS = frozenset({"1f1b"})
+"""Schedules whose rank waits for each send to arrive before its next action: torch's 1F1B
+posts a forward's send with the next backward's receive and a backward's with the next
+forward's, and waits for both (the others wait for their sends later, in a batch)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -124,17 +130,18 @@ def simulate(schedule: str, stages: int, microbatches: int,
     """The step of ``schedule`` over ``stages`` ranks and ``microbatches`` micro-batches of
     ``chunks`` (in forward order; chunk c runs on rank c mod P)."""
     actions = order(schedule, stages, microbatches)
-    kept = KEPT_SENDS.get(schedule, "")
-    step, busy, held = _walk(actions, chunks, kept, sends=True)
-    free, _, _ = _walk(actions, chunks, kept, sends=False)
+    kept, waits = KEPT_SENDS.get(schedule, ""), schedule in WAITS_FOR_SENDS
+    step, busy, held = _walk(actions, chunks, kept, waits, sends=True)
+    free, _, _ = _walk(actions, chunks, kept, waits, sends=False)
     return Timeline(step=step, without_sends=free, busy=busy, held=held)
 
 
-def _walk(actions: tuple[tuple[Action, ...], ...], chunks: list[ChunkCost], kept: str, *,
-          sends: bool) -> tuple[float, tuple[float, ...], tuple[int, ...]]:
+def _walk(actions: tuple[tuple[Action, ...], ...], chunks: list[ChunkCost], kept: str,
+          waits: bool, *, sends: bool) -> tuple[float, tuple[float, ...], tuple[int, ...]]:
     """Run every rank's actions as soon as each may start: the last finish, each rank's
     compute and each rank's peak of activations and kept sends (``kept``: ``KEPT_SENDS``'s)
-    held."""
+    held. ``waits``: a rank waits for each of its sends to arrive before its next action
+    (``WAITS_FOR_SENDS``); ``sends``: sends take their time (else none)."""
     last = len(chunks) - 1
     done: dict[Action, float] = {}
     position = [0] * len(actions)
@@ -157,6 +164,9 @@ def _walk(actions: tuple[tuple[Action, ...], ...], chunks: list[ChunkCost], kept
                 clock[r] = max(clock[r], ready) + seconds
                 busy[r] += seconds
                 done[(kind, c, i)] = clock[r]
+                if waits and sends:  # until what it sends has arrived
+                    clock[r] += (cost.send if kind == "F" and c < last else
+                                 chunks[c - 1].send if kind in "BI" and c else 0.0)
                 if kind == "F":
                     holding[r] += cost.activations
                 elif kind in "BI":  # its input's gradient is sent; its output's outlives it

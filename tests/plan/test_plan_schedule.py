@@ -52,10 +52,14 @@ def test_what_each_schedule_keeps_for_its_backwards(stages: int, microbatches: i
 
 def test_sends_on_the_critical_path_are_counted_apart_from_the_bubble() -> None:
     """GPipe's first forward and last backward cross each cut once more than the others
-    overlap: 2 (P - 1) sends."""
+    overlap: 2 (P - 1) sends. A 1F1B rank waits for each send to arrive before its next
+    action (torch waits for it with the next receive): more of them lie on the path."""
     timeline = simulate("gpipe", 4, 8, _alike(4, 1, send=0.25))
     assert timeline.sends == pytest.approx(2 * 3 * 0.25)
     assert timeline.bubble == pytest.approx(3 * 3)
+    waiting = simulate("1f1b", 4, 8, _alike(4, 1, send=0.25))
+    assert waiting.bubble == pytest.approx(3 * 3)
+    assert waiting.sends > 8 * 0.25  # at least each of a middle stage's forward sends
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
