@@ -26,6 +26,14 @@ node, an MLP of --layers Linear layers --width wide, for batch sizes from 16 up:
 per node: activations cross the link) against D = 2 (DDP: the gradients' allreduce crosses it),
 and prints where P = 2 stops beating D = 2. With ``--calibration FILE`` (`mpt plan --calibrate
 --nodes 2` on two such nodes) it prints `mpt plan`'s prediction of both beside them.
+
+    .venv/bin/python benchmarks/pipeline.py --schedules [--rate 1gbit] [--batch-size 256] \
+        [--calibration FILE]
+
+runs P = 2 on two such nodes (8 Linear(1024, 1024) + ReLU) under every schedule at M = 2, 4,
+8 and 16, beside `mpt plan`'s step of each: calibrated first on two nodes shaped alike
+(`mpt plan benchmarks/pipeline.py:mlp --calibrate --nodes 2`, into FILE, or FILE as it is
+where it exists), and whether the plan's first of them measured within 10 % of the best.
 A benchmark, not a test: it prints figures and never fails on them.
 """
 
@@ -175,7 +183,11 @@ def crossover(args: argparse.Namespace) -> None:
 
 def planned(args: argparse.Namespace) -> Callable[[int], tuple[float, float]]:
     """`mpt plan`'s step of P = 2 (M = --microbatches) and of D = 2 at a global batch, on two
-    nodes of ``--calibration``'s figures and its link measured across them."""
+    nodes of ``--calibration``'s figures and its link measured across them, its compute scaled
+    by the model's own step where the calibration timed this MLP's (``mlp()``'s, by
+    `mpt plan benchmarks/pipeline.py:mlp --calibrate`)."""
+    import dataclasses
+
     import torch
     from torch import nn
 
@@ -184,7 +196,7 @@ def planned(args: argparse.Namespace) -> Callable[[int], tuple[float, float]]:
     from mpt.plan.cost import predict
     from mpt.plan.layouts import layout
     from mpt.plan.network import Cluster
-    from mpt.plan.planner import model_of
+    from mpt.plan.planner import measured_scales, model_of
     from mpt.precision import describe
 
     found = calibrate.load(Path(args.calibration))
@@ -196,6 +208,10 @@ def planned(args: argparse.Namespace) -> Callable[[int], tuple[float, float]]:
     net = meta_model(lambda: nn.Sequential(*(layer for _ in range(args.layers) for layer in (
         nn.Linear(args.width, args.width), nn.ReLU()))))
     model, spec = model_of(net, [args.width], torch.float32, "adamw"), describe("fp32")
+    scales, compute = measured_scales(model, cluster, spec, found.measured_step(), [args.width],
+                                      torch.float32)
+    model = dataclasses.replace(model, **scales)
+    print(f"planned with compute {compute}")
 
     def steps(batch: int) -> tuple[float, float]:
         return tuple(predict(layout(net, "ddp", {}, pp, 1, world=2, precision="fp32",
