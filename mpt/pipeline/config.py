@@ -18,6 +18,20 @@ ZERO_BUBBLE = frozenset({"interleaved-zb"})
 """Schedules that split a backward in two: the inputs' gradients first, the weights' later."""
 
 
+def schedule_class(name: str) -> type:
+    """torch's schedule class of ``--pipeline-schedule`` ``name`` (one of ``SCHEDULES``)."""
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+    )
+
+    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+            "interleaved-1f1b": ScheduleInterleaved1F1B,
+            "interleaved-zb": ScheduleInterleavedZeroBubble}[name]
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PipelinePlan:
     """How the model is cut over ranks, and the batch over micro-batches."""

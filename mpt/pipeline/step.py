@@ -18,6 +18,7 @@ from torch import nn
 
 from mpt.errors import UsageError
 from mpt.pairs import Pair
+from mpt.pipeline.config import schedule_class
 from mpt.pipeline.split import Stage
 from mpt.step import TrainStep
 
@@ -72,13 +73,7 @@ class PipelineStep(TrainStep):
         """The pair's schedule, built on first use: one PipelineStage per chunk of this rank."""
         if id(pair) in self._schedules:
             return self._schedules[id(pair)]
-        from torch.distributed.pipelining import (
-            PipelineStage,
-            Schedule1F1B,
-            ScheduleGPipe,
-            ScheduleInterleaved1F1B,
-            ScheduleInterleavedZeroBubble,
-        )
+        from torch.distributed.pipelining import PipelineStage
 
         backend, plan = self.backend, self.stages.plan
         indices = plan.chunks_of(self.stages.topology.stage)
@@ -87,10 +82,7 @@ class PipelineStep(TrainStep):
                                 device=backend.device, group=self.stages.pp_group)
                   for index, chunk in zip(indices, pair.model.chunks,  # type: ignore[union-attr]
                                           strict=True)]
-        kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
-                "interleaved-1f1b": ScheduleInterleaved1F1B,
-                "interleaved-zb": ScheduleInterleavedZeroBubble}[plan.schedule]
-        schedule = kind(stages if plan.chunks_per_rank > 1 else stages[0],  # type: ignore[arg-type]
+        schedule = schedule_class(plan.schedule)(stages if plan.chunks_per_rank > 1 else stages[0],  # type: ignore[arg-type]
                         n_microbatches=plan.microbatches, loss_fn=self._scaled_loss,
                         scale_grads=False)
         self._schedules[id(pair)] = schedule

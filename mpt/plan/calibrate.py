@@ -381,15 +381,9 @@ def pipeline_overheads(pair: Any, position: int, device: torch.device,
     forward and backward."""
     import torch.distributed as dist
     from torch import nn
-    from torch.distributed.pipelining import (
-        PipelineStage,
-        Schedule1F1B,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
-        ScheduleInterleavedZeroBubble,
-    )
+    from torch.distributed.pipelining import PipelineStage
 
-    from mpt.pipeline.config import LOOPED, SCHEDULES
+    from mpt.pipeline.config import LOOPED, SCHEDULES, schedule_class
     from mpt.plan.schedule import ChunkCost, order, simulate
 
     ranks = dist.get_process_group_ranks(pair)
@@ -402,16 +396,13 @@ def pipeline_overheads(pair: Any, position: int, device: torch.device,
             (dist.send if send else dist.recv)(row, other, group=pair)
 
     latency = _timed(ping, 10, sync) / 2
-    kinds = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
-             "interleaved-1f1b": ScheduleInterleaved1F1B,
-             "interleaved-zb": ScheduleInterleavedZeroBubble}
     found = {}
     for schedule in SCHEDULES:
         chunks = 2 * LOOPED.get(schedule, 1)
         stages = [PipelineStage(nn.Linear(PROBE_WIDTH, PROBE_WIDTH).to(device), stage_index=i,
                                 num_stages=chunks, device=device, group=pair)
                   for i in range(position, chunks, 2)]
-        run = kinds[schedule](stages if len(stages) > 1 else stages[0],
+        run = schedule_class(schedule)(stages if len(stages) > 1 else stages[0],
                               n_microbatches=PROBE_MICROBATCHES,
                               loss_fn=lambda out, target: out.sum(), scale_grads=False)
         seconds = _timed(lambda run=run: run.step(x) if position == 0 else run.step(target=x),

@@ -142,6 +142,7 @@ def layout(net: nn.Module, backend: str, options: Mapping[str, Any], pp: int, tp
     if tp > 1:
         tensor_plan(net, tp)
     microbatches = pipeline.microbatches if pipeline is not None else 1
+    schedule = pipeline.schedule if pipeline is not None else DEFAULT_SCHEDULE
     per_replica, left = divmod(batch, plan.dp_size)
     if left or per_replica % microbatches:
         raise UsageError("--batch", batch, f"it does not split into {plan.dp_size} replica(s) "
@@ -149,8 +150,7 @@ def layout(net: nn.Module, backend: str, options: Mapping[str, Any], pp: int, tp
                          f"pass a multiple of {plan.dp_size * microbatches}")
     return Layout(backend=backend, options=options, plan=plan, microbatches=microbatches,
                   micro_batch=per_replica // microbatches,
-                  schedule=pipeline.schedule if pipeline is not None else DEFAULT_SCHEDULE,
-                  flags=_flags(backend, options, pp, tp, compression,
-                               pipeline.schedule if pipeline is not None else DEFAULT_SCHEDULE,
+                  schedule=schedule,
+                  flags=_flags(backend, options, pp, tp, compression, schedule,
                                microbatches if pipeline is not None else None),
                   comm=config.grad_comm)

@@ -67,10 +67,12 @@ def _short(label: str) -> str:
 
 
 def _first(rows: tuple[Prediction, ...], top: int) -> tuple[Prediction, ...]:
+    """The first ``top`` rows (0: all)."""
     return rows[:top] if top else rows
 
 
 def _left_out(console: Console, count: int, top: int, which: str) -> None:
+    """A line saying how many of ``count`` rows a table of ``top`` leaves out."""
     if top and count > top:
         console.print(f"the {top} {which} of {count} layouts; --top 0 shows all, --json lists "
                       "each")

@@ -9,7 +9,8 @@ backward of that micro-batch (plus a send back) and its own forward; a W, its I.
 the schedule is when the last rank finishes. Run once with the sends and once without, it
 splits into the busiest rank's compute, the bubble (ranks waiting for each other) and the
 sends on the critical path. The same walk counts what each rank holds for the backward: a
-chunk's activations from its forward to the end of its backward (W where there is one).
+chunk's activations from its forward to the end of its backward (W where there is one), and
+the sends it keeps until its step ends (``KEPT_SENDS``).
 
 The orders are torch's: GPipe's and 1F1B's from their ``_step_microbatches`` loops (written
 out below: torch 2.14's ``pipeline_order`` of 1F1B, used only to draw it, numbers the first
@@ -17,8 +18,9 @@ stage's forwards from 1), and the looped schedules' from the schedule classes th
 torch's ``get_schedule_ops``, which builds a schedule without processes to read its actions.
 A rank of 1F1B waits for each of its sends to arrive before its next action (torch posts
 each send with the next receive and waits for both); the other schedules' sends run beside the
-next actions. Not modelled: two sends that share a link at once, each action's own overhead
-(``Device.pipeline_overhead`` adds the calibrated one to each action's seconds).
+next actions. An action's own work beyond its compute is the caller's to add to its seconds
+(the plan adds the calibrated ``Device.pipeline_overhead``). Not modelled: two sends that
+share a link at once.
 """
 
 from __future__ import annotations
@@ -26,11 +28,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from mpt.pipeline.config import LOOPED
-
-TORCH_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B",
-               "interleaved-zb": "InterleavedZeroBubble"}
-"""``--pipeline-schedule`` -> torch's schedule name (``get_schedule_class``)."""
+from mpt.pipeline.config import LOOPED, schedule_class
 
 Action = tuple[str, int, int]
 """(kind: F, B, I or W; model chunk; micro-batch)."""
@@ -104,7 +102,7 @@ def order(schedule: str, stages: int, microbatches: int) -> tuple[tuple[Action, 
         return tuple(_one_f_one_b(s, stages, microbatches) for s in range(stages))
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
-    ops = get_schedule_ops(TORCH_NAMES[schedule], stages, microbatches,
+    ops = get_schedule_ops(schedule_class(schedule), stages, microbatches,
                            num_stages_per_rank=LOOPED[schedule])
     return tuple(tuple((a.computation_type.value, a.stage_index, a.microbatch_index)
                        for a in rank if a is not None and a.computation_type.value in "FBIW")

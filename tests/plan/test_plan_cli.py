@@ -43,6 +43,21 @@ def test_table_for_people(monkeypatch, capsys) -> None:
     assert code == 0 and "powersgd" not in alone  # one replica: nothing to compress
 
 
+def test_the_table_shows_the_top_layouts_and_says_how_many_it_leaves_out(monkeypatch,
+                                                                         capsys) -> None:
+    """Every schedule and M multiplies a pipeline's rows: the table keeps the --top fastest,
+    written short (P=2 interleaved-zb M=4), and --json keeps every one."""
+    code, out, _ = _run(monkeypatch, capsys, f"{MODELS}:mlp", "--gpus", "2", "--top", "3")
+    assert code == 0
+    code, every, _ = _run(monkeypatch, capsys, f"{MODELS}:mlp", "--gpus", "2", "--json")
+    count = len(json.loads(every)["fitting"])
+    assert f"the 3 fastest of {count} layouts" in out and count > 40
+    rows = [line for line in out.splitlines() if line.startswith("│")]
+    assert len(rows) == 3
+    code, whole, _ = _run(monkeypatch, capsys, f"{MODELS}:mlp", "--gpus", "2", "--top", "0")
+    assert "P=2 interleaved-zb M=4" in whole and "fastest of" not in whole
+
+
 @pytest.mark.parametrize(("args", "words"), [
     ((f"{MODELS}:not_a_module",), "did not return an nn.Module"),
     ((f"{MODELS}:mlp", "--device", "b300"), "use one of h100-sxm"),
@@ -54,6 +69,7 @@ def test_table_for_people(monkeypatch, capsys) -> None:
      "does not split over 2 rank(s)"),
     ((f"{MODELS}:mlp", "--input-shape", "5"), "refuses a sample of that shape"),
     ((f"{MODELS}:mlp", "--calibrate", "--input-shape", "5"), "refuses a sample of that shape"),
+    ((f"{MODELS}:mlp", "--top", "-1"), "cannot be negative"),
 ])
 def test_bad_input_is_one_line_and_exit_2(monkeypatch, capsys, args, words) -> None:
     code, _, err = _run(monkeypatch, capsys, *args)
