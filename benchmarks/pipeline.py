@@ -302,11 +302,13 @@ def main() -> None:
                         "(each stage sharded over its D replicas)")
     parser.add_argument("--crossover", action="store_true",
                         help="P = 2 against D = 2 on two emulated nodes (root)")
-    parser.add_argument("--rate", default="1gbit", help="--crossover: each node's link")
+    parser.add_argument("--rate", default="1gbit",
+                        help="--crossover, --schedules: each node's link")
     parser.add_argument("--width", type=int, default=0, help="an MLP this wide, not the GPT")
     parser.add_argument("--max-batch", type=int, default=4096, help="--crossover: last batch")
     parser.add_argument("--calibration", help="--crossover: `mpt plan`'s prediction from this "
-                        "calibration of two nodes")
+                        "calibration of two nodes; --schedules: the calibration to make there "
+                        "or reuse (default: calibration-pipeline-RATE-BATCH.json here)")
     parser.add_argument("--schedules", action="store_true",
                         help="every schedule and M at P = 2 on two emulated nodes (root), "
                         "against `mpt plan` (calibrated there first, or --calibration FILE)")
