@@ -41,7 +41,8 @@ per micro-batch; then either the backward's activations (what autograd saves, a 
 blocks save counted once; under a pipeline the most the schedule keeps at once for its
 backwards on that rank, from the simulation: 1F1B min(M, P - s) micro-batches on stage s,
 GPipe M, the looped schedules their warm-up's chunks; and the sends it keeps until its step
-ends, GPipe its backward's, the looped schedules every one; under tp, the activations of split ops
+ends, GPipe its backward's, the looped schedules every one; the last stage's outputs, kept
+and merged; under tp, the activations of split ops
 over T by their share of the forward's bytes; 16-bit under a cast model) or the optimizer
 step's temporaries, less what the backward frees before the step (fsdp's gathered units). Not
 counted: the allocator's slack, the process, DeepSpeed ZeRO-0's buffers.
@@ -241,7 +242,9 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
                                + (2 if split else 1) * action,
                                weight=backward / 2 + action,
                                activations=_saved(blocks, spec, plan.tp), output=int(out),
-                               input=int(received), send=send(out, plan, cluster).seconds))
+                               input=int(received), send=send(out, plan, cluster).seconds,
+                               kept=0 if out else int(blocks[-1].output_bytes
+                                                      * activation_width(spec))))
     m = layout.microbatches
     ranks = [[c for c in range(len(chunks)) if c % plan.pp == r] for r in range(plan.pp)]
     if plan.pp > 1:

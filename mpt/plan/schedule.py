@@ -10,7 +10,8 @@ the schedule is when the last rank finishes. Run once with the sends and once wi
 splits into the busiest rank's compute, the bubble (ranks waiting for each other) and the
 sends on the critical path. The same walk counts what each rank holds for the backward: a
 chunk's activations from its forward to the end of its backward (W where there is one), and
-the sends it keeps until its step ends (``KEPT_SENDS``).
+the sends it keeps until its step ends (``KEPT_SENDS``), and the last chunk's outputs, kept
+and merged (``ChunkCost.kept``).
 
 The orders are torch's: GPipe's and 1F1B's from their ``_step_microbatches`` loops (written
 out below: torch 2.14's ``pipeline_order`` of 1F1B, used only to draw it, numbers the first
@@ -61,6 +62,10 @@ class ChunkCost:
     """Bytes of its output, sent to the next chunk (0 for the last)."""
     input: int = 0
     """Bytes of its input's gradient, sent back to the previous chunk (0 for the first)."""
+    kept: int = 0
+    """Bytes of its output kept until the step ends: the last chunk's (torch's last stage
+    keeps every micro-batch's output, ``output_chunks``, and merges them into one tensor
+    after its last action)."""
     send: float
     """Seconds to send its output to the next chunk, or the gradient of that back (0 for the
     last chunk)."""
@@ -166,7 +171,7 @@ def _walk(actions: tuple[tuple[Action, ...], ...], chunks: list[ChunkCost], kept
                     clock[r] += (cost.send if kind == "F" and c < last else
                                  chunks[c - 1].send if kind in "BI" and c else 0.0)
                 if kind == "F":
-                    holding[r] += cost.activations
+                    holding[r] += cost.activations + cost.kept
                 elif kind in "BI":  # its input's gradient is sent; its output's outlives it
                     holding[r] += cost.input if kept else 0
                     holding[r] += cost.output if kept == "all" else 0
@@ -177,6 +182,9 @@ def _walk(actions: tuple[tuple[Action, ...], ...], chunks: list[ChunkCost], kept
                 progressed = True
         if not progressed:
             raise ValueError("the schedule's actions wait on each other")
+    for r, rank in enumerate(actions):  # the kept outputs merged into one more tensor
+        merged = sum(chunks[c].kept for kind, c, _ in rank if kind == "F")
+        peak[r] = max(peak[r], holding[r] + merged)
     return max(clock), tuple(busy), tuple(peak)
 
 

@@ -143,3 +143,12 @@ def test_what_a_schedule_keeps_of_its_sends_to_the_steps_end(schedule: str) -> N
                 "interleaved-1f1b": (4 * (10 + 10 + 100), 4 * (10 + 100 + 100))}
     expected["interleaved-zb"] = expected["interleaved-1f1b"]
     assert held == expected[schedule]
+
+
+def test_the_last_stage_keeps_every_output_and_merges_them() -> None:
+    """torch's last stage appends each micro-batch's output to ``output_chunks`` and merges
+    them after its last action: M outputs, then as much again."""
+    chunks = [ChunkCost(forward=1.0, backward=2.0, weight=1.0, activations=0, send=0.0),
+              ChunkCost(forward=1.0, backward=2.0, weight=1.0, activations=0, send=0.0,
+                        kept=7)]
+    assert simulate("1f1b", 2, 4, chunks).held == (0, 2 * 4 * 7)
