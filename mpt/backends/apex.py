@@ -155,12 +155,9 @@ class ApexBackend(DDPBackend):
     name = "apex"
     pipelines: ClassVar[bool] = False
     tensor_parallel: ClassVar[bool] = False
-
-    @classmethod
-    def bucket_cap(cls, comm: GradComm | None) -> float:
-        """``--bucket-mb``, else Apex's default ``message_size`` of fp32 gradients (the
-        ``message_size`` and ``delay_allreduce`` options are not read here)."""
-        return comm.bucket_mb * 2**20 if comm and comm.bucket_mb else APEX_MESSAGE_SIZE * 4.0
+    # Apex's default message_size of fp32 gradients (its message_size and delay_allreduce
+    # options are not read for the plan's calls)
+    default_bucket: ClassVar[float] = APEX_MESSAGE_SIZE * 4.0
     options: ClassVar[dict[str, BackendOption]] = {
         "delay_allreduce": BackendOption(
             help="reduce all gradients after backward, in one bucket", parse=parse_bool,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -131,6 +132,9 @@ class Backend(ABC):
     tensor_parallel: ClassVar[bool] = False
     """Whether the model's layers may be split over ``--tensor-parallel`` ranks (the
     ``tp`` axis) with this backend data-parallel over the groups they form."""
+    default_bucket: ClassVar[float] = math.inf
+    """Bytes of gradients one call of its allreduce carries where ``--bucket-mb`` is not
+    given (DDP's buckets, Apex's messages, Horovod's fusion buffer); inf: all in one."""
     elastic: ClassVar[bool] = True
     """Whether a job may change its world size between restarts (`mpt launch --nodes
     MIN:MAX`)."""
@@ -389,10 +393,15 @@ class Backend(ABC):
                        copies=copies)
 
     @classmethod
+    def bucket_cap(cls, comm: GradComm | None) -> float:
+        """Bytes of gradients one call carries: ``--bucket-mb``, else ``default_bucket``."""
+        return comm.bucket_mb * 2**20 if comm and comm.bucket_mb else cls.default_bucket
+
+    @classmethod
     def gradient_calls(cls, size: float, plan: ParallelPlan, comm: GradComm | None) -> int:
-        """The calls the default's allreduce of ``size`` bytes of gradients is made in (its
-        buckets, by ``comm.bucket_mb``); the default: one."""
-        return 1
+        """The calls the default's allreduce of ``size`` bytes of gradients is made in: one
+        per ``bucket_cap``."""
+        return max(1, math.ceil(size / cls.bucket_cap(comm)))
 
     @classmethod
     def availability(cls) -> Availability:

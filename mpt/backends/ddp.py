@@ -197,11 +197,6 @@ class DDPBackend(Backend):
             sizes, DEFAULT_BUCKET_MB * 2**20)), default=0))
 
     @classmethod
-    def bucket_cap(cls, comm: GradComm | None) -> float:
-        """Bytes of gradients one bucket holds: ``--bucket-mb``, else torch's 25 MiB."""
-        return (comm.bucket_mb if comm and comm.bucket_mb else DEFAULT_BUCKET_MB) * 2**20
-
-    @classmethod
     def gradient_calls(cls, size: float, plan: ParallelPlan, comm: GradComm | None) -> int:
         """DDP's buckets (``bucket_kwargs``): a first of ``FIRST_BUCKET_MB``, then one per
         ``bucket_cap``; under ``--pipeline-stages`` or ``--tensor-parallel`` mpt's flat buckets
@@ -250,6 +245,7 @@ class DDPBackend(Backend):
             matmuls=tuple(shape for n, m, r in matrices
                           for shape in ((n, m, r), (m, n, r), (n, r, m))))
 
+    default_bucket: ClassVar[float] = DEFAULT_BUCKET_MB * 2**20  # torch's bucket_cap_mb
     group_alone: ClassVar[bool] = False
     """Whether a world of one still gets a process group (fully_shard and DeepSpeed need one,
     DDP does not)."""

@@ -35,7 +35,6 @@ import atexit
 import dataclasses
 import functools
 import gc
-import math
 import os
 import socket
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
@@ -175,6 +174,9 @@ class HorovodBackend(Backend):
     launcher = "horovodrun"
     elastic = False  # Horovod's rendezvous serves one fixed round (launchers.horovod_join)
     snapshots = False  # no torch.distributed process group: Horovod's own collectives
+    # one call per fill of the tensor-fusion buffer (Horovod fuses what is ready each cycle,
+    # so it may send more)
+    default_bucket: ClassVar[float] = FUSION_DEFAULT
     options: ClassVar[dict[str, BackendOption]] = {
         "op": BackendOption(help=f"gradient reduction: {', '.join(OPS)}", parse=one_of(*OPS),
                             default="average", flag="--horovod-op"),
@@ -267,13 +269,6 @@ class HorovodBackend(Backend):
         step) and the part of Horovod's tensor-fusion buffer the fused gradients write: at
         most its default 128 MiB (``--bucket-mb``, which sets it, is not an option here)."""
         return Buffers(held=row.gradients + min(FUSION_DEFAULT, row.gradients))
-
-    @classmethod
-    def gradient_calls(cls, size: float, plan: ParallelPlan, comm: GradComm | None) -> int:
-        """One per fill of the tensor-fusion buffer (``--bucket-mb``, else
-        ``FUSION_DEFAULT``); Horovod fuses what is ready each cycle, so it may send more."""
-        fusion = comm.bucket_mb * 2**20 if comm and comm.bucket_mb else FUSION_DEFAULT
-        return max(1, math.ceil(size / fusion))
 
     @classmethod
     def step_traffic(cls, options: Mapping[str, Any], plan: ParallelPlan, spec: PrecisionSpec,

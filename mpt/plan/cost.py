@@ -84,8 +84,8 @@ class Layout:
     """Micro-batches per step under a pipeline (1 without one)."""
     micro_batch: int
     """Samples per micro-batch on each rank."""
-    schedule: str = "1f1b"
-    """``--pipeline-schedule`` under a pipeline."""
+    schedule: str
+    """``--pipeline-schedule`` (mpt's default where there is no pipeline)."""
     flags: tuple[str, ...]
     """The `mpt launch` flags that choose it."""
     comm: GradComm = field(default_factory=GradComm)
@@ -263,7 +263,7 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
     cut = max((by_name[names[-1]].output_bytes for names in chunks[:-1]), default=0)
     p2p = send(cut * activation_width(spec), plan, cluster)
     stages = [[name for c in held_chunks for name in chunks[c]] for held_chunks in ranks]
-    held, trained = _memory(layout, model, stages, ranks, chunks, activations, work, spec,
+    held, trained = _memory(layout, model, stages, ranks, chunks, activations, by_name, spec,
                             slowest, cluster.device.device_type)
     stage = model.net if plan.pp == 1 else _stage_module(model, stages[slowest])
     flow = get_backend(layout.backend).step_traffic(layout.options, plan, spec, trained, m,
@@ -397,14 +397,14 @@ def _saved(blocks: list[BlockCost], spec: PrecisionSpec, tp: int) -> int:
 
 
 def _memory(layout: Layout, model: Model, stages: list[list[str]], ranks: list[list[int]],
-            chunks: list[list[str]], activations: tuple[int, ...], work: Workload,
-            spec: PrecisionSpec, slowest: int, device_type: str) -> tuple[Held, float]:
+            chunks: list[list[str]], activations: tuple[int, ...],
+            by_name: Mapping[str, BlockCost], spec: PrecisionSpec, slowest: int,
+            device_type: str) -> tuple[Held, float]:
     """What a rank of the fullest stage holds, and the parameters a rank of stage ``slowest``
     (the one whose time the step is) trains: its tp share. ``stages``: each pipeline rank's
     block names; ``ranks``: the chunks of ``chunks`` it runs; ``activations``: its peak of
     what its backwards need (the schedule's)."""
     plan = layout.plan
-    by_name = {block.name: block for block in work.blocks}
     cls = get_backend(layout.backend)
     sharded = cls.step_traffic(layout.options, plan, spec, 0.0).shards_optimizer
     best: Held | None = None
