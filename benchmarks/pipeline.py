@@ -186,8 +186,6 @@ def planned(args: argparse.Namespace) -> Callable[[int], tuple[float, float]]:
     nodes of ``--calibration``'s figures and its link measured across them, its compute scaled
     by the model's own step where the calibration timed this MLP's (``mlp()``'s, by
     `mpt plan benchmarks/pipeline.py:mlp --calibrate`)."""
-    import dataclasses
-
     import torch
     from torch import nn
 
@@ -196,7 +194,7 @@ def planned(args: argparse.Namespace) -> Callable[[int], tuple[float, float]]:
     from mpt.plan.cost import predict
     from mpt.plan.layouts import layout
     from mpt.plan.network import Cluster
-    from mpt.plan.planner import measured_scales, model_of
+    from mpt.plan.planner import measured_model
     from mpt.precision import describe
 
     found = calibrate.load(Path(args.calibration))
@@ -207,10 +205,9 @@ def planned(args: argparse.Namespace) -> Callable[[int], tuple[float, float]]:
     cluster = Cluster(nodes=2, gpus=1, device=found.device(args.calibration), link=link)
     net = meta_model(lambda: nn.Sequential(*(layer for _ in range(args.layers) for layer in (
         nn.Linear(args.width, args.width), nn.ReLU()))))
-    model, spec = model_of(net, [args.width], torch.float32, "adamw"), describe("fp32")
-    scales, compute = measured_scales(model, cluster, spec, found.measured_step(), [args.width],
-                                      torch.float32)
-    model = dataclasses.replace(model, **scales)
+    spec = describe("fp32")
+    model, compute = measured_model(net, cluster, spec, [args.width], torch.float32, "adamw",
+                                    found.measured_step())
     print(f"planned with compute {compute}")
 
     def steps(batch: int) -> tuple[float, float]:

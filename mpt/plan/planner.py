@@ -103,6 +103,16 @@ def measured_scales(model: Model, cluster: Cluster, spec: PrecisionSpec,
                    f"{timed.micro_batch}: " + "; ".join(used))
 
 
+def measured_model(net: nn.Module, cluster: Cluster, spec: PrecisionSpec,
+                   input_shape: Sequence[int], input_dtype: torch.dtype, optimizer: str,
+                   step: MeasuredStep | None) -> tuple[Model, str]:
+    """``model_of`` ``net`` with ``measured_scales`` of ``step`` applied, and the words that
+    say where its compute comes from."""
+    model = model_of(net, input_shape, input_dtype, optimizer)
+    scales, compute = measured_scales(model, cluster, spec, step, input_shape, input_dtype)
+    return dataclasses.replace(model, **scales), compute
+
+
 def plan(net: nn.Module, cluster: Cluster, *, precision: str, batch: int,
          input_shape: Sequence[int], input_dtype: torch.dtype, optimizer: str = "adam",
          step: MeasuredStep | None = None) -> Plan:
@@ -112,10 +122,8 @@ def plan(net: nn.Module, cluster: Cluster, *, precision: str, batch: int,
     if batch < 1:
         raise UsageError("--batch", batch, "it must be at least 1", "pass the global batch")
     spec = describe(precision)
-    model = model_of(net, input_shape, input_dtype, optimizer)
-    scales, compute = measured_scales(model, cluster, spec, step, input_shape, input_dtype)
-    if scales:
-        model = dataclasses.replace(model, **scales)
+    model, compute = measured_model(net, cluster, spec, input_shape, input_dtype, optimizer,
+                                    step)
     found, refused = layouts(net, nodes=cluster.nodes, gpus=cluster.gpus, precision=precision,
                              batch=batch, device_type=cluster.device.device_type)
     predictions = [predict(layout, model, cluster, spec) for layout in found]
