@@ -16,7 +16,7 @@ groups are a node's consecutive ranks).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,26 +84,34 @@ def layouts(net: nn.Module, *, nodes: int, gpus: int, precision: str, batch: int
     found: list[Layout] = []
     refused: list[Refused] = []
     for backend, cls in sorted(registered().items()):
-        for pp in divisors(world):
-            for options in cls.plan_variants(world, pp):
-                for tp in divisors(gpus):
-                    replicas = world // (pp * tp)  # the ranks that reduce each gradient
-                    for compression in COMPRESSIONS if replicas > 1 else ("none",):
-                        for schedule in _schedules(pp):
-                            try:
-                                cls.check_precision(spec, device_type, options)
-                                for m in _microbatches(pp, batch // max(replicas, 1)):
-                                    found.append(layout(
-                                        net, backend, options, pp, tp, world=world,
-                                        precision=precision, batch=batch, microbatches=m,
-                                        compression=compression, schedule=schedule))
-                            except MptError as exc:
-                                # every M priced splits the batch: a refusal holds for all
-                                flags = _flags(backend, options, pp, tp, compression, schedule)
-                                refused.append(Refused(flags=flags, reason=str(exc)))
-                                if schedule == DEFAULT_SCHEDULE:
-                                    break  # at mpt's default schedule, for every schedule
+        for pp, options, tp, compression, replicas in _combinations(cls, world, gpus):
+            for schedule in _schedules(pp):
+                try:
+                    cls.check_precision(spec, device_type, options)
+                    for m in _microbatches(pp, batch // replicas):
+                        found.append(layout(net, backend, options, pp, tp, world=world,
+                                            precision=precision, batch=batch, microbatches=m,
+                                            compression=compression, schedule=schedule))
+                except MptError as exc:
+                    # every M priced splits the batch: a refusal holds for all
+                    flags = _flags(backend, options, pp, tp, compression, schedule)
+                    refused.append(Refused(flags=flags, reason=str(exc)))
+                    if schedule == DEFAULT_SCHEDULE:
+                        break  # at mpt's default schedule, for every schedule
     return found, refused
+
+
+def _combinations(cls: type, world: int, gpus: int
+                  ) -> Iterator[tuple[int, Mapping[str, Any], int, str, int]]:
+    """Each (P, the backend's options, T, ``--grad-compression``, replicas) of ``world``
+    ranks, ``gpus`` a node: every compression where more than one replica reduces each
+    gradient (``replicas``: at least 1 where P x T exceeds the world, which mpt refuses)."""
+    for pp in divisors(world):
+        for options in cls.plan_variants(world, pp):
+            for tp in divisors(gpus):
+                replicas = world // (pp * tp)  # the ranks that reduce each gradient
+                for compression in COMPRESSIONS if replicas > 1 else ("none",):
+                    yield pp, options, tp, compression, max(replicas, 1)
 
 
 def _schedules(pp: int) -> tuple[str, ...]:
