@@ -135,8 +135,10 @@ def main() -> None:
     held = plan.memory
     parts = (f"parameters {held.row.parameters / MiB:.0f}, gradients "
              f"{held.row.gradients / MiB:.0f}, optimizer {held.row.optimizer / MiB:.0f}, "
-             f"buffers {held.buffers / MiB:.0f}, then the backward's activations "
-             f"{held.activations / MiB:.0f}, the buffers after it {held.between / MiB:.0f} or "
+             f"buffers {held.buffers / MiB:.0f}, the batch {held.batch / MiB:.0f}, then the "
+             f"backward's activations {held.activations / MiB:.0f} and a gradient "
+             f"accumulating {held.accumulating / MiB:.0f}, the buffers after it "
+             f"{held.between / MiB:.0f} or "
              f"the step's temporaries {held.transient / MiB:.0f} less the "
              f"{held.released / MiB:.0f} the backward frees, whichever is most, MiB")
     pp = rt.topology.plan.pp

@@ -135,6 +135,11 @@ class Backend(ABC):
     default_bucket: ClassVar[float] = math.inf
     """Bytes of gradients one call of its allreduce carries where ``--bucket-mb`` is not
     given (DDP's buckets, Apex's messages, Horovod's fusion buffer); inf: all in one."""
+    fresh_gradient_in_row: ClassVar[bool] = False
+    """Whether ``estimate_row`` counts the gradient the backward makes for the weights that
+    run beside those it holds (fsdp's unit of unsharded gradients). Where it does not, `mpt
+    plan` counts the largest weight's beside the activations once micro-batches accumulate:
+    autograd makes each later gradient anew and adds it to the one held."""
     elastic: ClassVar[bool] = True
     """Whether a job may change its world size between restarts (`mpt launch --nodes
     MIN:MAX`)."""

@@ -36,16 +36,18 @@ Memory per rank, at the higher of two peaks: the backend's ``estimate_row`` of i
 ``estimate_memory`` for the stage's blocks at the shard size, its tp-split parameters over T,
 and its ``estimate_buffers`` (DDP's buckets, fsdp's prefetched unit and reduce-scatter input
 or, under a pipeline, its stage kept gathered, Horovod's copies and fusion buffer, ZeRO-1/2/3's
-buckets and ZeRO-3's gathered parameters), and under a pipeline torch's receive buffers, one
-per micro-batch; then either the backward's activations (what autograd saves, a tensor two
-blocks save counted once; under a pipeline the most the schedule keeps at once for its
-backwards on that rank, from the simulation: 1F1B min(M, P - s) micro-batches on stage s,
-GPipe M, the looped schedules their warm-up's chunks; and the sends it keeps until its step
-ends, GPipe its backward's, the looped schedules every one; the last stage's outputs, kept
-and merged; under tp, the activations of split ops
+buckets and ZeRO-3's gathered parameters); under a pipeline what torch's stage keeps from
+step to step, per micro-batch (its receive buffers, the last stage's outputs, zero bubble's
+input gradients); the replica's batch of input, which the script holds; then either the
+backward's activations (what autograd saves, a tensor two blocks save counted once, the
+batch's own saved input not again; under a pipeline the most the schedule keeps at once for
+its backwards on that rank, from the simulation: 1F1B min(M, P - s) micro-batches on stage
+s, GPipe M, the looped schedules their warm-up's chunks; and the sends it keeps until its
+step ends, GPipe its backward's, the looped schedules every one; zero bubble's gradients
+kept from I to W; the last stage's outputs merged; under tp, the activations of split ops
 over T by their share of the forward's bytes; 16-bit under a cast model) or the optimizer
 step's temporaries, less what the backward frees before the step (fsdp's gathered units). Not
-counted: the allocator's slack, the process, DeepSpeed ZeRO-0's buffers.
+counted: the allocator's slack, the process, the target, DeepSpeed ZeRO-0's buffers.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
 from torch import nn
 
 from mpt.backends import get_backend
@@ -240,11 +243,15 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
         costs.append(ChunkCost(forward=forward + share * tp_time.seconds + action,
                                backward=backward + (1 - share) * tp_time.seconds
                                + (2 if split else 1) * action,
-                               weight=backward / 2 + action,
-                               activations=_saved(blocks, spec, plan.tp), output=int(out),
+                               # torch's first stage runs no I (its input needs no
+                               # gradient): its W is the whole backward
+                               weight=(backward if index == 0 else backward / 2) + action,
+                               activations=_saved(blocks, spec, plan.tp, first=index == 0),
+                               pending=_pending(blocks, spec, plan.tp) if index else 0,
+                               output=int(out),
                                input=int(received), send=send(out, plan, cluster).seconds,
-                               kept=0 if out else int(blocks[-1].output_bytes
-                                                      * activation_width(spec))))
+                               merged=0 if out else int(blocks[-1].output_bytes
+                                                        * activation_width(spec))))
     m = layout.microbatches
     ranks = [[c for c in range(len(chunks)) if c % plan.pp == r] for r in range(plan.pp)]
     if plan.pp > 1:
@@ -264,7 +271,7 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
     p2p = send(cut * activation_width(spec), plan, cluster)
     stages = [[name for c in held_chunks for name in chunks[c]] for held_chunks in ranks]
     held, trained = _memory(layout, model, stages, ranks, chunks, activations, by_name, spec,
-                            slowest, cluster.device.device_type)
+                            slowest, cluster.device.device_type, batch=m * work.input_bytes)
     stage = model.net if plan.pp == 1 else _stage_module(model, stages[slowest])
     flow = get_backend(layout.backend).step_traffic(layout.options, plan, spec, trained, m,
                                                     module=stage, comm=layout.comm)
@@ -378,28 +385,50 @@ class Held:
     between: int
     """What the backend holds only between the backward and the step (``Buffers.between``)."""
 
+    batch: int
+    """The replica's batch of input, which the script holds through the step (each pipeline
+    rank loads it)."""
+    accumulating: int
+    """Beside the activations, over several micro-batches: a backward after the first computes
+    each weight's gradient into a new tensor and adds it to the one held (autograd's
+    ``AccumulateGrad``), the largest weight's at most; none where the backend's row counts it
+    (``Backend.fresh_gradient_in_row``)."""
+
     @property
     def peak(self) -> int:
         """The highest of the backward's peak (the row, the buffers and the activations), what
         lies between it and the optimizer step (with ``between``) and the step's (without what
-        the backward released, with the step's temporaries)."""
-        return (self.row.device + self.buffers
-                + max(self.activations, self.between, self.transient - self.released))
+        the backward released, with the step's temporaries), beside the batch."""
+        return (self.row.device + self.buffers + self.batch
+                + max(self.activations + self.accumulating, self.between,
+                      self.transient - self.released))
 
 
-def _saved(blocks: list[BlockCost], spec: PrecisionSpec, tp: int) -> int:
-    """What autograd keeps of one micro-batch through ``blocks`` (a chunk's): each block's
-    saved tensors, a split op's over T, in the precision's width."""
-    # A chunk's first block receives its input: the previous block's copy is elsewhere.
+def _saved(blocks: list[BlockCost], spec: PrecisionSpec, tp: int, first: bool) -> int:
+    """What autograd keeps of one micro-batch through ``blocks`` (a chunk's; ``first``: the
+    model's first): each block's saved tensors, a split op's over T, in the precision's
+    width."""
+    # A later chunk's first block receives its input: the previous block's copy is
+    # elsewhere. The model's first block saves the batch itself (``Held.batch``) where it
+    # computes in fp32; in 16 bits it saves a cast copy.
+    batch_saved = first and spec.compute == torch.float32 and not spec.autocast
     return int(activation_width(spec) * sum(
-        (b.activations - (b.shared_input if i else 0))
+        (b.activations - (b.shared_input if i or batch_saved else 0))
         * (1 - _split_share(b) + _split_share(b) / tp) for i, b in enumerate(blocks)))
+
+
+def _pending(blocks: list[BlockCost], spec: PrecisionSpec, tp: int) -> int:
+    """What a zero-bubble I of one micro-batch through ``blocks`` keeps for its W: the
+    gradient of each weighted op's output (a split op's over T), in the precision's width."""
+    return int(activation_width(spec) * sum(
+        op.results[0] / (tp if op.split else 1)
+        for b in blocks for op in b.forward if op.weighted and op.results))
 
 
 def _memory(layout: Layout, model: Model, stages: list[list[str]], ranks: list[list[int]],
             chunks: list[list[str]], activations: tuple[int, ...],
             by_name: Mapping[str, BlockCost], spec: PrecisionSpec, slowest: int,
-            device_type: str) -> tuple[Held, float]:
+            device_type: str, batch: int) -> tuple[Held, float]:
     """What a rank of the fullest stage holds, and the parameters a rank of stage ``slowest``
     (the one whose time the step is) trains: its tp share. ``stages``: each pipeline rank's
     block names; ``ranks``: the chunks of ``chunks`` it runs; ``activations``: its peak of
@@ -417,9 +446,12 @@ def _memory(layout: Layout, model: Model, stages: list[list[str]], ranks: list[l
         row = _scaled(cls.estimate_row(rows, layout.options), share)
         beyond = cls.estimate_buffers(stage, spec, row, share, plan, layout.options,
                                       layout.comm)
-        received = sum(_receive_buffers(chunks, c, by_name, layout, spec) for c in ranks[index])
-        found = Held(row=row, activations=activations[index],
-                     buffers=beyond.held + received,
+        kept = sum(_stage_buffers(chunks, c, by_name, layout, spec) for c in ranks[index])
+        largest = max((p.numel() for p in stage.parameters() if p.requires_grad), default=0)
+        found = Held(row=row, activations=activations[index], batch=batch,
+                     accumulating=int(largest * spec.params.itemsize * share)
+                     if layout.microbatches > 1 and not cls.fresh_gradient_in_row else 0,
+                     buffers=beyond.held + kept,
                      transient=_step_transient(stage, model.optimizer_states, share,
                                                plan.dp_shard if sharded else 1, device_type),
                      released=beyond.released, between=beyond.between)
@@ -431,16 +463,19 @@ def _memory(layout: Layout, model: Model, stages: list[list[str]], ranks: list[l
     return best, trained
 
 
-def _receive_buffers(chunks: list[list[str]], index: int, by_name: Mapping[str, BlockCost],
-                     layout: Layout, spec: PrecisionSpec) -> int:
-    """What torch's ``PipelineStage`` allocates at its first step and keeps, for each
-    micro-batch: a chunk's input where another chunk sends it, and the gradient of its output
-    where another chunk sends that back."""
+def _stage_buffers(chunks: list[list[str]], index: int, by_name: Mapping[str, BlockCost],
+                   layout: Layout, spec: PrecisionSpec) -> int:
+    """What torch's ``PipelineStage`` of chunk ``index`` keeps from one step into the next,
+    for each micro-batch: its receive buffers (allocated at its first step: its input where
+    another chunk sends it, the gradient of its output where another chunk sends that back);
+    the last chunk's output (``output_chunks``); under a zero-bubble schedule its input's
+    gradient, left on the receive buffer's ``.grad``. The next step clears the last two."""
     if layout.plan.pp == 1:
         return 0
     inputs = by_name[chunks[index - 1][-1]].output_bytes if index > 0 else 0
-    outputs = by_name[chunks[index][-1]].output_bytes if index < len(chunks) - 1 else 0
-    return int(layout.microbatches * activation_width(spec) * (inputs + outputs))
+    output = by_name[chunks[index][-1]].output_bytes
+    kept = inputs * (2 if layout.schedule in ZERO_BUBBLE else 1) + output
+    return int(layout.microbatches * activation_width(spec) * kept)
 
 
 def _stage_module(model: Model, names: list[str]) -> nn.Module:

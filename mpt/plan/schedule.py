@@ -9,9 +9,10 @@ backward of that micro-batch (plus a send back) and its own forward; a W, its I.
 the schedule is when the last rank finishes. Run once with the sends and once without, it
 splits into the busiest rank's compute, the bubble (ranks waiting for each other) and the
 sends on the critical path. The same walk counts what each rank holds for the backward: a
-chunk's activations from its forward to the end of its backward (W where there is one), and
-the sends it keeps until its step ends (``KEPT_SENDS``), and the last chunk's outputs, kept
-and merged (``ChunkCost.kept``).
+chunk's activations from its forward to the end of its backward (W where there is one), the
+sends it keeps until its step ends (``KEPT_SENDS``), the gradients an I keeps for its W
+(``ChunkCost.pending``) and, at the end, the last chunk's outputs merged
+(``ChunkCost.merged``).
 
 The orders are torch's: GPipe's and 1F1B's from their ``_step_microbatches`` loops (written
 out below: torch 2.14's ``pipeline_order`` of 1F1B, used only to draw it, numbers the first
@@ -33,12 +34,16 @@ from mpt.pipeline.config import LOOPED, schedule_class
 
 Action = tuple[str, int, int]
 """(kind: F, B, I or W; model chunk; micro-batch)."""
-KEPT_SENDS = {"gpipe": "backward", "interleaved-1f1b": "all", "interleaved-zb": "all"}
+KEPT_SENDS = {"gpipe": frozenset({"input"}), "interleaved-1f1b": frozenset({"input", "output"}),
+              "interleaved-zb": frozenset({"output"})}
 """What a schedule's rank keeps of what it sends until its step ends (torch waits for those
 sends only there, and a send keeps its tensor until it is waited for): GPipe the backward's
 input gradients (its forward's sends are waited for after the last forward, while autograd
 still holds those outputs); the looped schedules (``_PipelineScheduleRuntime``) every send,
-outputs and input gradients; 1F1B none (it waits for each send before the next)."""
+outputs and input gradients; 1F1B none (it waits for each send before the next). Zero
+bubble's input gradients outlive the step: ``stage_backward_input`` leaves each on its
+receive buffer's ``.grad``, which the next step clears; the caller counts them with the
+stage's buffers."""
 WAITS_FOR_SENDS = frozenset({"1f1b"})
 """Schedules whose rank waits for each send to arrive before its next action: torch's 1F1B
 posts a forward's send with the next backward's receive and a backward's with the next
@@ -62,10 +67,14 @@ class ChunkCost:
     """Bytes of its output, sent to the next chunk (0 for the last)."""
     input: int = 0
     """Bytes of its input's gradient, sent back to the previous chunk (0 for the first)."""
-    kept: int = 0
-    """Bytes of its output kept until the step ends: the last chunk's (torch's last stage
-    keeps every micro-batch's output, ``output_chunks``, and merges them into one tensor
-    after its last action)."""
+    merged: int = 0
+    """Bytes of its output that torch merges with the other micro-batches' into one tensor
+    after its last action: the last chunk's. The outputs themselves (``output_chunks``, which
+    the stage keeps until its next step) are the caller's to count with the stage's
+    buffers."""
+    pending: int = 0
+    """Bytes its I keeps for its W (a zero-bubble schedule's): the gradients where the
+    weights' paths leave the input's."""
     send: float
     """Seconds to send its output to the next chunk, or the gradient of that back (0 for the
     last chunk)."""
@@ -133,13 +142,13 @@ def simulate(schedule: str, stages: int, microbatches: int,
     """The step of ``schedule`` over ``stages`` ranks and ``microbatches`` micro-batches of
     ``chunks`` (in forward order; chunk c runs on rank c mod P)."""
     actions = order(schedule, stages, microbatches)
-    kept, waits = KEPT_SENDS.get(schedule, ""), schedule in WAITS_FOR_SENDS
+    kept, waits = KEPT_SENDS.get(schedule, frozenset()), schedule in WAITS_FOR_SENDS
     step, busy, held = _walk(actions, chunks, kept, waits, sends=True)
     free, _, _ = _walk(actions, chunks, kept, waits, sends=False)
     return Timeline(step=step, without_sends=free, busy=busy, held=held)
 
 
-def _walk(actions: tuple[tuple[Action, ...], ...], chunks: list[ChunkCost], kept: str,
+def _walk(actions: tuple[tuple[Action, ...], ...], chunks: list[ChunkCost], kept: frozenset[str],
           waits: bool, *, sends: bool) -> tuple[float, tuple[float, ...], tuple[int, ...]]:
     """Run every rank's actions as soon as each may start: the last finish, each rank's
     compute and each rank's peak of activations and kept sends (``kept``: ``KEPT_SENDS``'s)
@@ -171,19 +180,20 @@ def _walk(actions: tuple[tuple[Action, ...], ...], chunks: list[ChunkCost], kept
                     clock[r] += (cost.send if kind == "F" and c < last else
                                  chunks[c - 1].send if kind in "BI" and c else 0.0)
                 if kind == "F":
-                    holding[r] += cost.activations + cost.kept
+                    holding[r] += cost.activations
                 elif kind in "BI":  # its input's gradient is sent; its output's outlives it
-                    holding[r] += cost.input if kept else 0
-                    holding[r] += cost.output if kept == "all" else 0
+                    holding[r] += cost.input if "input" in kept else 0
+                    holding[r] += cost.output if "output" in kept else 0
+                    holding[r] += cost.pending if kind == "I" else 0
                 peak[r] = max(peak[r], holding[r])
                 if kind == "W" or (kind == "B" and c not in split):
-                    holding[r] -= cost.activations
+                    holding[r] -= cost.activations + (cost.pending if kind == "W" else 0)
                 position[r] += 1
                 progressed = True
         if not progressed:
             raise ValueError("the schedule's actions wait on each other")
-    for r, rank in enumerate(actions):  # the kept outputs merged into one more tensor
-        merged = sum(chunks[c].kept for kind, c, _ in rank if kind == "F")
+    for r, rank in enumerate(actions):  # the last chunk's outputs merged into one tensor
+        merged = sum(chunks[c].merged for kind, c, _ in rank if kind == "F")
         peak[r] = max(peak[r], holding[r] + merged)
     return max(clock), tuple(busy), tuple(peak)
 

@@ -59,6 +59,11 @@ class Op:
     results: tuple[int, ...] = ()
     """Bytes of each tensor it returns in new memory (none for an in-place or ``out=`` op):
     ``Device.fresh_seconds`` prices the large ones."""
+    weighted: bool = False
+    """Whether it takes a weight and an input that needs a gradient (a Linear's addmm, a
+    convolution, a norm): where the paths to the weights leave the input's. torch's
+    zero-bubble input backward (``stage_backward_input``'s param groups) keeps the gradient
+    of its output for the weights' backward."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -75,7 +80,9 @@ class BlockCost:
     """Bytes autograd saves for the backward (as ``mpt.estimate.activation_bytes`` counts)."""
     shared_input: int
     """Bytes of the block's input that the previous block saves too (as its output: a ReLU's
-    result that the next Linear saves as its input): one tensor, where both share a stage."""
+    result that the next Linear saves as its input): one tensor, where both share a stage.
+    For the first block, the batch's that it saves (a Linear's input): the script holds that
+    tensor anyway."""
     output_bytes: int
     """Bytes of the block's output: what a pipeline sends to the next stage, and the size of
     its gradient coming back."""
@@ -93,6 +100,8 @@ class Workload:
     """Samples per forward."""
     blocks: tuple[BlockCost, ...]
     """The blocks' costs, in forward order."""
+    input_bytes: int
+    """Bytes of the micro-batch's input (the data)."""
     splittable: bool
     """Whether the model can be cut into pipeline stages (``ordered_blocks`` found blocks)."""
 
@@ -166,12 +175,14 @@ def _argument(func: Any, args: Any, kwargs: dict[str, Any], name: str) -> Any:
 
 
 class _Recorder(TorchDispatchMode):
-    """Records each op's FLOPs and bytes; ``split`` is set while a planned module runs."""
+    """Records each op's FLOPs and bytes; ``split`` is set while a planned module runs.
+    ``weights``: the ids of the block's parameters."""
 
-    def __init__(self) -> None:
+    def __init__(self, weights: set[int]) -> None:
         super().__init__()
         self.ops: list[Op] = []
         self.split = False
+        self.weights = weights
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
@@ -191,10 +202,20 @@ class _Recorder(TorchDispatchMode):
         results = () if any(r.alias_info is not None for r in func._schema.returns) else tuple(
             t.numel() * t.element_size() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         shapes = matmul_shapes(func, args, kwargs)
+        weighted = self._weighted(args, kwargs)
         self.ops.extend(Op(flops=flops / len(shapes), bytes=moved / len(shapes), split=self.split,
-                           shape=shape, results=results if index == 0 else ())
+                           shape=shape, results=results if index == 0 else (),
+                           weighted=weighted and index == 0)
                         for index, shape in enumerate(shapes))
         return out
+
+    def _weighted(self, args: Any, kwargs: dict[str, Any]) -> bool:
+        """Whether the op's arguments hold a weight (or a view of one: a Linear's ``t()``)
+        and a tensor, not a weight, that needs a gradient."""
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        weight = [id(t if t._base is None else t._base) in self.weights for t in tensors]
+        return any(weight) and any(t.requires_grad and not w
+                                   for t, w in zip(tensors, weight, strict=True))
 
 
 def style_of(entry: Any) -> str:
@@ -229,14 +250,16 @@ def profile(model: nn.Module, input_shape: Sequence[int], input_dtype: torch.dty
     blocks, splittable = blocks_of(model)
     plan = tp_plan_of(model)
     x = example_input([micro_batch, *input_shape], input_dtype)
+    data = x.numel() * x.element_size()
     costs = []
-    kept = False  # whether the previous block saved its output
+    kept = True  # whether the previous block saved its output: the batch is held anyway
     for index, (name, block) in enumerate(blocks):
         # The data needs no gradient; every later block's input does (its backward makes it).
         cost, x, kept = _block_cost(model, name, block, x, plan, input_grad=index > 0,
                                     previous_kept=kept)
         costs.append(cost)
-    return Workload(micro_batch=micro_batch, blocks=tuple(costs), splittable=splittable)
+    return Workload(micro_batch=micro_batch, blocks=tuple(costs), splittable=splittable,
+                    input_bytes=data)
 
 
 def _block_cost(model: nn.Module, name: str, block: nn.Module, x: torch.Tensor,
@@ -244,7 +267,7 @@ def _block_cost(model: nn.Module, name: str, block: nn.Module, x: torch.Tensor,
                 ) -> tuple[BlockCost, torch.Tensor, bool]:
     """One block's records, its output (the next block's input, detached), and whether the
     block saves its output for its backward."""
-    recorder = _Recorder()
+    recorder = _Recorder({id(p) for p in block.parameters()})
     sums = {"rowwise": 0, "colwise": 0}
     handles = _mark_planned(model, block, plan, recorder, sums)
     if input_grad and x.is_floating_point():

@@ -13,6 +13,7 @@ from mpt.backends import get_backend
 from mpt.errors import UsageError
 from mpt.estimate import meta_model
 from mpt.parallel import ParallelPlan
+from mpt.pipeline.split import stage_blocks
 from mpt.plan.network import Cluster, collective
 from mpt.plan.planner import plan
 from mpt.plan.profiles import FRESH_BLOCK, CollectiveFit, device_profile, link_profile
@@ -112,8 +113,7 @@ def test_a_pipelines_bubble_is_its_schedules_simulated_wait() -> None:
 def test_the_schedules_of_alike_stages_wait_as_their_papers_say() -> None:
     """Eight alike layers at P = 2, M = 4: 1F1B and GPipe wait about P - 1 micro-batches of
     work (not exactly: the first and last Linear are half the others), interleaved 1F1B about
-    half of that, zero bubble less again; GPipe keeps all M micro-batches' activations, 1F1B
-    P of them on the first stage."""
+    half of that, zero bubble less again (what each keeps: test_plan_schedule.py)."""
     result = plan(meta_model(deep), _cluster(1, 2), precision="fp32", batch=16,
                   input_shape=[1024], input_dtype=torch.float32)
     by = {p.layout.schedule: p for p in result.fitting if p.layout.backend == "ddp"
@@ -126,8 +126,36 @@ def test_the_schedules_of_alike_stages_wait_as_their_papers_say() -> None:
     assert waited(by["gpipe"]) == pytest.approx(1, rel=0.1)
     assert waited(by["interleaved-1f1b"]) < 0.6 * waited(by["1f1b"])
     assert waited(by["interleaved-zb"]) < waited(by["interleaved-1f1b"])
-    assert by["gpipe"].memory.activations == pytest.approx(2 * by["1f1b"].memory.activations,
-                                                           rel=0.01)
+
+
+def test_zero_bubbles_first_chunk_runs_its_whole_backward_as_its_w(monkeypatch) -> None:
+    """torch's first stage has no input gradient to make: its I does nothing, its W the
+    whole backward. Every later chunk splits its backward in two and keeps, from I to W, the
+    gradient of each Linear's output (the deep model: 2048 features a row, 1024 the last)."""
+    import mpt.plan.cost as cost
+    from mpt.plan.layouts import layout
+    from mpt.plan.planner import model_of
+
+    seen, simulated = {}, cost.simulate
+
+    def simulate(schedule, stages, microbatches, chunks):
+        seen["chunks"] = chunks
+        return simulated(schedule, stages, microbatches, chunks)
+
+    net = meta_model(deep)
+    chosen = layout(net, "ddp", {}, 2, 1, world=2, precision="fp32", batch=16,
+                    microbatches=4, schedule="interleaved-zb")
+    monkeypatch.setattr(cost, "simulate", simulate)
+    cost.predict(chosen, model_of(net, [1024], torch.float32, "adam"), _cluster(1, 2),
+                 describe("fp32"))
+    first, *later = seen["chunks"]
+    assert first.weight == pytest.approx(first.backward) and first.pending == 0
+    for chunk in later:
+        assert chunk.weight == pytest.approx(chunk.backward / 2)
+    linears = [[n for n, m in b if isinstance(m, torch.nn.Linear)]
+               for b in stage_blocks(net, 4)][1:]
+    assert [c.pending for c in later] == [
+        4 * 4 * sum(1024 if n == "14" else 2048 for n in names) for names in linears]
 
 
 def test_every_schedule_and_micro_batch_count_is_a_layout() -> None:
@@ -191,10 +219,11 @@ def test_a_pipeline_that_reshards_sends_fsdps_collectives_per_micro_batch() -> N
 @pytest.mark.parametrize("microbatches", [2, 4])
 def test_a_pipeline_stage_keeps_a_receive_buffer_per_micro_batch(microbatches: int) -> None:
     """torch's PipelineStage allocates, for every micro-batch, the input another stage sends
-    it: the MLP's fullest stage (its last two Linears) receives 4096 features a row, whatever
-    the global batch's split. ddp's replicas then average in flat buckets after the backward,
-    one at a time: the largest, the 4096 x 4096 weight alone, lies between the backward and
-    the step."""
+    it, and the last stage keeps every micro-batch's output until its next step: the MLP's
+    fullest stage (its last two Linears) receives 4096 features a row and puts out 1024,
+    whatever the global batch's split. ddp's replicas then average in flat buckets after the
+    backward, one at a time: the largest, the 4096 x 4096 weight alone, lies between the
+    backward and the step."""
     from mpt.plan.cost import predict
     from mpt.plan.layouts import layout
     from mpt.plan.planner import model_of
@@ -204,8 +233,15 @@ def test_a_pipeline_stage_keeps_a_receive_buffer_per_micro_batch(microbatches: i
                     microbatches=microbatches)
     found = predict(chosen, model_of(net, [1024], torch.float32, "adam"), _cluster(1, 2),
                     describe("fp32")).memory
-    assert found.buffers == 64 * 4096 * 4
+    assert found.buffers == 64 * (4096 + 1024) * 4
     assert found.between == 4096 * 4096 * 4
+    # zero bubble leaves each chunk's input gradient on its receive buffer until the next
+    # step: the second rank's chunks, Linear(4096, 4096) and Linear(4096, 1024), each receive
+    # 4096 features and keep their gradient; the first sends back 4096, the last puts out 1024
+    assert [[n for n, _ in b] for b in stage_blocks(net, 4)][1::2] == [["2"], ["4"]]
+    zero = replace(chosen, schedule="interleaved-zb")
+    assert predict(zero, model_of(net, [1024], torch.float32, "adam"), _cluster(1, 2),
+                   describe("fp32")).memory.buffers == 64 * (2 * 2 * 4096 + 4096 + 1024) * 4
 
 
 def test_a_pipeline_over_fsdp_that_fits_only_resharding_is_planned_so() -> None:

@@ -19,21 +19,26 @@ LARGEST = 4096 * 4096 * 4  # the MLP's largest weight, fp32
 UNIT = LARGEST + 4096 * 4  # its Linear: fsdp's largest unit
 
 
-def _predict(backend: str, batch: int, device_type: str = "cpu") -> Prediction:
-    net = meta_model(mlp)
+def _cluster(device_type: str = "cpu") -> Cluster:
     host = Device(name="host", flops={"float32": 1e11}, memory_bandwidth=1e10, memory=64e9,
                   intra_node=link_profile("10gbit"), device_type=device_type)
-    cluster = Cluster(nodes=1, gpus=2, device=host, link=link_profile("1gbit"))
-    chosen = layout(net, backend, {}, 1, 1, world=2, precision="fp32", batch=2 * batch)
-    return predict(chosen, model_of(net, [1024], torch.float32, "adam"), cluster,
-                   describe("fp32"))
+    return Cluster(nodes=1, gpus=2, device=host, link=link_profile("1gbit"))
+
+
+def _predict(backend: str, batch: int, device_type: str = "cpu", precision: str = "fp32"
+             ) -> Prediction:
+    net = meta_model(mlp)
+    chosen = layout(net, backend, {}, 1, 1, world=2, precision=precision, batch=2 * batch)
+    return predict(chosen, model_of(net, [1024], torch.float32, "adam"), _cluster(device_type),
+                   describe(precision))
 
 
 def test_ddp_adds_its_buckets_and_adams_temporaries() -> None:
     p = _predict("ddp", 64).memory
     assert p.buffers == p.row.gradients  # the buckets: a copy of the gradients
     assert p.transient == 2 * LARGEST  # sqrt(v) and its quotient of the largest weight
-    assert p.peak == p.row.device + p.buffers + p.transient
+    assert p.batch == 64 * 1024 * 4  # the replica's batch, which the script holds
+    assert p.peak == p.row.device + p.buffers + p.batch + p.transient
     assert _predict("ddp", 64, "cuda").memory.transient == 4 * 25_175_040  # foreach: at once
 
 
@@ -45,7 +50,7 @@ def test_fsdp_peaks_in_the_backward_with_a_prefetched_unit() -> None:
     p = _predict("fsdp", 64).memory
     assert p.buffers == 1.5 * first + last and p.released == p.buffers + 2 * UNIT
     assert p.transient == LARGEST  # its shard of the largest weight, twice
-    assert p.peak == p.row.device + p.buffers + p.activations
+    assert p.peak == p.row.device + p.buffers + p.batch + p.activations
 
 
 def test_fsdps_buffers_follow_the_units_beside_the_one_that_runs() -> None:
@@ -72,6 +77,26 @@ def test_fsdps_buffers_follow_the_units_beside_the_one_that_runs() -> None:
 
 
 def test_a_tensor_two_blocks_save_counts_once() -> None:
-    """A ReLU saves its result, which the next Linear saves as its input."""
+    """A ReLU saves its result, which the next Linear saves as its input; the first Linear
+    saves the batch itself, counted as the batch."""
     whole = activation_bytes(meta_model(mlp), example_input([2048, 1024], torch.float32))
-    assert _predict("ddp", 2048).memory.activations == pytest.approx(whole)
+    held = _predict("ddp", 2048).memory
+    assert held.batch == 2048 * 1024 * 4
+    assert held.activations + held.batch == pytest.approx(whole)
+    # a 16-bit forward saves the batch's cast copy: the batch and that copy
+    cast = _predict("apex", 2048, precision="O3").memory
+    assert cast.activations == pytest.approx(whole / 2)
+    assert cast.batch == held.batch
+
+
+def test_a_backward_after_the_first_micro_batch_adds_each_weights_gradient() -> None:
+    """Over several micro-batches autograd computes each weight's gradient of a later one into
+    a new tensor beside the one it adds to: the stage's largest weight beside the
+    activations. A replica's single pass leaves its gradients where they are made."""
+    net = meta_model(mlp)
+    single = layout(net, "ddp", {}, 1, 1, world=2, precision="fp32", batch=64)
+    several = layout(net, "ddp", {}, 2, 1, world=2, precision="fp32", batch=64, microbatches=4)
+    model = model_of(net, [1024], torch.float32, "adam")
+    assert predict(single, model, _cluster(), describe("fp32")).memory.accumulating == 0
+    # the fullest stage, the last two Linears: 4096 x 4096 the largest
+    assert predict(several, model, _cluster(), describe("fp32")).memory.accumulating == LARGEST

@@ -139,16 +139,37 @@ def test_what_a_schedule_keeps_of_its_sends_to_the_steps_end(schedule: str) -> N
                         output=10 if c < 2 * per_rank - 1 else 0, input=100 if c else 0,
                         send=0.0) for c in range(2 * per_rank)]
     held = simulate(schedule, 2, 4, chunks).held
+    # zero bubble's input gradients stay on the receive buffers past the step: the stage's
+    # buffers, not the schedule's
     expected = {"gpipe": (0, 4 * 100), "1f1b": (0, 0),
-                "interleaved-1f1b": (4 * (10 + 10 + 100), 4 * (10 + 100 + 100))}
-    expected["interleaved-zb"] = expected["interleaved-1f1b"]
+                "interleaved-1f1b": (4 * (10 + 10 + 100), 4 * (10 + 100 + 100)),
+                "interleaved-zb": (4 * (10 + 10), 4 * 10)}
     assert held == expected[schedule]
 
 
-def test_the_last_stage_keeps_every_output_and_merges_them() -> None:
-    """torch's last stage appends each micro-batch's output to ``output_chunks`` and merges
-    them after its last action: M outputs, then as much again."""
+def test_the_last_stage_merges_its_outputs_after_its_last_action() -> None:
+    """torch's last stage merges each micro-batch's output (``output_chunks``, the stage's
+    buffers) into one tensor after its last action: M outputs once more."""
     chunks = [ChunkCost(forward=1.0, backward=2.0, weight=1.0, activations=0, send=0.0),
               ChunkCost(forward=1.0, backward=2.0, weight=1.0, activations=0, send=0.0,
-                        kept=7)]
-    assert simulate("1f1b", 2, 4, chunks).held == (0, 2 * 4 * 7)
+                        merged=7)]
+    assert simulate("1f1b", 2, 4, chunks).held == (0, 4 * 7)
+
+
+def test_zero_bubble_keeps_the_gradients_an_i_leaves_its_w() -> None:
+    """Each I keeps its chunk's ``pending`` gradients until its W: a rank's peak is its
+    chunks' activations and those of the I's whose W has not run yet."""
+    def chunks(pending: int) -> list[ChunkCost]:
+        return [ChunkCost(forward=1.0, backward=2.0, weight=1.0, activations=100,
+                          pending=pending if c else 0, send=0.0) for c in range(4)]
+
+    ops = order("interleaved-zb", 2, 4)
+    plain = simulate("interleaved-zb", 2, 4, chunks(0)).held
+    held = simulate("interleaved-zb", 2, 4, chunks(10)).held
+    for rank, actions in enumerate(ops):
+        # replay the rank's own order: activations from F to W, pending from I to W
+        holding = peak = 0
+        for kind, c, _ in actions:
+            holding += {"F": 100, "I": 10 if c else 0, "W": -(100 + (10 if c else 0))}[kind]
+            peak = max(peak, holding)
+        assert held[rank] == peak > plain[rank]
