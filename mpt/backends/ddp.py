@@ -145,6 +145,7 @@ class DDPBackend(Backend):
 
     name = "ddp"
     pipelines: ClassVar[bool] = True
+    accumulation_priced: ClassVar[bool] = True  # no_sync: one allreduce, in the last backward
     tensor_parallel: ClassVar[bool] = True
     options: ClassVar[dict[str, BackendOption]] = dict(POWERSGD_OPTIONS)
     _control: dist.ProcessGroup | None = None

@@ -131,6 +131,8 @@ class DeepSpeedBackend(DDPBackend):
     """
 
     name = "deepspeed"
+    # ZeRO-2 reduces at every micro-batch (reduce_ready_partitions_and_remove_grads)
+    accumulation_priced = False
     pipelines: ClassVar[bool] = False
     tensor_parallel: ClassVar[bool] = False
     options: ClassVar[dict[str, BackendOption]] = {

@@ -166,6 +166,7 @@ class FSDPBackend(DDPBackend):
     """
 
     name = "fsdp"
+    accumulation_priced = False  # its gathers per micro-batch, its unsharded gradients kept
     fresh_gradient_in_row = True
     options: ClassVar[dict[str, BackendOption]] = {
         "wrap": BackendOption(help="module classes that become FSDP units, comma-separated "

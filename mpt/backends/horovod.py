@@ -171,6 +171,7 @@ class HorovodBackend(Backend):
     where one optimizer is set up); parameters and optimizer state broadcast from rank 0."""
 
     name = "horovod"
+    accumulation_priced = True  # the hooks start nothing before the step's last micro-batch
     launcher = "horovodrun"
     elastic = False  # Horovod's rendezvous serves one fixed round (launchers.horovod_join)
     snapshots = False  # no torch.distributed process group: Horovod's own collectives

@@ -84,7 +84,7 @@ class Layout:
     plan: ParallelPlan
     """The mesh ``RunConfig.layout`` built for it."""
     microbatches: int
-    """Micro-batches per step under a pipeline (1 without one)."""
+    """Micro-batches per step: a pipeline's, or without one ``--accumulate``'s."""
     micro_batch: int
     """Samples per micro-batch on each rank."""
     schedule: str
@@ -270,13 +270,17 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
     cut = max((by_name[names[-1]].output_bytes for names in chunks[:-1]), default=0)
     p2p = send(cut * activation_width(spec), plan, cluster)
     stages = [[name for c in held_chunks for name in chunks[c]] for held_chunks in ranks]
+    # a pipeline's rank holds the replica's batch; an accumulating script one micro-batch
+    data = (m if plan.pp > 1 else 1) * work.input_bytes
     held, trained = _memory(layout, model, stages, ranks, chunks, activations, by_name, spec,
-                            slowest, cluster.device.device_type, batch=m * work.input_bytes)
+                            slowest, cluster.device.device_type, batch=data)
     stage = model.net if plan.pp == 1 else _stage_module(model, stages[slowest])
     flow = get_backend(layout.backend).step_traffic(layout.options, plan, spec, trained, m,
                                                     module=stage, comm=layout.comm)
     dp_seconds, dp_link, dp_rank, crosses = _data_parallel(flow, plan, cluster)
-    window = {"backward": terms["backward"], "step": terms["forward"] + terms["backward"],
+    # accumulated without a pipeline, gradients are reduced in the last micro-batch's backward
+    last = terms["backward"] / (m if plan.pp == 1 else 1)
+    window = {"backward": last, "step": terms["forward"] + terms["backward"],
               "none": 0.0}[flow.window] * cluster.device.overlap
     stepped = trained / plan.dp_shard if flow.shards_optimizer else trained
     terms["optimizer step"] = optimizer_seconds(stepped, model, cluster)
@@ -386,8 +390,8 @@ class Held:
     """What the backend holds only between the backward and the step (``Buffers.between``)."""
 
     batch: int
-    """The replica's batch of input, which the script holds through the step (each pipeline
-    rank loads it)."""
+    """The batch of input the script holds through its step: under a pipeline the replica's
+    (each pipeline rank loads it), else one micro-batch's."""
     accumulating: int
     """Beside the activations, over several micro-batches: a backward after the first computes
     each weight's gradient into a new tensor and adds it to the one held (autograd's

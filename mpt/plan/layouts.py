@@ -5,7 +5,9 @@ Each combination of backend, the option sets it declares worth comparing
 pipeline, its resharding), pipeline stages P with each ``--pipeline-schedule`` and
 ``--microbatches`` M of P, 2P, 4P and 8P that splits a replica's batch, tensor-parallel size T
 and, where more than one replica reduces gradients, each ``--grad-compression``
-(``COMPRESSIONS``: PowerSGD at its default rank, priced once it has started) goes through
+(``COMPRESSIONS``: PowerSGD at its default rank, priced once it has started), and without a
+pipeline each ``--accumulate`` of 1, 2, 4 and 8 that splits a replica's batch, for a backend
+whose accumulation the plan prices (``Backend.accumulation_priced``), goes through
 ``RunConfig`` and ``RunConfig.layout`` (the launcher's own checks: backend capabilities,
 precision, divisibility of the world, the schedule's micro-batches), then the checks the model
 meets when it is set up (``stage_blocks`` for P stages or, under a looped schedule, 2P chunks;
@@ -35,7 +37,8 @@ from mpt.run_config import RunConfig
 DEFAULT_SCHEDULE = RunConfig().pipeline_schedule
 """mpt's ``--pipeline-schedule`` where none is given."""
 MICROBATCHES = (1, 2, 4, 8)
-"""Micro-batch counts priced under P stages, as multiples of P (mpt's default: 2)."""
+"""Micro-batch counts priced under P stages, as multiples of P (mpt's default: 2), and
+without a pipeline as ``--accumulate``."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -51,7 +54,7 @@ class Refused:
 
 def _flags(backend: str, options: Mapping[str, Any], pp: int, tp: int,
            compression: str = "none", schedule: str = DEFAULT_SCHEDULE,
-           microbatches: int | None = None) -> tuple[str, ...]:
+           microbatches: int | None = None, accumulate: int = 1) -> tuple[str, ...]:
     """The `mpt launch` flags of a combination (each option by its own flag, none for an
     option at its default)."""
     cls = registered()[backend]
@@ -70,6 +73,8 @@ def _flags(backend: str, options: Mapping[str, Any], pp: int, tp: int,
         flags.append(f"--tensor-parallel {tp}")
     if compression != "none":
         flags.append(f"--grad-compression {compression}")
+    if accumulate > 1:
+        flags.append(f"--accumulate {accumulate}")
     return tuple(flags)
 
 
@@ -88,10 +93,12 @@ def layouts(net: nn.Module, *, nodes: int, gpus: int, precision: str, batch: int
             for schedule in _schedules(pp):
                 try:
                     cls.check_precision(spec, device_type, options)
-                    for m in _microbatches(pp, batch // replicas):
+                    for m in _microbatches(cls, pp, batch // replicas):
+                        counts = {"microbatches": m} if pp > 1 else {"accumulate": m}
                         found.append(layout(net, backend, options, pp, tp, world=world,
-                                            precision=precision, batch=batch, microbatches=m,
-                                            compression=compression, schedule=schedule))
+                                            precision=precision, batch=batch,
+                                            compression=compression, schedule=schedule,
+                                            **counts))
                 except MptError as exc:
                     # every M priced splits the batch: a refusal holds for all
                     flags = _flags(backend, options, pp, tp, compression, schedule)
@@ -121,27 +128,32 @@ def _schedules(pp: int) -> tuple[str, ...]:
     return (DEFAULT_SCHEDULE, *(s for s in SCHEDULES if s != DEFAULT_SCHEDULE))
 
 
-def _microbatches(pp: int, per_replica: int) -> list[int | None]:
+def _microbatches(cls: type, pp: int, per_replica: int) -> list[int]:
     """The micro-batch counts priced at P stages: every one of P, 2P, 4P and 8P
     (``MICROBATCHES``) that splits a replica's batch, else mpt's default 2P, for its refusal;
-    without a pipeline, none."""
+    without a pipeline, each such ``--accumulate`` where the backend's is priced, else 1."""
     if pp == 1:
-        return [None]
+        return [a for a in MICROBATCHES if per_replica % a == 0 and (
+            a == 1 or cls.accumulation_priced)]
     return [f * pp for f in MICROBATCHES if per_replica % (f * pp) == 0] or [2 * pp]
 
 
 def layout(net: nn.Module, backend: str, options: Mapping[str, Any], pp: int, tp: int, *,
            world: int, precision: str, batch: int, microbatches: int | None = None,
-           compression: str = "none", schedule: str = DEFAULT_SCHEDULE) -> Layout:
+           compression: str = "none", schedule: str = DEFAULT_SCHEDULE,
+           accumulate: int = 1) -> Layout:
     """The layout of one combination (``microbatches``: `mpt launch --microbatches`, mpt's
     default 2P where None; ``compression``: ``--grad-compression``; ``schedule``:
-    ``--pipeline-schedule``); a UsageError where mpt refuses it."""
+    ``--pipeline-schedule``; ``accumulate``: ``--accumulate``); a UsageError where mpt
+    refuses it."""
     settings: dict[str, Any] = {"backend": backend, "backend_options": dict(options),
                                 "pipeline_stages": pp, "tensor_parallel": tp,
                                 "precision": precision, "grad_compression": compression,
                                 "pipeline_schedule": schedule}
     if microbatches is not None:
         settings["microbatches"] = microbatches
+    if accumulate > 1:
+        settings["accumulate"] = accumulate
     config = RunConfig.parse(settings)
     plan = config.layout(world)
     pipeline = config.pipeline_at(world)
@@ -149,7 +161,7 @@ def layout(net: nn.Module, backend: str, options: Mapping[str, Any], pp: int, tp
         stage_blocks(net, pipeline.chunks)
     if tp > 1:
         tensor_plan(net, tp)
-    microbatches = pipeline.microbatches if pipeline is not None else 1
+    microbatches = pipeline.microbatches if pipeline is not None else accumulate
     schedule = pipeline.schedule if pipeline is not None else DEFAULT_SCHEDULE
     per_replica, left = divmod(batch, plan.dp_size)
     if left or per_replica % microbatches:
@@ -160,5 +172,5 @@ def layout(net: nn.Module, backend: str, options: Mapping[str, Any], pp: int, tp
                   micro_batch=per_replica // microbatches,
                   schedule=schedule,
                   flags=_flags(backend, options, pp, tp, compression, schedule,
-                               microbatches if pipeline is not None else None),
+                               microbatches if pipeline is not None else None, accumulate),
                   comm=config.grad_comm)

@@ -56,7 +56,13 @@ def model_of(net: nn.Module, input_shape: Sequence[int], input_dtype: torch.dtyp
 
     @functools.cache
     def workload(micro_batch: int) -> Any:
-        return profile(net, input_shape, input_dtype, micro_batch)
+        try:
+            return profile(net, input_shape, input_dtype, micro_batch)
+        except (RuntimeError, IndexError, ValueError) as exc:  # the model's own refusal
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise UsageError("--batch", f"{micro_batch} a micro-batch", f"the model's "
+                             f"forward refuses a micro-batch of {micro_batch} sample(s) "
+                             f"({reason})", "fewer micro-batches, or a larger batch") from None
 
     @functools.cache
     def stages(pp: int) -> list[list[str]]:
@@ -126,7 +132,12 @@ def plan(net: nn.Module, cluster: Cluster, *, precision: str, batch: int,
                                     step)
     found, refused = layouts(net, nodes=cluster.nodes, gpus=cluster.gpus, precision=precision,
                              batch=batch, device_type=cluster.device.device_type)
-    predictions = [predict(layout, model, cluster, spec) for layout in found]
+    predictions = []
+    for layout in found:
+        try:
+            predictions.append(predict(layout, model, cluster, spec))
+        except UsageError as exc:  # a micro-batch the model refuses
+            refused.append(Refused(flags=layout.flags, reason=str(exc)))
     # equal steps (whole replicas on one rank: ddp, apex, horovod) rank mpt's default first
     default = RunConfig().backend
     fitting = sorted((p for p in predictions if not p.short),

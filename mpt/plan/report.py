@@ -7,6 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from mpt.backends import registered
 from mpt.plan.cost import Prediction
 from mpt.plan.planner import Plan, launch_line
 
@@ -52,11 +53,12 @@ def _entry(p: Prediction) -> dict[str, Any]:
 
 
 SHORT = {"--backend ": "", "--pipeline-stages ": "P=", "--pipeline-schedule ": "",
-         "--microbatches ": "M=", "--tensor-parallel ": "T=", "--grad-compression ": ""}
+         "--microbatches ": "M=", "--tensor-parallel ": "T=", "--grad-compression ": "",
+         "--accumulate ": "A="}
 """How the table writes a layout's flags (it is wide): the backend, a schedule and a
-compression by their names, P, M and T by their letters (``LEGEND``)."""
-LEGEND = ("P: --pipeline-stages, M: --microbatches, T: --tensor-parallel; a --pipeline-schedule "
-          "(1f1b where none) and a --grad-compression by their names")
+compression by their names, P, M, T and A by their letters (``LEGEND``)."""
+LEGEND = ("P: --pipeline-stages, M: --microbatches, T: --tensor-parallel, A: --accumulate; a "
+          "--pipeline-schedule (1f1b where none) and a --grad-compression by their names")
 
 
 def _short(label: str) -> str:
@@ -108,7 +110,10 @@ def print_tables(result: Plan, script: str, console: Console, top: int = 0) -> N
         _left_out(console, len(result.short), top, "closest to fitting")
     console.print(f"{len(result.refused)} other combinations are refused by mpt (--json lists "
                   "each with its reason). Not counted in memory: the allocator's slack, the "
-                  "process (a few hundred MiB), DeepSpeed ZeRO-0's buffers.")
+                  "process (a few hundred MiB), the target batch, DeepSpeed ZeRO-0's buffers. "
+                  "--accumulate is priced for " + ", ".join(
+                      name for name, cls in sorted(registered().items())
+                      if cls.accumulation_priced) + ".")
     if any(p.layout.comm.compression == "powersgd" for p in result.fitting):
         console.print("--grad-compression powersgd is priced once it has started (--backend-"
                       "options powersgd_start_step, 1000 by default; the plain allreduce "

@@ -1,0 +1,88 @@
+"""`--accumulate` without a pipeline in `mpt plan`: the micro-batches' compute, one
+micro-batch's activations and data, the gradients reduced once in the last backward."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from plan_models import mlp, normed
+
+from mpt.estimate import meta_model
+from mpt.plan.cost import predict
+from mpt.plan.layouts import layout, layouts
+from mpt.plan.network import Cluster
+from mpt.plan.planner import model_of, plan
+from mpt.plan.profiles import device_profile, link_profile
+from mpt.precision import describe
+
+LARGEST = 4096 * 4096 * 4  # the MLP's largest weight, fp32
+
+
+def _cluster(**device) -> Cluster:
+    return Cluster(nodes=2, gpus=1, device=replace(device_profile("h100-sxm"), **device),
+                   link=link_profile("1gbit"))
+
+
+def test_accumulation_is_a_layout_where_the_backend_prices_it() -> None:
+    """ddp, apex and horovod accumulate with one reduction a step (no_sync, hooks held):
+    each --accumulate of 1, 2, 4 and 8 that splits a replica's batch; fsdp (its gathers per
+    micro-batch) and DeepSpeed (ZeRO-2 reduces every micro-batch) are not priced so."""
+    found, _ = layouts(meta_model(mlp), nodes=2, gpus=1, precision="fp32", batch=8,
+                       device_type="cuda")
+    counts: dict[str, set[int]] = {}
+    for chosen in found:
+        if chosen.plan.pp == 1 and chosen.comm.compression == "none":
+            counts.setdefault(chosen.backend, set()).add(chosen.microbatches)
+    assert counts["ddp"] == counts["apex"] == counts["horovod"] == {1, 2, 4}  # 4 a replica
+    assert counts["fsdp"] == counts["deepspeed"] == {1}
+    flags = {c.label for c in found if c.backend == "ddp" and c.plan.pp == 1}
+    assert "--backend ddp --accumulate 4" in flags
+
+
+def test_accumulated_micro_batches_cost_their_compute_and_hold_one_at_a_time() -> None:
+    net = meta_model(mlp)
+    model = model_of(net, [1024], torch.float32, "adam")
+    whole, split = (predict(layout(net, "ddp", {}, 1, 1, world=2, precision="fp32", batch=512,
+                                   accumulate=a), model, _cluster(), describe("fp32"))
+                    for a in (1, 4))
+    assert split.layout.micro_batch == 64 and split.layout.microbatches == 4
+    # four forwards and backwards of 64 rows: the 256 rows' work (more per row: smaller
+    # matmuls), the optimizer once
+    assert split.terms["forward"] >= whole.terms["forward"]
+    assert split.terms["optimizer step"] == whole.terms["optimizer step"]
+    # one micro-batch's activations and data; the later gradients made anew beside
+    assert split.memory.activations == pytest.approx(whole.memory.activations / 4, rel=0.01)
+    assert split.memory.batch == whole.memory.batch / 4 == 64 * 1024 * 4
+    assert (whole.memory.accumulating, split.memory.accumulating) == (0, LARGEST)
+    # the same allreduce a step, hidden only behind the last micro-batch's backward
+    assert split.link_bytes == whole.link_bytes
+    assert split.hidden < whole.hidden
+
+
+def test_a_batch_that_does_not_fit_whole_fits_accumulated() -> None:
+    """With room for one micro-batch's activations but not the whole batch's, the plan lists
+    the accumulating layouts as fitting and the whole batch's as short."""
+    net = meta_model(mlp)
+    loose = plan(net, _cluster(), precision="fp32", batch=16384, input_shape=[1024],
+                 input_dtype=torch.float32)
+    by = {p.layout.label: p for p in (*loose.fitting, *loose.short)}
+    whole, split = by["--backend ddp"], by["--backend ddp --accumulate 8"]
+    assert split.total_memory < whole.total_memory
+    room = (split.total_memory + whole.total_memory) // 2
+    tight = plan(net, _cluster(memory=room), precision="fp32", batch=16384,
+                 input_shape=[1024], input_dtype=torch.float32)
+    fitting = {p.layout.label for p in tight.fitting}
+    assert "--backend ddp --accumulate 8" in fitting and "--backend ddp" not in fitting
+
+
+def test_a_micro_batch_the_model_refuses_is_refused_with_its_reason() -> None:
+    """Batch norm refuses one sample: accumulating a 2-sample replica batch in two is refused
+    in the model's words; the whole batch is planned."""
+    result = plan(meta_model(normed), _cluster(), precision="fp32", batch=4,
+                  input_shape=[3, 2, 2], input_dtype=torch.float32)
+    reasons = {r.flags: r.reason for r in result.refused}
+    refused = reasons[("--backend ddp", "--accumulate 2")]
+    assert "--batch" in refused and "micro-batch of 1 sample" in refused
+    assert "--backend ddp" in {p.layout.label for p in result.fitting}
