@@ -34,6 +34,12 @@ runs P = 2 on two such nodes (8 Linear(1024, 1024) + ReLU) under every schedule 
 8 and 16, beside `mpt plan`'s step of each: calibrated first on two nodes shaped alike
 (`mpt plan benchmarks/pipeline.py:mlp --calibrate --nodes 2`, into FILE, or FILE as it is
 where it exists), and whether the plan's first of them measured within 10 % of the best.
+
+    .venv/bin/python benchmarks/pipeline.py --accumulations [--rate 1gbit] [--batch-size 256] \
+        [--calibration FILE]
+
+runs the same MLP as D = 2 (ddp, a replica per node) with ``--accumulate`` 1, 2, 4 and 8,
+beside `mpt plan`'s step of each, calibrated alike.
 A benchmark, not a test: it prints figures and never fails on them.
 """
 
@@ -87,7 +93,8 @@ def worker(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     rt = mpt.Runtime(quiet=True)
     g = torch.Generator().manual_seed(1)
-    batch = args.batch_size // rt.topology.dp_size  # per replica: the global batch is kept
+    # per replica and micro-batch: the global batch is kept
+    batch = args.batch_size // rt.topology.dp_size // rt.accumulate
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     if args.width:  # the crossover's MLP: gradients large next to its activations
         model: nn.Module = nn.Sequential(*(layer for _ in range(args.layers) for layer in (
@@ -110,8 +117,9 @@ def worker(args: argparse.Namespace) -> None:
     for _ in range(args.steps):
         rt.barrier()
         start = time.perf_counter()
-        rt.forward_backward(x, y, loss_fn)
-        rt.step()
+        for _ in range(rt.accumulate):  # the last micro-batch's rt.step steps
+            rt.forward_backward(x, y, loss_fn)
+            rt.step()
         elapsed = torch.tensor([time.perf_counter() - start])
         times.append(rt.all_reduce(elapsed, op="max").item())  # the slowest stage's step
     own = torch.tensor([float(state_bytes(model, optimizer))])
@@ -264,10 +272,11 @@ def schedules(args: argparse.Namespace) -> None:
           f"({best[0]} M = {best[1]}, {measured[best] * 1e3:.1f} ms)")
 
 
-def planned_schedules(args: argparse.Namespace, figures: Any
+def planned_schedules(args: argparse.Namespace, figures: Any, pp: int = 2
                       ) -> dict[tuple[str, int], tuple[float, int]]:
-    """`mpt plan`'s step of ddp at P = 2 under each schedule and M, and its place in the
-    plan's ranking, on the calibration's device and the link it measured."""
+    """`mpt plan`'s step of ddp at P = ``pp`` under each schedule and M (at P = 1: each
+    ``--accumulate``), uncompressed, and its place in the plan's ranking, on the
+    calibration's device and the link it measured."""
     import torch
 
     from mpt.estimate import meta_model
@@ -281,7 +290,33 @@ def planned_schedules(args: argparse.Namespace, figures: Any
                   step=figures.measured_step())
     return {(p.layout.schedule, p.layout.microbatches): (p.step, rank)
             for rank, p in enumerate(result.fitting)
-            if p.layout.backend == "ddp" and p.layout.plan.pp == 2}
+            if p.layout.backend == "ddp" and p.layout.plan.pp == pp
+            and p.layout.comm.compression == "none"}
+
+
+def accumulations(args: argparse.Namespace) -> None:
+    """D = 2 on two nodes at --rate with --accumulate 1, 2, 4 and 8, measured against `mpt
+    plan`'s step of each (calibrated as for ``--schedules``)."""
+    from plan_cluster import run_calibration
+
+    from mpt.plan.layouts import DEFAULT_SCHEDULE, MICROBATCHES
+
+    args.width, args.layers = 1024, 8  # mlp(): what the calibration times
+    out = Path(args.calibration or f"calibration-pipeline-{args.rate}-{args.batch_size}.json")
+    figures = run_calibration(
+        [sys.executable, "-m", "mpt", "plan", f"{__file__}:mlp", "--calibrate", "--optimizer",
+         "adamw", "--batch", str(args.batch_size)], 2, args.rate, out, reuse=True)
+    ranked = planned_schedules(args, figures, pp=1)
+    print(f"MLP 8 x 1024, D = 2 over 2 nodes x 1 process, links of {args.rate}, global batch "
+          f"{args.batch_size}; planned from {out}")
+    print(f"{'accumulate':>10}{'measured ms':>13}{'planned ms':>12}{'ratio':>7}{'plan rank':>11}")
+    for a in MICROBATCHES:
+        if (args.batch_size // 2) % a:
+            continue
+        step = on_two_nodes(args, "--accumulate", str(a))
+        plan, rank = ranked[DEFAULT_SCHEDULE, a]
+        print(f"{a:>10}{step * 1e3:>13.1f}{plan * 1e3:>12.1f}{plan / step:>7.2f}{rank:>11}",
+              flush=True)
 
 
 def main() -> None:
@@ -309,6 +344,9 @@ def main() -> None:
     parser.add_argument("--schedules", action="store_true",
                         help="every schedule and M at P = 2 on two emulated nodes (root), "
                         "against `mpt plan` (calibrated there first, or --calibration FILE)")
+    parser.add_argument("--accumulations", action="store_true",
+                        help="D = 2 with --accumulate 1, 2, 4, 8 on two emulated nodes (root), "
+                        "against `mpt plan` (calibrated as for --schedules)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -317,6 +355,9 @@ def main() -> None:
         return
     if args.schedules:
         schedules(args)
+        return
+    if args.accumulations:
+        accumulations(args)
         return
     if args.crossover:
         args.width = args.width or 1024

@@ -15,12 +15,15 @@
         --batch 2048                                # what a schedule keeps for its backwards
     .venv/bin/mpt launch --gpus 2 --backend ddp --host-memory lean --grad-compression powersgd \
         --backend-options '{"powersgd_start_step": 2}' benchmarks/plan_memory.py  # its error
+    .venv/bin/mpt launch --gpus 2 --backend ddp --accumulate 4 --host-memory lean \
+        benchmarks/plan_memory.py --batch 512        # 4 micro-batches of 512 a step
 
 Every rank builds the MLP of tests/plan/plan_models.py (25.2 M parameters, 403 MB of fp32 Adam
 state; ``--model deep``: that file's eight alike layers, 29.4 M) and trains it for ``--steps``
 steps of ``--batch`` samples per replica (``rt.forward_backward``: a pipeline's micro-batches
-among them). The kernel keeps the process's peak resident set size (``VmHWM``, restarted just
-before the model is built); the measured figure is that peak above the RSS at the restart (the
+among them), each step ``--accumulate`` such batches where the launch gives it. The kernel
+keeps the process's peak resident set size (``VmHWM``, restarted just before the model is
+built); the measured figure is that peak above the RSS at the restart (the
 process, torch, mpt's modules and the process group are not what the model costs, and the plan
 does not count them). Then the rank prices its own launch with the cost model
 (``mpt.plan.cost.predict`` of the launch's backend, precision, ranks, pipeline stages,
@@ -93,10 +96,10 @@ def predicted(rt: mpt.Runtime, build: Callable[[], torch.nn.Module], batch: int
     pipeline = rt.config.pipeline_at(rt.world_size)
     chosen = layout(net, rt.backend.name, rt.config.backend_options, rt.topology.plan.pp, 1,
                     world=rt.world_size, precision=spec.name,
-                    batch=batch * rt.topology.dp_size,
+                    batch=batch * rt.topology.dp_size * rt.accumulate,
                     microbatches=pipeline.microbatches if pipeline else None,
                     compression=rt.config.grad_compression,
-                    schedule=rt.config.pipeline_schedule)
+                    schedule=rt.config.pipeline_schedule, accumulate=rt.accumulate)
     host = Device(name="cpu", flops={"float32": 1e11}, memory_bandwidth=1e10,
                   memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
                   intra_node=link_profile("10gbit"), device_type=rt.device.type)
@@ -106,7 +109,8 @@ def predicted(rt: mpt.Runtime, build: Callable[[], torch.nn.Module], batch: int
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=64, help="samples per rank and step")
+    parser.add_argument("--batch", type=int, default=64,
+                        help="samples per rank and step (and micro-batch, with --accumulate)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--model", choices=("mlp", "deep"), default="mlp",
                         help="tests/plan/plan_models.py's model: the MLP, or eight layers of "
@@ -123,7 +127,7 @@ def main() -> None:
     build = getattr(plan_models, args.model)
     net = build()
     net, _optimizer = rt.setup(net, torch.optim.Adam(net.parameters(), lr=1e-4))
-    for _ in range(args.steps):
+    for _ in range(args.steps * rt.accumulate):
         x = torch.randn(args.batch, INPUT, device=rt.device)
         rt.forward_backward(x, torch.zeros_like(x), torch.nn.functional.mse_loss)
         rt.step()
@@ -144,7 +148,8 @@ def main() -> None:
     pp = rt.topology.plan.pp
     stages = f", stage {rt.topology.stage} of {pp}" if pp > 1 else ""
     row = (f"rank {rt.rank}: {rt.backend.name}, {rt.world_size} ranks{stages}, batch "
-           f"{args.batch}/replica, {rt.precision.spec.name}: measured peak RSS "
+           f"{args.batch}/replica x {rt.accumulate} accumulated, {rt.precision.spec.name}: "
+           f"measured peak RSS "
            f"+{measured / MiB:.0f} MiB above {before / MiB:.0f} MiB")
     peaks: list[int] = [0] * rt.world_size
     dist.all_gather_object(peaks, measured)
