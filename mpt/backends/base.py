@@ -350,12 +350,12 @@ class Backend(ABC):
     @classmethod
     def estimate_buffers(cls, stage: nn.Module, spec: PrecisionSpec, row: MemoryEstimate,
                          share: float, plan: ParallelPlan, options: Mapping[str, Any],
-                         comm: GradComm | None = None) -> Buffers:
+                         comm: GradComm | None = None, microbatches: int = 1) -> Buffers:
         """What a rank holds beyond ``row`` (the ``estimate_row`` of ``stage``, the model or a
         pipeline stage on the meta device) while it trains ``share`` of ``stage``'s parameters
         (its tensor-parallel share) in ``spec`` with ``options`` and ``comm`` (the run's
-        ``--grad-compression``) in ``plan``, and what of it the backward frees. The default:
-        none."""
+        ``--grad-compression``) in ``plan``, over ``microbatches`` a step (a pipeline's, or
+        ``--accumulate``'s), and what of it the backward frees. The default: none."""
         return Buffers()
 
     @classmethod

@@ -179,7 +179,7 @@ class DDPBackend(Backend):
     @classmethod
     def estimate_buffers(cls, stage: nn.Module, spec: PrecisionSpec, row: MemoryEstimate,
                          share: float, plan: ParallelPlan, options: Mapping[str, Any],
-                         comm: GradComm | None = None) -> Buffers:
+                         comm: GradComm | None = None, microbatches: int = 1) -> Buffers:
         """torch's DDP (``gradient_as_bucket_view`` off) keeps its buckets, a copy of the
         gradients, and under ``--grad-compression powersgd`` its error feedback, another (and
         the factors, ``powersgd_factors``). Under ``--pipeline-stages`` or

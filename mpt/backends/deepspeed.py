@@ -246,7 +246,7 @@ class DeepSpeedBackend(DDPBackend):
     @classmethod
     def estimate_buffers(cls, stage: nn.Module, spec: PrecisionSpec, row: MemoryEstimate,
                          share: float, plan: ParallelPlan, options: Mapping[str, Any],
-                         comm: GradComm | None = None) -> Buffers:
+                         comm: GradComm | None = None, microbatches: int = 1) -> Buffers:
         """ZeRO-1 and 2: the reduction bucket and the rank's partition copied out of it
         (``_zero_buffers``), counted through the step, whose own copies (the partition's
         gradients in fp64 for the norm, the partition flattened) take their place.

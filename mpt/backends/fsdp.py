@@ -166,7 +166,7 @@ class FSDPBackend(DDPBackend):
     """
 
     name = "fsdp"
-    accumulation_priced = False  # its gathers per micro-batch, its unsharded gradients kept
+    accumulation_priced = True  # gathers every micro-batch, unsharded gradients kept
     fresh_gradient_in_row = True
     options: ClassVar[dict[str, BackendOption]] = {
         "wrap": BackendOption(help="module classes that become FSDP units, comma-separated "
@@ -279,7 +279,7 @@ class FSDPBackend(DDPBackend):
     @classmethod
     def estimate_buffers(cls, stage: nn.Module, spec: PrecisionSpec, row: MemoryEstimate,
                          share: float, plan: ParallelPlan, options: Mapping[str, Any],
-                         comm: GradComm | None = None) -> Buffers:
+                         comm: GradComm | None = None, microbatches: int = 1) -> Buffers:
         """What fully_shard holds beside the unit that runs in the backward (which the row
         counts with its unsharded gradients): a reduce-scatter's input and the unit it gathers
         ahead, or, with ``--fsdp-reshard-after-forward no``, the units still gathered since the
@@ -288,12 +288,20 @@ class FSDPBackend(DDPBackend):
         interleaved micro-batches were not traced). Under a pipeline without it: the stage's
         weights and gradients whole instead (torch's ``PipelineStage`` keeps them over the
         micro-batches, and nothing is gathered ahead), and the flat input of a unit's
-        reduce-scatter (its gradients copied), all freed after the last backward."""
+        reduce-scatter (its gradients copied), all freed after the last backward.
+
+        Under ``--accumulate`` (no gradient sync before the step's last micro-batch) every
+        unit keeps its unsharded gradients on its unsharded parameter from its first backward
+        until its reduce-scatter in the last (torch's ``FSDPParamGroup.post_backward`` without
+        ``reduce_grads``): the whole stage's, in place of the row's shards."""
         values = cls.check_options(options)
         unit = int(spec.params.itemsize * largest_unit(stage, values["wrap"]) * share)
         if plan.pp == 1:
             beside = int(spec.params.itemsize * share * held_beside(
                 stage, values["wrap"], plan.dp_shard, _reshards(values, plan)))
+            if microbatches > 1:
+                whole = spec.params.itemsize * share * parameter_counts(stage)[1]
+                beside += int(whole * (1 - 1 / plan.dp_shard))
             return Buffers(held=beside, released=beside + 2 * unit)
         if _reshards(values, plan):
             return Buffers(held=unit, released=3 * unit)
@@ -319,7 +327,9 @@ class FSDPBackend(DDPBackend):
         default, not under a pipeline), again in the backward; gradients reduce-scattered;
         all of it prefetched or overlapped over the whole step. Under a pipeline that once per
         schedule, or, with ``--fsdp-reshard-after-forward yes``, once per micro-batch (nothing
-        is kept gathered between them). HSDP (``--fsdp-replicate R``) does this within each
+        is kept gathered between them). Under ``--accumulate`` (``microbatches`` without a
+        pipeline) the gathers run in every micro-batch, the reduce-scatter in the last only.
+        HSDP (``--fsdp-replicate R``) does this within each
         shard group, then allreduces the gradient shard across the R replicas. Each is one
         call per unit (of ``module``, where it is given).
 
@@ -343,26 +353,30 @@ class FSDPBackend(DDPBackend):
         width, kept = wire.itemsize, spec.reduce.itemsize  # on the wire; the gradients'
         grads, weights = parameters * width, parameters * spec.params.itemsize
         reshard = _reshards(values, plan)
-        times = microbatches if plan.pp > 1 and reshard else 1
+        # how often the units are gathered, and their gradients reduced, in a step
+        if plan.pp > 1:
+            gathers = reduces = microbatches if reshard else 1
+        else:
+            gathers, reduces = microbatches, 1
         held = unit_parameters(module, values["wrap"]) if module is not None else []
-        calls = times * max(1, sum(1 for unit in held if unit))  # the units that hold any
-        gather = Collective(kind="all_gather", axis="dp_shard", size=weights * times,
-                            what="parameters", calls=calls)
-        reduced_as = dict(what="gradients", dtype=dtype_name(wire), calls=calls)
+        units = max(1, sum(1 for unit in held if unit))  # the units that hold any
+        gather = Collective(kind="all_gather", axis="dp_shard", size=weights * gathers,
+                            what="parameters", calls=gathers * units)
+        reduced_as = dict(what="gradients", dtype=dtype_name(wire), calls=reduces * units)
         found = [gather, *([gather] if reshard else []),
-                 Collective(kind="reduce_scatter", axis="dp_shard", size=grads * times,
+                 Collective(kind="reduce_scatter", axis="dp_shard", size=grads * reduces,
                             **reduced_as)]
         if plan.dp_replicate > 1:
             found.append(Collective(kind="all_reduce", axis="dp_replicate",
-                                    size=grads / plan.dp_shard * times,
+                                    size=grads / plan.dp_shard * reduces,
                                     **{**reduced_as, "what": "gradient shard"}))
         around = 1 + 1 / plan.dp_shard  # the whole tensor and its shard
         flat = gathers_flat(plan.dp_shard)
         cast = (kept + width) / 2  # per element read in one dtype and written in the other
         reduce_copies = (parameters * (cast + (width + cast) / plan.dp_shard) if wire != spec.reduce
                          else grads * around)
-        copies = ((2 if reshard else 1) * weights * (around if flat else 1)
-                  + reduce_copies) * times
+        copies = ((2 if reshard else 1) * weights * (around if flat else 1) * gathers
+                  + reduce_copies * reduces)
         fresh: list[float] = []
         if held:
             share = parameters / max(1, sum(map(sum, held)))  # a tensor-parallel rank's part
@@ -371,8 +385,8 @@ class FSDPBackend(DDPBackend):
                 reduced = sum(unit) * share * width
                 gather = [sum(gathered), *gathered] if flat else gathered
                 back = [sum(unit) * share * kept / plan.dp_shard] if wire != spec.reduce else []
-                fresh += (gather * (2 if reshard else 1)
-                          + [reduced, reduced / plan.dp_shard, *back]) * times
+                fresh += (gather * (2 if reshard else 1) * gathers
+                          + [reduced, reduced / plan.dp_shard, *back] * reduces)
         return Traffic(collectives=tuple(found), window="step", shards_optimizer=True,
                        copies=copies, fresh=tuple(fresh))
 

@@ -265,7 +265,7 @@ class HorovodBackend(Backend):
     @classmethod
     def estimate_buffers(cls, stage: nn.Module, spec: PrecisionSpec, row: MemoryEstimate,
                          share: float, plan: ParallelPlan, options: Mapping[str, Any],
-                         comm: GradComm | None = None) -> Buffers:
+                         comm: GradComm | None = None, microbatches: int = 1) -> Buffers:
         """The copy of every gradient mpt hands to Horovod's allreduce (kept from step to
         step) and the part of Horovod's tensor-fusion buffer the fused gradients write: at
         most its default 128 MiB (``--bucket-mb``, which sets it, is not an option here)."""

@@ -449,7 +449,7 @@ def _memory(layout: Layout, model: Model, stages: list[list[str]], ranks: list[l
                                    dict(layout.options))
         row = _scaled(cls.estimate_row(rows, layout.options), share)
         beyond = cls.estimate_buffers(stage, spec, row, share, plan, layout.options,
-                                      layout.comm)
+                                      layout.comm, microbatches=layout.microbatches)
         kept = sum(_stage_buffers(chunks, c, by_name, layout, spec) for c in ranks[index])
         largest = max((p.numel() for p in stage.parameters() if p.requires_grad), default=0)
         found = Held(row=row, activations=activations[index], batch=batch,

@@ -9,6 +9,7 @@ import pytest
 import torch
 from plan_models import mlp, normed
 
+from mpt.backends import get_backend
 from mpt.estimate import meta_model
 from mpt.plan.cost import predict
 from mpt.plan.layouts import layout, layouts
@@ -26,9 +27,9 @@ def _cluster(**device) -> Cluster:
 
 
 def test_accumulation_is_a_layout_where_the_backend_prices_it() -> None:
-    """ddp, apex and horovod accumulate with one reduction a step (no_sync, hooks held):
-    each --accumulate of 1, 2, 4 and 8 that splits a replica's batch; fsdp (its gathers per
-    micro-batch) and DeepSpeed (ZeRO-2 reduces every micro-batch) are not priced so."""
+    """ddp, apex, horovod and fsdp accumulate with one reduction a step (no_sync, hooks held,
+    no gradient sync): each --accumulate of 1, 2, 4 and 8 that splits a replica's batch;
+    DeepSpeed (ZeRO-2 reduces every micro-batch) is not priced so."""
     found, _ = layouts(meta_model(mlp), nodes=2, gpus=1, precision="fp32", batch=8,
                        device_type="cuda")
     counts: dict[str, set[int]] = {}
@@ -36,7 +37,8 @@ def test_accumulation_is_a_layout_where_the_backend_prices_it() -> None:
         if chosen.plan.pp == 1 and chosen.comm.compression == "none":
             counts.setdefault(chosen.backend, set()).add(chosen.microbatches)
     assert counts["ddp"] == counts["apex"] == counts["horovod"] == {1, 2, 4}  # 4 a replica
-    assert counts["fsdp"] == counts["deepspeed"] == {1}
+    assert counts["fsdp"] == {1, 2, 4}
+    assert counts["deepspeed"] == {1}
     flags = {c.label for c in found if c.backend == "ddp" and c.plan.pp == 1}
     assert "--backend ddp --accumulate 4" in flags
 
@@ -86,3 +88,21 @@ def test_a_micro_batch_the_model_refuses_is_refused_with_its_reason() -> None:
     refused = reasons[("--backend ddp", "--accumulate 2")]
     assert "--batch" in refused and "micro-batch of 1 sample" in refused
     assert "--backend ddp" in {p.layout.label for p in result.fitting}
+
+
+def test_fsdp_gathers_every_micro_batch_and_keeps_unsharded_gradients_until_the_last() -> None:
+    """fully_shard without gradient sync keeps each unit's unsharded gradients from its first
+    backward to the reduce-scatter in the last: the whole model's beside the shards' place;
+    each micro-batch gathers the units again (forward and backward), the gradients are
+    reduce-scattered once."""
+    net = meta_model(mlp)
+    model = model_of(net, [1024], torch.float32, "adam")
+    whole, split = (predict(layout(net, "fsdp", {}, 1, 1, world=2, precision="fp32", batch=64,
+                                   accumulate=a), model, _cluster(), describe("fp32"))
+                    for a in (1, 4))
+    gradients = 25_175_040 * 4
+    assert split.memory.buffers - whole.memory.buffers == gradients // 2  # less the shards
+    sizes = {a: {c.kind: c.size for c in get_backend("fsdp").step_traffic(
+        {}, whole.layout.plan, describe("fp32"), 25_175_040, a).collectives} for a in (1, 4)}
+    assert sizes[4]["all_gather"] == 4 * sizes[1]["all_gather"]
+    assert sizes[4]["reduce_scatter"] == sizes[1]["reduce_scatter"]
