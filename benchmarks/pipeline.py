@@ -38,8 +38,8 @@ where it exists), and whether the plan's first of them measured within 10 % of t
     .venv/bin/python benchmarks/pipeline.py --accumulations [--rate 1gbit] [--batch-size 256] \
         [--calibration FILE]
 
-runs the same MLP as D = 2 (ddp, a replica per node) with ``--accumulate`` 1, 2, 4 and 8,
-beside `mpt plan`'s step of each, calibrated alike.
+runs the same MLP as D = 2 (``--backend``, ddp by default, a replica per node) with
+``--accumulate`` 1, 2, 4 and 8, beside `mpt plan`'s step of each, calibrated alike.
 A benchmark, not a test: it prints figures and never fails on them.
 """
 
@@ -272,11 +272,18 @@ def schedules(args: argparse.Namespace) -> None:
           f"({best[0]} M = {best[1]}, {measured[best] * 1e3:.1f} ms)")
 
 
-def planned_schedules(args: argparse.Namespace, figures: Any, pp: int = 2
+def planned_schedules(args: argparse.Namespace, figures: Any
                       ) -> dict[tuple[str, int], tuple[float, int]]:
-    """`mpt plan`'s step of ddp at P = ``pp`` under each schedule and M (at P = 1: each
-    ``--accumulate``), uncompressed, and its place in the plan's ranking, on the
-    calibration's device and the link it measured."""
+    """`mpt plan`'s step of ddp at P = 2 under each schedule and M, and its place in the
+    plan's ranking, on the calibration's device and the link it measured."""
+    return {(p.layout.schedule, p.layout.microbatches): (p.step, rank)
+            for rank, p in enumerate(_plan_on_two_nodes(args, figures))
+            if p.layout.backend == "ddp" and p.layout.plan.pp == 2}
+
+
+def _plan_on_two_nodes(args: argparse.Namespace, figures: Any) -> Any:
+    """`mpt plan`'s layouts of ``mlp()`` that fit two nodes of the calibration's device and
+    the link it measured, fastest first."""
     import torch
 
     from mpt.estimate import meta_model
@@ -285,36 +292,33 @@ def planned_schedules(args: argparse.Namespace, figures: Any, pp: int = 2
 
     cluster = Cluster(nodes=2, gpus=1, device=figures.device("the calibration"),
                       link=figures.measured_link("the calibration"))
-    result = plan(meta_model(mlp), cluster, precision="fp32", batch=args.batch_size,
-                  input_shape=[1024], input_dtype=torch.float32, optimizer="adamw",
-                  step=figures.measured_step())
-    return {(p.layout.schedule, p.layout.microbatches): (p.step, rank)
-            for rank, p in enumerate(result.fitting)
-            if p.layout.backend == "ddp" and p.layout.plan.pp == pp
-            and p.layout.comm.compression == "none"}
+    return plan(meta_model(mlp), cluster, precision="fp32", batch=args.batch_size,
+                input_shape=[1024], input_dtype=torch.float32, optimizer="adamw",
+                step=figures.measured_step()).fitting
 
 
 def accumulations(args: argparse.Namespace) -> None:
-    """D = 2 on two nodes at --rate with --accumulate 1, 2, 4 and 8, measured against `mpt
-    plan`'s step of each (calibrated as for ``--schedules``)."""
+    """D = 2 on two nodes at --rate under --backend with --accumulate 1, 2, 4 and 8,
+    measured against `mpt plan`'s step of each (calibrated as for ``--schedules``)."""
     from plan_cluster import run_calibration
 
-    from mpt.plan.layouts import DEFAULT_SCHEDULE, MICROBATCHES
+    from mpt.plan.layouts import MICROBATCHES
 
     args.width, args.layers = 1024, 8  # mlp(): what the calibration times
     out = Path(args.calibration or f"calibration-pipeline-{args.rate}-{args.batch_size}.json")
     figures = run_calibration(
         [sys.executable, "-m", "mpt", "plan", f"{__file__}:mlp", "--calibrate", "--optimizer",
          "adamw", "--batch", str(args.batch_size)], 2, args.rate, out, reuse=True)
-    ranked = planned_schedules(args, figures, pp=1)
-    print(f"MLP 8 x 1024, D = 2 over 2 nodes x 1 process, links of {args.rate}, global batch "
-          f"{args.batch_size}; planned from {out}")
+    ranked = {p.layout.label: (p.step, rank)
+              for rank, p in enumerate(_plan_on_two_nodes(args, figures))}
+    print(f"MLP 8 x 1024, D = 2 under {args.backend} over 2 nodes x 1 process, links of "
+          f"{args.rate}, global batch {args.batch_size}; planned from {out}")
     print(f"{'accumulate':>10}{'measured ms':>13}{'planned ms':>12}{'ratio':>7}{'plan rank':>11}")
     for a in MICROBATCHES:
         if (args.batch_size // 2) % a:
             continue
-        step = on_two_nodes(args, "--accumulate", str(a))
-        plan, rank = ranked[DEFAULT_SCHEDULE, a]
+        step = on_two_nodes(args, "--backend", args.backend, "--accumulate", str(a))
+        plan, rank = ranked[f"--backend {args.backend}" + (f" --accumulate {a}" if a > 1 else "")]
         print(f"{a:>10}{step * 1e3:>13.1f}{plan * 1e3:>12.1f}{plan / step:>7.2f}{rank:>11}",
               flush=True)
 
