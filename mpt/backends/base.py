@@ -135,10 +135,6 @@ class Backend(ABC):
     default_bucket: ClassVar[float] = math.inf
     """Bytes of gradients one call of its allreduce carries where ``--bucket-mb`` is not
     given (DDP's buckets, Apex's messages, Horovod's fusion buffer); inf: all in one."""
-    accumulation_priced: ClassVar[bool] = False
-    """Whether `mpt plan` prices ``--accumulate`` without a pipeline for this backend: its
-    ``step_traffic`` and ``estimate_buffers`` hold for gradients accumulated over micro-batches
-    (reduced once a step, in the last micro-batch's backward)."""
     fresh_gradient_in_row: ClassVar[bool] = False
     """Whether ``estimate_row`` counts the gradient the backward makes for the weights that
     run beside those it holds (fsdp's unit of unsharded gradients). Where it does not, `mpt
@@ -357,6 +353,14 @@ class Backend(ABC):
         ``--grad-compression``) in ``plan``, over ``microbatches`` a step (a pipeline's, or
         ``--accumulate``'s), and what of it the backward frees. The default: none."""
         return Buffers()
+
+    @classmethod
+    def accumulation_priced(cls, options: Mapping[str, Any]) -> bool:
+        """Whether `mpt plan` prices ``--accumulate`` without a pipeline for this backend with
+        ``options``: its ``step_traffic`` and ``estimate_buffers`` hold for gradients
+        accumulated over micro-batches (reduced once a step, in the last micro-batch's
+        backward). The default: not."""
+        return False
 
     @classmethod
     def plan_variants(cls, world_size: int, pp: int) -> list[dict[str, Any]]:

@@ -145,7 +145,6 @@ class DDPBackend(Backend):
 
     name = "ddp"
     pipelines: ClassVar[bool] = True
-    accumulation_priced: ClassVar[bool] = True  # no_sync: one allreduce, in the last backward
     tensor_parallel: ClassVar[bool] = True
     options: ClassVar[dict[str, BackendOption]] = dict(POWERSGD_OPTIONS)
     _control: dist.ProcessGroup | None = None
@@ -175,6 +174,11 @@ class DDPBackend(Backend):
     def comm_refusal(cls, comm: GradComm, values: Mapping[str, Any]
                      ) -> tuple[str, Any, str, str] | None:
         return None  # every compression is a comm hook, and the bucket cap is DDP's
+
+    @classmethod
+    def accumulation_priced(cls, options: Mapping[str, Any]) -> bool:
+        """Priced: off the step's last micro-batch DDP reduces nothing (``no_sync``)."""
+        return True
 
     @classmethod
     def estimate_buffers(cls, stage: nn.Module, spec: PrecisionSpec, row: MemoryEstimate,

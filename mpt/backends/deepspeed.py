@@ -131,8 +131,6 @@ class DeepSpeedBackend(DDPBackend):
     """
 
     name = "deepspeed"
-    # ZeRO-2 reduces at every micro-batch (reduce_ready_partitions_and_remove_grads)
-    accumulation_priced = False
     pipelines: ClassVar[bool] = False
     tensor_parallel: ClassVar[bool] = False
     options: ClassVar[dict[str, BackendOption]] = {
@@ -284,6 +282,14 @@ class DeepSpeedBackend(DDPBackend):
         ways."""
         return (parameters * (4 if zero == 1 else cls._width(spec)),
                 parameters * cls._width(spec) / shards)
+
+    @classmethod
+    def accumulation_priced(cls, options: Mapping[str, Any]) -> bool:
+        """ZeRO-0 and 1 only: they reduce at the accumulation boundary, once a step (their
+        memory measured the same at 4 micro-batches as at one). ZeRO-2 reduces at every
+        micro-batch (``reduce_ready_partitions_and_remove_grads``) and holds more while it
+        accumulates; ZeRO-3 gathers and reduce-scatters at every one: not modelled."""
+        return cls._planned_stage(options) in (0, 1)
 
     @classmethod
     def plan_variants(cls, world_size: int, pp: int) -> list[dict[str, Any]]:

@@ -166,7 +166,6 @@ class FSDPBackend(DDPBackend):
     """
 
     name = "fsdp"
-    accumulation_priced = True  # gathers every micro-batch, unsharded gradients kept
     fresh_gradient_in_row = True
     options: ClassVar[dict[str, BackendOption]] = {
         "wrap": BackendOption(help="module classes that become FSDP units, comma-separated "
@@ -307,6 +306,12 @@ class FSDPBackend(DDPBackend):
             return Buffers(held=unit, released=3 * unit)
         whole = int(spec.params.itemsize * share * sum(parameter_counts(stage)))
         return Buffers(held=whole - unit, released=whole + unit)
+
+    @classmethod
+    def accumulation_priced(cls, options: Mapping[str, Any]) -> bool:
+        """Priced: the gathers of every micro-batch and the unsharded gradients kept until
+        the last one's reduce-scatter (``estimate_buffers``, ``step_traffic``)."""
+        return True
 
     @classmethod
     def plan_variants(cls, world_size: int, pp: int) -> list[dict[str, Any]]:

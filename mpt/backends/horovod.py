@@ -171,7 +171,6 @@ class HorovodBackend(Backend):
     where one optimizer is set up); parameters and optimizer state broadcast from rank 0."""
 
     name = "horovod"
-    accumulation_priced = True  # the hooks start nothing before the step's last micro-batch
     launcher = "horovodrun"
     elastic = False  # Horovod's rendezvous serves one fixed round (launchers.horovod_join)
     snapshots = False  # no torch.distributed process group: Horovod's own collectives
@@ -261,6 +260,11 @@ class HorovodBackend(Backend):
                                 "use --grad-compression fp16, or --backend ddp or apex for "
                                 "powersgd")
         return None
+
+    @classmethod
+    def accumulation_priced(cls, options: Mapping[str, Any]) -> bool:
+        """Priced: the hooks start nothing before the step's last micro-batch."""
+        return True
 
     @classmethod
     def estimate_buffers(cls, stage: nn.Module, spec: PrecisionSpec, row: MemoryEstimate,

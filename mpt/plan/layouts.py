@@ -93,7 +93,7 @@ def layouts(net: nn.Module, *, nodes: int, gpus: int, precision: str, batch: int
             for schedule in _schedules(pp):
                 try:
                     cls.check_precision(spec, device_type, options)
-                    for m in _microbatches(cls, pp, batch // replicas):
+                    for m in _microbatches(cls, options, pp, batch // replicas):
                         counts = {"microbatches": m} if pp > 1 else {"accumulate": m}
                         found.append(layout(net, backend, options, pp, tp, world=world,
                                             precision=precision, batch=batch,
@@ -128,13 +128,15 @@ def _schedules(pp: int) -> tuple[str, ...]:
     return (DEFAULT_SCHEDULE, *(s for s in SCHEDULES if s != DEFAULT_SCHEDULE))
 
 
-def _microbatches(cls: type, pp: int, per_replica: int) -> list[int]:
+def _microbatches(cls: type, options: Mapping[str, Any], pp: int, per_replica: int
+                  ) -> list[int]:
     """The micro-batch counts priced at P stages: every one of P, 2P, 4P and 8P
     (``MICROBATCHES``) that splits a replica's batch, else mpt's default 2P, for its refusal;
-    without a pipeline, each such ``--accumulate`` where the backend's is priced, else 1."""
+    without a pipeline, each such ``--accumulate`` where the backend prices it with
+    ``options``, else 1."""
     if pp == 1:
         return [a for a in MICROBATCHES if per_replica % a == 0 and (
-            a == 1 or cls.accumulation_priced)]
+            a == 1 or cls.accumulation_priced(options))]
     return [f * pp for f in MICROBATCHES if per_replica % (f * pp) == 0] or [2 * pp]
 
 

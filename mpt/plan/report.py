@@ -7,7 +7,6 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from mpt.backends import registered
 from mpt.plan.cost import Prediction
 from mpt.plan.planner import Plan, launch_line
 
@@ -110,10 +109,7 @@ def print_tables(result: Plan, script: str, console: Console, top: int = 0) -> N
         _left_out(console, len(result.short), top, "closest to fitting")
     console.print(f"{len(result.refused)} other combinations are refused by mpt (--json lists "
                   "each with its reason). Not counted in memory: the allocator's slack, the "
-                  "process (a few hundred MiB), the target batch, DeepSpeed ZeRO-0's buffers. "
-                  "--accumulate is priced for " + ", ".join(
-                      name for name, cls in sorted(registered().items())
-                      if cls.accumulation_priced) + ".")
+                  "process (a few hundred MiB), the target batch, DeepSpeed ZeRO-0's buffers.")
     if any(p.layout.comm.compression == "powersgd" for p in result.fitting):
         console.print("--grad-compression powersgd is priced once it has started (--backend-"
                       "options powersgd_start_step, 1000 by default; the plain allreduce "

@@ -27,18 +27,20 @@ def _cluster(**device) -> Cluster:
 
 
 def test_accumulation_is_a_layout_where_the_backend_prices_it() -> None:
-    """ddp, apex, horovod and fsdp accumulate with one reduction a step (no_sync, hooks held,
-    no gradient sync): each --accumulate of 1, 2, 4 and 8 that splits a replica's batch;
-    DeepSpeed (ZeRO-2 reduces every micro-batch) is not priced so."""
+    """ddp, apex, horovod, fsdp and DeepSpeed's ZeRO-0 and 1 accumulate with one reduction a
+    step (no_sync, hooks held, no gradient sync, the engine's boundary): each --accumulate of
+    1, 2, 4 and 8 that splits a replica's batch; ZeRO-2 and 3 (which reduce at every
+    micro-batch) are not priced so."""
     found, _ = layouts(meta_model(mlp), nodes=2, gpus=1, precision="fp32", batch=8,
                        device_type="cuda")
     counts: dict[str, set[int]] = {}
     for chosen in found:
         if chosen.plan.pp == 1 and chosen.comm.compression == "none":
-            counts.setdefault(chosen.backend, set()).add(chosen.microbatches)
-    assert counts["ddp"] == counts["apex"] == counts["horovod"] == {1, 2, 4}  # 4 a replica
-    assert counts["fsdp"] == {1, 2, 4}
-    assert counts["deepspeed"] == {1}
+            name = chosen.backend + str(chosen.options.get("zero_stage", ""))
+            counts.setdefault(name, set()).add(chosen.microbatches)
+    for name in ("ddp", "apex", "horovod", "fsdp", "deepspeed0", "deepspeed1"):
+        assert counts[name] == {1, 2, 4}, name  # 4 samples a replica
+    assert counts["deepspeed2"] == counts["deepspeed3"] == {1}
     flags = {c.label for c in found if c.backend == "ddp" and c.plan.pp == 1}
     assert "--backend ddp --accumulate 4" in flags
 
