@@ -300,7 +300,7 @@ def _plan_on_two_nodes(args: argparse.Namespace, figures: Any) -> Any:
 def accumulations(args: argparse.Namespace) -> None:
     """D = 2 on two nodes at --rate under --backend with --accumulate 1, 2, 4 and 8,
     measured against `mpt plan`'s step of each (calibrated as for ``--schedules``)."""
-    from plan_cluster import run_calibration
+    from plan_cluster import LABELS, run_calibration
 
     from mpt.plan.layouts import MICROBATCHES
 
@@ -317,8 +317,9 @@ def accumulations(args: argparse.Namespace) -> None:
     for a in MICROBATCHES:
         if (args.batch_size // 2) % a:
             continue
-        step = on_two_nodes(args, "--backend", args.backend, "--accumulate", str(a))
-        plan, rank = ranked[f"--backend {args.backend}" + (f" --accumulate {a}" if a > 1 else "")]
+        label = LABELS.get(args.backend, f"--backend {args.backend}")  # ZeRO-1 for deepspeed
+        step = on_two_nodes(args, *label.split(), "--accumulate", str(a))
+        plan, rank = ranked[label + (f" --accumulate {a}" if a > 1 else "")]
         print(f"{a:>10}{step * 1e3:>13.1f}{plan * 1e3:>12.1f}{plan / step:>7.2f}{rank:>11}",
               flush=True)
 
