@@ -272,8 +272,8 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
     stages = [[name for c in held_chunks for name in chunks[c]] for held_chunks in ranks]
     # a pipeline's rank holds the replica's batch; an accumulating script one micro-batch
     data = (m if plan.pp > 1 else 1) * work.input_bytes
-    held, trained = _memory(layout, model, stages, ranks, chunks, activations, by_name, spec,
-                            slowest, cluster.device.device_type, batch=data)
+    held, trained = _memory(layout, model, stages, ranks, costs, activations, spec, slowest,
+                            cluster.device.device_type, batch=data)
     stage = model.net if plan.pp == 1 else _stage_module(model, stages[slowest])
     flow = get_backend(layout.backend).step_traffic(layout.options, plan, spec, trained, m,
                                                     module=stage, comm=layout.comm)
@@ -430,12 +430,11 @@ def _pending(blocks: list[BlockCost], spec: PrecisionSpec, tp: int) -> int:
 
 
 def _memory(layout: Layout, model: Model, stages: list[list[str]], ranks: list[list[int]],
-            chunks: list[list[str]], activations: tuple[int, ...],
-            by_name: Mapping[str, BlockCost], spec: PrecisionSpec, slowest: int,
-            device_type: str, batch: int) -> tuple[Held, float]:
+            costs: list[ChunkCost], activations: tuple[int, ...], spec: PrecisionSpec,
+            slowest: int, device_type: str, batch: int) -> tuple[Held, float]:
     """What a rank of the fullest stage holds, and the parameters a rank of stage ``slowest``
     (the one whose time the step is) trains: its tp share. ``stages``: each pipeline rank's
-    block names; ``ranks``: the chunks of ``chunks`` it runs; ``activations``: its peak of
+    block names; ``ranks``: the chunks (of ``costs``) it runs; ``activations``: its peak of
     what its backwards need (the schedule's)."""
     plan = layout.plan
     cls = get_backend(layout.backend)
@@ -450,7 +449,7 @@ def _memory(layout: Layout, model: Model, stages: list[list[str]], ranks: list[l
         row = _scaled(cls.estimate_row(rows, layout.options), share)
         beyond = cls.estimate_buffers(stage, spec, row, share, plan, layout.options,
                                       layout.comm, microbatches=layout.microbatches)
-        kept = sum(_stage_buffers(chunks, c, by_name, layout, spec) for c in ranks[index])
+        kept = sum(_stage_buffers(costs[c], layout) for c in ranks[index])
         largest = max((p.numel() for p in stage.parameters() if p.requires_grad), default=0)
         found = Held(row=row, activations=activations[index], batch=batch,
                      accumulating=int(largest * spec.params.itemsize * share)
@@ -467,19 +466,17 @@ def _memory(layout: Layout, model: Model, stages: list[list[str]], ranks: list[l
     return best, trained
 
 
-def _stage_buffers(chunks: list[list[str]], index: int, by_name: Mapping[str, BlockCost],
-                   layout: Layout, spec: PrecisionSpec) -> int:
-    """What torch's ``PipelineStage`` of chunk ``index`` keeps from one step into the next,
-    for each micro-batch: its receive buffers (allocated at its first step: its input where
-    another chunk sends it, the gradient of its output where another chunk sends that back);
-    the last chunk's output (``output_chunks``); under a zero-bubble schedule its input's
-    gradient, left on the receive buffer's ``.grad``. The next step clears the last two."""
+def _stage_buffers(chunk: ChunkCost, layout: Layout) -> int:
+    """What torch's ``PipelineStage`` of ``chunk`` keeps from one step into the next, for each
+    micro-batch: its receive buffers (allocated at its first step: its input where another
+    chunk sends it, the gradient of its output where another chunk sends that back); the last
+    chunk's output (``output_chunks``, what it merges); under a zero-bubble schedule its
+    input's gradient, left on the receive buffer's ``.grad``. The next step clears the last
+    two."""
     if layout.plan.pp == 1:
         return 0
-    inputs = by_name[chunks[index - 1][-1]].output_bytes if index > 0 else 0
-    output = by_name[chunks[index][-1]].output_bytes
-    kept = inputs * (2 if layout.schedule in ZERO_BUBBLE else 1) + output
-    return int(layout.microbatches * activation_width(spec) * kept)
+    inputs = chunk.input * (2 if layout.schedule in ZERO_BUBBLE else 1)
+    return layout.microbatches * (inputs + chunk.output + chunk.merged)
 
 
 def _stage_module(model: Model, names: list[str]) -> nn.Module:
