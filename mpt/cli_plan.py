@@ -177,13 +177,13 @@ def _check_input(net: nn.Module, shape: list[int], dtype: torch.dtype) -> None:
     """A forward of two samples of ``shape`` on the meta device (batch norm refuses one): a
     UsageError where the model refuses them."""
     from mpt.estimate import example_input
+    from mpt.plan.workload import MODEL_ERRORS, refusal
 
     try:
         net(example_input([2, *shape], dtype))
-    except (RuntimeError, IndexError, ValueError) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    except MODEL_ERRORS as exc:
         raise UsageError("--input-shape", ",".join(map(str, shape)), f"the model's forward "
-                         f"refuses a sample of that shape ({reason})",
+                         f"refuses a sample of that shape ({refusal(exc)})",
                          "pass one sample's shape as the model takes it, e.g. --input-shape "
                          "3,224,224, or --input-shape 128 --input-dtype int64") from None
 

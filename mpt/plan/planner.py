@@ -18,7 +18,7 @@ from mpt.plan.cost import Model, Prediction, modelled_compute, predict
 from mpt.plan.layouts import Refused, layouts
 from mpt.plan.network import Cluster
 from mpt.plan.profiles import MeasuredStep
-from mpt.plan.workload import profile, tp_plan_of
+from mpt.plan.workload import MODEL_ERRORS, profile, refusal, tp_plan_of
 from mpt.precision import PrecisionSpec, describe
 from mpt.precision.base import dtype_name
 from mpt.run_config import RunConfig
@@ -58,11 +58,11 @@ def model_of(net: nn.Module, input_shape: Sequence[int], input_dtype: torch.dtyp
     def workload(micro_batch: int) -> Any:
         try:
             return profile(net, input_shape, input_dtype, micro_batch)
-        except (RuntimeError, IndexError, ValueError) as exc:  # the model's own refusal
-            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        except MODEL_ERRORS as exc:
             raise UsageError("--batch", f"{micro_batch} a micro-batch", f"the model's "
                              f"forward refuses a micro-batch of {micro_batch} sample(s) "
-                             f"({reason})", "fewer micro-batches, or a larger batch") from None
+                             f"({refusal(exc)})", "fewer micro-batches, or a larger batch"
+                             ) from None
 
     @functools.cache
     def stages(pp: int) -> list[list[str]]:

@@ -37,6 +37,9 @@ from mpt.errors import UsageError
 from mpt.estimate import example_input
 from mpt.pipeline.split import ordered_blocks
 
+MODEL_ERRORS = (RuntimeError, IndexError, ValueError)
+"""What a model's forward raises where it refuses its input (a wrong shape, batch norm's one
+sample)."""
 FREE = {torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default}
 """Ops that move no bytes though torch does not mark them as views."""
 
@@ -216,6 +219,12 @@ class _Recorder(TorchDispatchMode):
         weight = [id(t if t._base is None else t._base) in self.weights for t in tensors]
         return any(weight) and any(t.requires_grad and not w
                                    for t, w in zip(tensors, weight, strict=True))
+
+
+def refusal(exc: BaseException) -> str:
+    """A model's refusal (one of ``MODEL_ERRORS``) in one line: its message's first, or its
+    type where it says nothing."""
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 def style_of(entry: Any) -> str:
