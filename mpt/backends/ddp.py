@@ -146,6 +146,7 @@ class DDPBackend(Backend):
     name = "ddp"
     pipelines: ClassVar[bool] = True
     tensor_parallel: ClassVar[bool] = True
+    default_bucket: ClassVar[float] = DEFAULT_BUCKET_MB * 2**20  # torch's bucket_cap_mb
     options: ClassVar[dict[str, BackendOption]] = dict(POWERSGD_OPTIONS)
     _control: dist.ProcessGroup | None = None
     """The CPU group of ``sum_async`` (set on first use)."""
@@ -177,7 +178,9 @@ class DDPBackend(Backend):
 
     @classmethod
     def accumulation_priced(cls, options: Mapping[str, Any]) -> bool:
-        """Priced: off the step's last micro-batch DDP reduces nothing (``no_sync``)."""
+        """Priced: off the step's last micro-batch DDP reduces nothing (``no_sync``); fsdp,
+        which inherits it, gathers every micro-batch and keeps its unsharded gradients until
+        the last one's reduce-scatter (its ``estimate_buffers`` and ``step_traffic``)."""
         return True
 
     @classmethod
@@ -250,7 +253,6 @@ class DDPBackend(Backend):
             matmuls=tuple(shape for n, m, r in matrices
                           for shape in ((n, m, r), (m, n, r), (n, r, m))))
 
-    default_bucket: ClassVar[float] = DEFAULT_BUCKET_MB * 2**20  # torch's bucket_cap_mb
     group_alone: ClassVar[bool] = False
     """Whether a world of one still gets a process group (fully_shard and DeepSpeed need one,
     DDP does not)."""

@@ -308,12 +308,6 @@ class FSDPBackend(DDPBackend):
         return Buffers(held=whole - unit, released=whole + unit)
 
     @classmethod
-    def accumulation_priced(cls, options: Mapping[str, Any]) -> bool:
-        """Priced: the gathers of every micro-batch and the unsharded gradients kept until
-        the last one's reduce-scatter (``estimate_buffers``, ``step_traffic``)."""
-        return True
-
-    @classmethod
     def plan_variants(cls, world_size: int, pp: int) -> list[dict[str, Any]]:
         """Every ``--fsdp-replicate`` that divides the world (1: plain fsdp, more: HSDP); under
         a pipeline each also with ``--fsdp-reshard-after-forward yes``, which trades M x the
