@@ -82,7 +82,8 @@ class PipelineStep(TrainStep):
                                 device=backend.device, group=self.stages.pp_group)
                   for index, chunk in zip(indices, pair.model.chunks,  # type: ignore[union-attr]
                                           strict=True)]
-        schedule = schedule_class(plan.schedule)(stages if plan.chunks_per_rank > 1 else stages[0],  # type: ignore[arg-type]
+        kind = schedule_class(plan.schedule)
+        schedule = kind(stages if plan.chunks_per_rank > 1 else stages[0],  # type: ignore[arg-type]
                         n_microbatches=plan.microbatches, loss_fn=self._scaled_loss,
                         scale_grads=False)
         self._schedules[id(pair)] = schedule

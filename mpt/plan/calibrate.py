@@ -402,9 +402,9 @@ def pipeline_overheads(pair: Any, position: int, device: torch.device,
         stages = [PipelineStage(nn.Linear(PROBE_WIDTH, PROBE_WIDTH).to(device), stage_index=i,
                                 num_stages=chunks, device=device, group=pair)
                   for i in range(position, chunks, 2)]
-        run = schedule_class(schedule)(stages if len(stages) > 1 else stages[0],
-                              n_microbatches=PROBE_MICROBATCHES,
-                              loss_fn=lambda out, target: out.sum(), scale_grads=False)
+        kind = schedule_class(schedule)
+        run = kind(stages if len(stages) > 1 else stages[0], n_microbatches=PROBE_MICROBATCHES,
+                   loss_fn=lambda out, target: out.sum(), scale_grads=False)
         seconds = _timed(lambda run=run: run.step(x) if position == 0 else run.step(target=x),
                          5, sync)
         waits = simulate(schedule, 2, PROBE_MICROBATCHES, [ChunkCost(
