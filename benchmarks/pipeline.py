@@ -239,16 +239,10 @@ def schedules(args: argparse.Namespace) -> None:
     """P = 2 on two nodes at --rate under every schedule and M of 2, 4, 8, 16, measured
     against `mpt plan`'s step of each (calibrated on two such nodes, its compute scaled by the
     MLP's own step), and whether the plan's first of them measured within 10 % of the best."""
-    from plan_cluster import run_calibration
-
     from mpt.pipeline.config import SCHEDULES
     from mpt.plan.layouts import MICROBATCHES
 
-    args.width, args.layers = 1024, 8  # mlp(): what the calibration times
-    out = Path(args.calibration or f"calibration-pipeline-{args.rate}-{args.batch_size}.json")
-    figures = run_calibration(
-        [sys.executable, "-m", "mpt", "plan", f"{__file__}:mlp", "--calibrate", "--optimizer",
-         "adamw", "--batch", str(args.batch_size)], 2, args.rate, out, reuse=True)
+    figures, out = _calibrated_mlp(args)
     ranked = planned_schedules(args, figures)
     print(f"MLP 8 x 1024, P = 2 over 2 nodes x 1 process, links of {args.rate}, global batch "
           f"{args.batch_size}; planned from {out}")
@@ -270,6 +264,19 @@ def schedules(args: argparse.Namespace) -> None:
     print(f"plan's first: {first[0]} M = {first[1]}, measured {measured[first] * 1e3:.1f} ms, "
           f"{measured[first] / measured[best] - 1:+.1%} against the measured best "
           f"({best[0]} M = {best[1]}, {measured[best] * 1e3:.1f} ms)")
+
+
+def _calibrated_mlp(args: argparse.Namespace) -> tuple[Any, Path]:
+    """Two nodes at --rate calibrated for ``mlp()`` at --batch-size (`mpt plan
+    benchmarks/pipeline.py:mlp --calibrate --nodes 2`), into --calibration or reused from it,
+    and that file; the workers train ``mlp()`` from here on."""
+    from plan_cluster import run_calibration
+
+    args.width, args.layers = 1024, 8  # mlp(): what the calibration times
+    out = Path(args.calibration or f"calibration-pipeline-{args.rate}-{args.batch_size}.json")
+    return run_calibration(
+        [sys.executable, "-m", "mpt", "plan", f"{__file__}:mlp", "--calibrate", "--optimizer",
+         "adamw", "--batch", str(args.batch_size)], 2, args.rate, out, reuse=True), out
 
 
 def planned_schedules(args: argparse.Namespace, figures: Any
@@ -300,15 +307,12 @@ def _plan_on_two_nodes(args: argparse.Namespace, figures: Any) -> Any:
 def accumulations(args: argparse.Namespace) -> None:
     """D = 2 on two nodes at --rate under --backend with --accumulate 1, 2, 4 and 8,
     measured against `mpt plan`'s step of each (calibrated as for ``--schedules``)."""
-    from plan_cluster import LABELS, run_calibration
+    from plan_cluster import LABELS
 
     from mpt.plan.layouts import MICROBATCHES
 
-    args.width, args.layers = 1024, 8  # mlp(): what the calibration times
-    out = Path(args.calibration or f"calibration-pipeline-{args.rate}-{args.batch_size}.json")
-    figures = run_calibration(
-        [sys.executable, "-m", "mpt", "plan", f"{__file__}:mlp", "--calibrate", "--optimizer",
-         "adamw", "--batch", str(args.batch_size)], 2, args.rate, out, reuse=True)
+    figures, out = _calibrated_mlp(args)
+    label = LABELS.get(args.backend, f"--backend {args.backend}")  # ZeRO-1 for deepspeed
     ranked = {p.layout.label: (p.step, rank)
               for rank, p in enumerate(_plan_on_two_nodes(args, figures))}
     print(f"MLP 8 x 1024, D = 2 under {args.backend} over 2 nodes x 1 process, links of "
@@ -317,7 +321,6 @@ def accumulations(args: argparse.Namespace) -> None:
     for a in MICROBATCHES:
         if (args.batch_size // 2) % a:
             continue
-        label = LABELS.get(args.backend, f"--backend {args.backend}")  # ZeRO-1 for deepspeed
         step = on_two_nodes(args, *label.split(), "--accumulate", str(a))
         plan, rank = ranked[label + (f" --accumulate {a}" if a > 1 else "")]
         print(f"{a:>10}{step * 1e3:>13.1f}{plan * 1e3:>12.1f}{plan / step:>7.2f}{rank:>11}",
