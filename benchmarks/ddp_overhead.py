@@ -56,11 +56,11 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from malloc_tuning import steady_malloc  # benchmarks/ is the script's folder
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import mpt
+from mpt.environments.host_memory import apply_host_memory
 from mpt.precision import LossScaleConfig
 
 GOAL = 1.02
@@ -200,7 +200,8 @@ def bootstrap_ratio(a: torch.Tensor, b: torch.Tensor, n: int) -> tuple[float, fl
 
 def main() -> None:
     args = parse_args()
-    malloc = "steady" if args.malloc == "steady" and steady_malloc() else "default"
+    steady = args.malloc == "steady" and apply_host_memory("steady") is None
+    malloc = "steady" if steady else "default"
     torch.manual_seed(0)  # same initial weights on every rank and on both sides
     rt = mpt.Runtime(backend="ddp", precision=args.precision)
     if not dist.is_initialized() or rt.world_size < 2:

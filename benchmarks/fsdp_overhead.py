@@ -28,13 +28,13 @@ import torch
 import torch.distributed as dist
 from ab_rounds import compare, describe
 from ddp_overhead import GOAL, RAW_LOOPS, make_batches, make_model, mpt_step_fn, raw_step_fn
-from malloc_tuning import steady_malloc
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import mpt
+from mpt.environments.host_memory import apply_host_memory
 
 
 def parse_args() -> argparse.Namespace:
@@ -50,7 +50,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    steady_malloc()
+    apply_host_memory("steady")  # glibc keeps what a step frees (--host-memory steady)
     torch.manual_seed(0)  # same initial weights on every rank and on both sides
     rt = mpt.Runtime(backend="fsdp", backend_options={"wrap": "Linear"}, quiet=True)
     if rt.world_size < 2:

@@ -28,13 +28,13 @@ import time
 import torch
 import torch.distributed as dist
 from ab_rounds import compare, describe  # benchmarks/ is the script's folder
-from malloc_tuning import steady_malloc
 from torch import nn
 
 import mpt
 from mpt.backends import Backend
 from mpt.backends.ddp import CAST_DTYPES
 from mpt.comm import COMPRESSIONS, GradComm
+from mpt.environments.host_memory import apply_host_memory
 
 
 def parse_args() -> argparse.Namespace:
@@ -67,7 +67,7 @@ def allreduce_ms(numel: int, dtype: torch.dtype, device: torch.device) -> float:
 
 def main() -> None:
     args = parse_args()
-    malloc = "steady" if steady_malloc() else "default"
+    malloc = "steady" if apply_host_memory("steady") is None else "default"
     rt = mpt.Runtime(quiet=True)
     if not dist.is_initialized() or rt.world_size < 2:
         raise SystemExit("run this through `mpt launch --gpus 2`: it needs a process group")

@@ -31,10 +31,10 @@ from collections.abc import Callable
 import horovod
 import horovod.torch as hvd
 import torch
-from malloc_tuning import steady_malloc  # benchmarks/ is the script's folder
 from torch import nn
 
 import mpt
+from mpt.environments.host_memory import apply_host_memory
 
 GOAL = 1.02
 StepFn = Callable[[int], None]
@@ -108,7 +108,7 @@ def main() -> None:
     args = parser.parse_args()
     # Both sides share one allocator: without this, glibc returns freed gradient memory to the
     # OS and page faults, not mpt, decided the ratio (1.03-1.05 without, 0.91-0.99 with).
-    malloc = "steady" if steady_malloc() else "default"
+    malloc = "steady" if apply_host_memory("steady") is None else "default"
     torch.manual_seed(0)
     rt = mpt.Runtime(backend="horovod", quiet=True)  # no progress lines: raw prints none
     gen = torch.Generator().manual_seed(1000 + rt.rank)

@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 from ab_rounds import StepFn
 from ddp_overhead import RAW_LOOPS, mpt_step_fn, raw_step_fn
-from malloc_tuning import steady_malloc
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import mpt
+from mpt.environments.host_memory import apply_host_memory
 
 CLIP = 1.0
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -41,7 +41,7 @@ def add_protocol_args(parser: argparse.ArgumentParser, *, steps: int, warmup: in
 
 def start(args: argparse.Namespace) -> tuple[mpt.Runtime, str, Callable[[], None]]:
     """The runtime (its process group serves both sides), the malloc setting, the device sync."""
-    malloc = "steady" if steady_malloc() else "default"
+    malloc = "steady" if apply_host_memory("steady") is None else "default"
     torch.manual_seed(0)  # same initial weights on every rank and on both sides
     rt = mpt.Runtime(backend="ddp", precision=args.precision)
     if not dist.is_initialized() or rt.world_size < 2:

@@ -92,11 +92,14 @@ class RunConfig:
         "1800).", parse=parse_number, metavar="SECONDS")
     host_memory: str = _setting(
         HOST_MEMORY[0], "How the C allocator (glibc) treats freed host memory: fast (glibc's "
-        "default: freed blocks are kept for reuse, so resident memory can grow to several "
-        "times what the run holds) or lean (freed blocks of 1 MiB and more go back to the OS "
-        "at once: resident memory tracks what the run holds, and each step pays page faults "
-        "again: about 1.7 x the step time of CPU training; docs/parallel.md).",
-        parse=parse_host_memory, metavar="fast|lean")
+        "defaults: freed blocks are kept for reuse, so resident memory can grow to several "
+        "times what the run holds, but a heap's free top goes back to the OS and some steps "
+        "fault it in again), lean (freed blocks of 1 MiB and more go back to the OS at once: "
+        "resident memory tracks what the run holds, and each step pays page faults again: "
+        "about 1.7 x the step time of CPU training) or steady (blocks under 32 MiB are kept "
+        "and never handed back: no step faults them in again, resident memory stays at its "
+        "peak); docs/parallel.md.",
+        parse=parse_host_memory, metavar="fast|lean|steady")
     checkpoint_dir: str | None = _setting(
         None, "Where rt.save() writes and rt.resume() looks (a path or fsspec URL).",
         metavar="DIR")

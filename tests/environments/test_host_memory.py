@@ -1,8 +1,10 @@
 """``--host-memory``: lean hands freed large blocks back to the OS, fast (glibc's default) keeps
-them; a bad value is one line naming the flag, the value and the choices."""
+them but trims a heap's free top, steady keeps that too; a bad value is one line naming the
+flag, the value and the choices."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -31,26 +33,77 @@ rt.close()
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or host_memory._glibc() is None,
-                    reason="glibc's allocator and /proc only")
-def test_lean_returns_freed_large_blocks_and_fast_keeps_them():
-    runs = {mode: subprocess.Popen([sys.executable, "-c", FRAGMENT, mode], text=True,
+# Six times, as a training loop's steps do: allocates BLOCKS tensors of 8 MiB (their pages
+# touched), then frees them all, so the heap's top is free. Prints, per round, the bytes that
+# round faulted in and the resident bytes its free handed back to the OS.
+ROUNDS = 6
+STEPS = f"""
+import json, resource, sys, torch
+from mpt.environments.host_memory import apply_host_memory
+apply_host_memory(sys.argv[1])
+def faulted():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt * resource.getpagesize()
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+rounds = []
+for _ in range({ROUNDS}):
+    before = faulted()
+    blocks = [torch.ones({BLOCK} // 4) for _ in range({BLOCKS})]
+    held = rss()
+    del blocks
+    rounds.append((faulted() - before, held - rss()))
+print(json.dumps(rounds))
+"""
+
+glibc_only = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or host_memory._glibc() is None,
+    reason="glibc's allocator and /proc only")
+
+
+def _each_mode(script: str) -> dict[str, int]:
+    """The last number ``script`` prints, run once under each ``--host-memory``."""
+    runs = {mode: subprocess.Popen([sys.executable, "-c", script, mode], text=True,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             for mode in host_memory.HOST_MEMORY}
-    kept = {}
+    printed = {}
     for mode, run in runs.items():
         out, err = run.communicate(timeout=60)
         assert run.returncode == 0, err
-        kept[mode] = int(out.split()[-1])
+        printed[mode] = int(out.split()[-1])
+    return printed
+
+
+@glibc_only
+def test_lean_returns_freed_large_blocks_and_fast_keeps_them():
+    kept = _each_mode(FRAGMENT)
     # fast: the 15 freed blocks stay resident (the control: this pattern does fragment)
     assert kept["fast"] >= (BLOCKS - 4) * BLOCK, kept
     # lean: only the block still held stays (and a little of the heap)
     assert kept["lean"] <= 3 * BLOCK, kept
+    # steady: kept as under fast
+    assert kept["steady"] >= (BLOCKS - 4) * BLOCK, kept
+
+
+@glibc_only
+def test_steady_keeps_what_a_step_freed_and_stops_faulting_it_in():
+    rounds = {mode: json.loads(subprocess.run(
+        [sys.executable, "-c", STEPS, mode], capture_output=True, text=True, timeout=60,
+        check=True).stdout) for mode in ("lean", "steady")}
+    # lean (the control: this loop does free memory the OS takes back): every round hands its
+    # blocks back and faults them in again
+    for faulted, returned in rounds["lean"]:
+        assert faulted >= (BLOCKS - 1) * BLOCK and returned >= (BLOCKS - 1) * BLOCK, rounds
+    # steady never trims the heap's free top; once the heap holds a round's blocks, a round
+    # reuses them (glibc's default does either, depending on what pins the top: not asserted)
+    assert all(returned <= 0 for _, returned in rounds["steady"]), rounds
+    assert rounds["steady"][-1][0] <= BLOCK, rounds
 
 
 def test_lean_says_where_it_cannot_apply(monkeypatch):
     monkeypatch.setattr(host_memory, "_glibc", lambda: None)
-    assert "--host-memory lean has no effect here" in host_memory.apply_host_memory("lean")
+    for mode in ("lean", "steady"):
+        assert f"--host-memory {mode} has no effect here" in host_memory.apply_host_memory(mode)
     assert host_memory.apply_host_memory("fast") is None
 
 
@@ -59,4 +112,4 @@ def test_a_bad_value_is_refused_in_one_line(run_cli):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
-    assert "--host-memory=huge" in lines[0] and "fast, lean" in lines[0]
+    assert "--host-memory=huge" in lines[0] and "fast, lean, steady" in lines[0]
