@@ -60,6 +60,7 @@ from mpt.environments.world import World
 from mpt.errors import UsageError
 from mpt.plan.network import fit_key, ring_factor, ring_steps
 from mpt.plan.profiles import CollectiveFit, Device, Link, MeasuredStep, StepSpec
+from mpt.plan.workload import MODEL_ERRORS
 from mpt.precision.base import dtype_name
 
 FORMAT = "mpt-plan-calibration/2"
@@ -420,8 +421,9 @@ class ModelStep:
     its optimizer step with ``zero_grad`` (gradients to None, as torch's default frees them),
     timed in spells (``time``) that the calibration spreads over its run, so that
     a slow spell of a shared machine moves the medians (``figures``: ``MeasuredStep``'s fields)
-    by one spell's share, not wholly. A RuntimeError (out of memory, an input the model refuses)
-    ends the timing and is kept as the figures' ``error``."""
+    by one spell's share, not wholly. A piece count whose pieces the model refuses (batch
+    norm's one sample) is not timed; an error of the whole micro-batch (out of memory, an input
+    the model refuses) ends the timing and is kept as the figures' ``error``."""
 
     def __init__(self, spec: StepSpec, device: torch.device, sync: Callable[[], None]) -> None:
         self.spec, self.sync = spec, sync
@@ -433,8 +435,9 @@ class ModelStep:
         self.runs: tuple[Callable[[int], None], Callable[[], None]] | None = None
         try:
             self.runs = self._build(device)
+            self.splits = [k for k in self.splits if self._accepts(k)]
             self._run(STEP_WARMUP, keep=False)
-        except RuntimeError as exc:
+        except MODEL_ERRORS as exc:
             self.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
 
     def _build(self, device: torch.device) -> tuple[Callable[[int], None], Callable[[], None]]:
@@ -474,6 +477,21 @@ class ModelStep:
 
         return forward_backward, update
 
+    def _accepts(self, pieces: int) -> bool:
+        """Whether the model trains on its micro-batch cut into ``pieces`` (its refusal of the
+        whole one is raised)."""
+        assert self.runs is not None
+        forward_backward, update = self.runs
+        try:
+            forward_backward(pieces)
+        except MODEL_ERRORS:
+            if pieces == 1:
+                raise
+            return False
+        finally:
+            update()
+        return True
+
     def _run(self, steps: int, keep: bool) -> None:
         assert self.runs is not None
         forward_backward, update = self.runs
@@ -496,7 +514,7 @@ class ModelStep:
             return
         try:
             self._run(steps, keep=True)
-        except RuntimeError as exc:
+        except MODEL_ERRORS as exc:
             self.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
 
     def figures(self) -> dict[str, Any]:

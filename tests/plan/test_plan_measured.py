@@ -149,6 +149,25 @@ def test_a_model_that_refuses_its_input_is_kept_as_an_error(tmp_path) -> None:
     assert list(figures) == ["error"] and figures["error"].startswith("RuntimeError: ")
 
 
+def test_pieces_the_model_refuses_are_not_timed(tmp_path) -> None:
+    """Batch norm refuses a piece of one sample (a ValueError): a micro-batch of 4 is timed
+    whole and in 2 pieces, not in 4; a micro-batch of one sample is kept as an error."""
+    from mpt.plan import calibrate
+
+    (tmp_path / "normed.py").write_text(
+        "from torch import nn\n\ndef build():\n"
+        "    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8))\n")
+    spec = StepSpec(model=f"{tmp_path}/normed.py:build", input_shape=(6,),
+                    input_dtype="float32", micro_batch=4, precision="fp32", optimizer="sgd")
+    model = calibrate.ModelStep(spec, torch.device("cpu"), lambda: None)
+    model.time()
+    assert model.splits == [1, 2]
+    assert set(model.figures()["split"]) == {"2"}
+    one = calibrate.ModelStep(dataclasses.replace(spec, micro_batch=1), torch.device("cpu"),
+                              lambda: None)
+    assert one.figures()["error"].startswith("ValueError: Expected more than 1 value")
+
+
 def test_token_ids_and_a_cast_model_are_timed_in_their_own_dtypes(tmp_path) -> None:
     """Token ids run as ids (an embedding refuses floats), and a model cast to bf16 (O2) is
     fed its float samples in bf16 by the precision's own hook (a bf16 Linear refuses fp32)."""
