@@ -41,6 +41,8 @@ import sys
 import time
 from pathlib import Path
 
+from mpt.environments.host_memory import HOST_MEMORY
+
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = 8
 UNSHAPED = "100gbit"
@@ -272,6 +274,7 @@ def run_cell(model: str, backend: str, compression: str, nodes: int, rate: str,
                    "--rounds", str(args.rounds), "--warmup", str(args.warmup),
                    *(["--mpt-only"] if args.mpt_only else [])]
     bucket = [] if args.bucket_mb is None else ["--bucket-mb", str(args.bucket_mb)]
+    bucket += ["--host-memory", args.host_memory]
     if compression == "powersgd":  # started within the warm-up: the cell times its own steps
         bucket += ["--backend-options", json.dumps({"powersgd_start_step": POWERSGD_START})]
     with EmulatedCluster(nodes=nodes, shape=LinkShape(rate=rate)) as cluster:
@@ -288,7 +291,8 @@ def run_cell(model: str, backend: str, compression: str, nodes: int, rate: str,
         print(f"  {name}: failed\n{run.report()[-3000:]}", flush=True)
         return None
     return {"model": model, "backend": backend, "compression": compression, "nodes": nodes,
-            "rate": rate, "seconds": run.seconds, **json.loads(result.read_text())}
+            "rate": rate, "host_memory": args.host_memory, "seconds": run.seconds,
+            **json.loads(result.read_text())}
 
 
 def rate_bits(rate: str) -> float:
@@ -404,6 +408,8 @@ def main() -> None:
                         help="--grad-compression values (a backend's refusal skips its cell)")
     parser.add_argument("--bucket-mb", type=float, help="--bucket-mb of every cell (and the "
                         "raw DDP's bucket cap); default: each library's own")
+    parser.add_argument("--host-memory", choices=HOST_MEMORY, default=HOST_MEMORY[0],
+                        help="--host-memory of every cell (mpt's default: glibc's)")
     parser.add_argument("--mpt-only", action="store_true",
                         help="train mpt's loop alone in each cell's job, no raw twin beside it "
                         "(whose allocations slow mpt's step in the same process: ResNet-18 "
