@@ -21,10 +21,11 @@ by 2.2 GiB in 6 steps).
   step, 1.84 x its wall time on a quiet machine; docs/benchmarks.md).
 - ``steady``: glibc's defaults as they settle after the first steps, held from the start and
   never trimmed: an mmap threshold fixed at 32 MiB (glibc's ceiling for its moving one) and no
-  heap trimming. A step reuses every block under 32 MiB that an earlier one freed and faults
-  none of them in again; blocks of 32 MiB and more are mapped and faulted in at each
-  allocation, as under ``fast``. Resident memory stays at its high-water mark (peaks 0-20 %
-  above ``fast``'s; the fsdp step above 1.3 x faster; docs/parallel.md).
+  heap trimming. A step reuses the heap's blocks that an earlier one freed instead of faulting
+  them in again; a block of 32 MiB or more is mapped and faulted in anew, as under ``fast``,
+  unless a free region of the heap holds it. Resident memory stays at its high-water mark
+  (peaks 0-20 % above ``fast``'s; CPU steps of fsdp and DeepSpeed up to 1.25 x faster, of
+  ddp about the same; docs/parallel.md).
 
 Applied once per process by ``mpt.connector.connect``, before the Runtime allocates anything of
 the model. Other C libraries (musl, macOS) have no ``mallopt`` to call: there the setting has no
