@@ -1,8 +1,7 @@
 """`mpt plan --calibrate`: measure this machine's figures for the cost model, and load them.
 
 ``--gpus`` real processes, at least 2 on one machine (``torch.multiprocessing``, gloo on a
-CPU, NCCL on GPUs), each as `mpt launch` starts a rank (one intra-op thread) and as the plan's
-launch line on a CPU host runs it (``--host-memory steady``: glibc keeps its heap):
+CPU, NCCL on GPUs), each as `mpt launch` starts a rank (one intra-op thread):
 
 1. a sweep of allreduce, all-gather and reduce-scatter sizes (16 KiB - 32 MiB) between them,
    the allreduce and the reduce-scatter also in bf16 and fp16, each fitted by least squares
@@ -24,7 +23,7 @@ launch line on a CPU host runs it (``--host-memory steady``: glibc keeps its hea
    (``SPLITS``), and its optimizer step with ``zero_grad``, each the median of three spells of
    ``STEP_REPEATS`` timings (``ModelStep``), after ``STEP_WARMUP`` steps: one before step 1,
    one between steps 1 and 2, one after step 2. What the op-by-op model leaves out on this device
-   (a kernel's real speed at the model's own shapes, what the host allocator faults in)
+   (the host allocator's re-faulted blocks, a kernel's real speed at the model's own shapes)
    is in these two figures; the plan scales its compute by them (``MeasuredStep``).
 
 Across nodes (``--nodes N --nr R --master-addr HOST`` on every node, as `mpt launch` is
@@ -57,18 +56,10 @@ from typing import Any
 
 import torch
 
-from mpt.environments.host_memory import apply_host_memory
 from mpt.environments.world import World
 from mpt.errors import UsageError
 from mpt.plan.network import fit_key, ring_factor, ring_steps
-from mpt.plan.profiles import (
-    CPU_HOST_MEMORY,
-    CollectiveFit,
-    Device,
-    Link,
-    MeasuredStep,
-    StepSpec,
-)
+from mpt.plan.profiles import CollectiveFit, Device, Link, MeasuredStep, StepSpec
 from mpt.plan.workload import MODEL_ERRORS
 from mpt.precision.base import dtype_name
 
@@ -542,7 +533,6 @@ def _worker(local_rank: int, world: World, out: str, step: StepSpec | None,
 
     world = dataclasses.replace(world, local_rank=local_rank)
     torch.set_num_threads(1)  # as `mpt launch` starts each rank
-    apply_host_memory(CPU_HOST_MEMORY)  # as the plan's launch line on a CPU host runs it
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world.gpus
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:

@@ -30,19 +30,12 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from mpt.environments.host_memory import STEADY_MMAP_THRESHOLD
 from mpt.errors import UsageError
 
-CPU_HOST_MEMORY = "steady"
-"""The ``--host-memory`` a CPU host's plan prices: its launch line carries it and its
-calibration runs under it. A step then faults in again only the blocks glibc maps anew
-(``FRESH_BLOCK`` and more); under glibc's defaults (``fast``) it can also fault in smaller
-freed blocks, when a heap's free top was trimmed (fsdp's ResNet-18 at one rank: 1.26 x the
-step; docs/plan.md)."""
-FRESH_BLOCK = STEADY_MMAP_THRESHOLD
-"""glibc's largest mmap threshold (``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit hosts), which
-``steady`` holds from the start: a block of this size or more is mapped from the kernel at
-every allocation and unmapped when freed, where smaller ones come back from the heap."""
+FRESH_BLOCK = 32 << 20
+"""glibc's largest mmap threshold (``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit hosts): a block of
+this size or more is mapped from the kernel at every allocation and unmapped when freed, where
+smaller ones come back from the heap."""
 
 GB = 1e9
 
