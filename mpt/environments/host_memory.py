@@ -24,8 +24,8 @@ by 2.2 GiB in 6 steps).
   heap trimming. A step reuses the heap's blocks that an earlier one freed instead of faulting
   them in again; a block of 32 MiB or more is mapped and faulted in anew, as under ``fast``,
   unless a free region of the heap holds it. Resident memory stays at its high-water mark
-  (peaks 0-20 % above ``fast``'s; CPU steps of fsdp and DeepSpeed up to 1.25 x faster, of
-  ddp about the same; docs/parallel.md).
+  (measured against ``fast``: peaks 0.96-1.13 x, steps 0.73-1.07 x, ResNet-18's under fsdp
+  0.73 x and under DeepSpeed 0.81 x; docs/parallel.md).
 
 Applied once per process by ``mpt.connector.connect``, before the Runtime allocates anything of
 the model. Other C libraries (musl, macOS) have no ``mallopt`` to call: there the setting has no
