@@ -99,7 +99,7 @@ class RunConfig:
         "about 1.7 x the step time of CPU training) or steady (blocks under 32 MiB are kept "
         "and never handed back: no step faults them in again, resident memory stays at its "
         "peak); docs/parallel.md.",
-        parse=parse_host_memory, metavar="fast|lean|steady")
+        parse=parse_host_memory, metavar="|".join(HOST_MEMORY))
     checkpoint_dir: str | None = _setting(
         None, "Where rt.save() writes and rt.resume() looks (a path or fsspec URL).",
         metavar="DIR")
