@@ -96,7 +96,7 @@ class RunConfig:
         "times what the run holds, but a heap's free top goes back to the OS and some steps "
         "fault it in again), lean (freed blocks of 1 MiB and more go back to the OS at once: "
         "resident memory tracks what the run holds, and each step pays page faults again: "
-        "about 1.7 x the step time of CPU training) or steady (blocks under 32 MiB are kept "
+        "1.1-2.7 x the step time of CPU training) or steady (blocks under 32 MiB are kept "
         "and never handed back: no step faults them in again, resident memory stays at its "
         "peak); docs/parallel.md.",
         parse=parse_host_memory, metavar="|".join(HOST_MEMORY))
