@@ -61,6 +61,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run(model: str, backend: str, mode: str, args: argparse.Namespace) -> dict:
+    """One job of ``model`` under ``backend`` and ``mode``: its step and peak (``worker``)."""
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / "cell.json"
         subprocess.run([str(Path(sys.executable).parent / "mpt"), "launch", "--gpus", "1",

@@ -273,14 +273,15 @@ def run_cell(model: str, backend: str, compression: str, nodes: int, rate: str,
     worker_args = ["--worker", str(result), "--model", model, "--steps", str(args.steps),
                    "--rounds", str(args.rounds), "--warmup", str(args.warmup),
                    *(["--mpt-only"] if args.mpt_only else [])]
-    bucket = [] if args.bucket_mb is None else ["--bucket-mb", str(args.bucket_mb)]
-    bucket += ["--host-memory", args.host_memory]
+    flags = ["--host-memory", args.host_memory]
+    if args.bucket_mb is not None:
+        flags += ["--bucket-mb", str(args.bucket_mb)]
     if compression == "powersgd":  # started within the warm-up: the cell times its own steps
-        bucket += ["--backend-options", json.dumps({"powersgd_start_step": POWERSGD_START})]
+        flags += ["--backend-options", json.dumps({"powersgd_start_step": POWERSGD_START})]
     with EmulatedCluster(nodes=nodes, shape=LinkShape(rate=rate)) as cluster:
         commands = [launch_command(cluster, nr, Path(__file__).resolve(), worker_args,
                                    launch_args=["--backend", backend,
-                                                "--grad-compression", compression, *bucket])
+                                                "--grad-compression", compression, *flags])
                     for nr in range(nodes)]
         run = run_nodes(cluster, commands, timeout=args.timeout, cwd=str(ROOT),
                         env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
