@@ -75,7 +75,7 @@ def _each_mode(script: str) -> dict[str, int]:
 
 
 @glibc_only
-def test_lean_returns_freed_large_blocks_and_fast_keeps_them():
+def test_lean_returns_freed_large_blocks_and_fast_and_steady_keep_them():
     kept = _each_mode(FRAGMENT)
     # fast: the 15 freed blocks stay resident (the control: this pattern does fragment)
     assert kept["fast"] >= (BLOCKS - 4) * BLOCK, kept
