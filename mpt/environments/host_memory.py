@@ -19,13 +19,15 @@ by 2.2 GiB in 6 steps).
   block of 1 MiB or more leaves at once, so resident memory tracks what the run holds, and each
   step faults its large blocks in again (CPU training on 2 cores: 1.5-1.9 x the CPU time of a
   step, 1.84 x its wall time on a quiet machine; docs/benchmarks.md).
-- ``steady``: glibc's defaults as they settle after the first steps, held from the start and
-  never trimmed: an mmap threshold fixed at 32 MiB (glibc's ceiling for its moving one) and no
-  heap trimming. A step reuses the heap's blocks that an earlier one freed instead of faulting
-  them in again; a block of 32 MiB or more is mapped and faulted in anew, as under ``fast``,
-  unless a free region of the heap holds it. Resident memory stays at its high-water mark
-  (measured against ``fast``: peaks 0.96-1.13 x, steps 0.73-1.07 x, ResNet-18's under fsdp
-  0.73 x and under DeepSpeed 0.81 x; docs/parallel.md).
+- ``steady``: every block comes from glibc's heaps, none gets a mapping of its own, and no heap
+  is ever trimmed (``mallopt``: at most 0 mmap'd blocks, trim threshold -1). After the first
+  steps a step reuses the blocks an earlier one freed, whatever their size, and faults nothing
+  in again, as a GPU's caching allocator keeps its blocks; resident memory stays at its
+  high-water mark. Settling costs memory: torch asks for 64-byte aligned blocks, which glibc
+  serves from a free region a little larger than the block, so the first steps' freed blocks
+  can fall short and the heap grows by a few of the largest until two merge (a 64 MiB block
+  allocated and freed in turn: 3-8 rounds, 192-448 MiB faulted in, in 40 runs). A block too
+  large for a thread's own heap (about 64 MiB, outside the main thread) is still mapped.
 
 Applied once per process by ``mpt.connector.connect``, before the Runtime allocates anything of
 the model. Other C libraries (musl, macOS) have no ``mallopt`` to call: there the setting has no
@@ -50,16 +52,14 @@ LEAN_TRIM_THRESHOLD = 2 * LEAN_MMAP_THRESHOLD
 """Free space above this at the top of a heap goes back to the OS (glibc's ratio to the mmap
 threshold)."""
 
-STEADY_MMAP_THRESHOLD = 32 << 20
-"""glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit hosts: the highest its moving threshold goes."""
-NO_TRIM = -1
-"""A trim threshold of -1 turns heap trimming off (``man mallopt``)."""
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # from glibc's <malloc.h>
 
-THRESHOLDS = {"lean": (LEAN_MMAP_THRESHOLD, LEAN_TRIM_THRESHOLD),
-              "steady": (STEADY_MMAP_THRESHOLD, NO_TRIM)}
-"""Each mode's (mmap threshold, trim threshold) in bytes; ``fast`` sets none."""
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # from glibc's <malloc.h>
+SETTINGS = {"lean": ((_M_MMAP_THRESHOLD, LEAN_MMAP_THRESHOLD),
+                     (_M_TRIM_THRESHOLD, LEAN_TRIM_THRESHOLD)),
+            "steady": ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))}
+"""Each mode's ``mallopt`` calls, in order (a fixed mmap threshold first: setting it stops glibc
+moving both thresholds; a trim threshold of -1 turns trimming off, ``man mallopt``); ``fast``
+makes none."""
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -81,9 +81,6 @@ def apply_host_memory(mode: str) -> str | None:
     if libc is None:
         return (f"mpt: --host-memory {mode} has no effect here: the C library is not glibc, "
                 "and its allocator keeps its own defaults")
-    # The mmap threshold first: setting it fixes both thresholds (glibc stops moving them).
-    mmap_threshold, trim_threshold = THRESHOLDS[mode]
-    if not (libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold)
-            and libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold)):
+    if not all(libc.mallopt(param, value) for param, value in SETTINGS[mode]):
         return f"mpt: --host-memory {mode} has no effect here: glibc's mallopt refused it"
     return None
