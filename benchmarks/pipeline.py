@@ -148,15 +148,18 @@ def launch(args: argparse.Namespace, gpus: int, *flags: str) -> dict:
 
 
 def on_two_nodes(args: argparse.Namespace, *flags: str) -> float:
-    """The median step of a job of two emulated nodes, one process each."""
+    """The median step of a job of two emulated nodes, one process each, under the
+    ``--host-memory`` that `mpt plan`'s launch line carries on a CPU host (what it prices)."""
     from mpt.cluster import EmulatedCluster, LinkShape, launch_command, run_nodes
+    from mpt.plan.profiles import CPU_HOST_MEMORY
 
     with tempfile.TemporaryDirectory() as folder, EmulatedCluster(
             nodes=2, shape=LinkShape(rate=args.rate)) as cluster:
         out = Path(folder) / "out.json"
         script, *script_args = worker_args(args, out)
         commands = [launch_command(cluster, nr, script, script_args,
-                                   launch_args=["--quiet", *flags]) for nr in range(2)]
+                                   launch_args=["--quiet", "--host-memory", CPU_HOST_MEMORY,
+                                                *flags]) for nr in range(2)]
         run = run_nodes(cluster, commands, timeout=600, env={"OMP_NUM_THREADS": "1"}, cwd=ROOT)
         if not run.ok:
             raise SystemExit(run.report())

@@ -1,10 +1,13 @@
 """`mpt plan` against steps measured on the emulated cluster: the cells of `benchmarks/scaling.py`.
 
     .venv/bin/python benchmarks/scaling.py --models mlp --backends ddp,fsdp,deepspeed \
-        --nodes 1,2,4 --rates 1gbit,10gbit --compressions none --mpt-only --out runs/scaling
+        --nodes 1,2,4 --rates 1gbit,10gbit --compressions none --mpt-only --host-memory steady \
+        --out runs/scaling
     .venv/bin/python benchmarks/plan_cluster.py runs/scaling/results.json
 
-`scaling.py` measures each cell as one job of N one-process nodes (network namespaces, each node's
+The cells run under ``--host-memory steady``, as the plan's launch line on a CPU host runs a
+job and as its calibration runs (``mpt.plan.profiles.CPU_HOST_MEMORY``). `scaling.py` measures
+each cell as one job of N one-process nodes (network namespaces, each node's
 link shaped to the cell's rate) that all share this machine's cores. This script then calibrates
 the same way: per (nodes, rate), `mpt plan --calibrate --nodes N --nr R` runs on every node of a
 fresh cluster shaped alike, so that the device figures (matmuls by dtype and shape, copy bandwidth,

@@ -238,9 +238,6 @@ class DDPBackend(Backend):
         sent = [("gradients PowerSGD leaves", plain),
                 ("PowerSGD's P factors", sum(n * r for n, m, r in matrices)),
                 ("PowerSGD's Q factors", sum(m * r for n, m, r in matrices))]
-        bucket = cls.bucket_cap(comm)
-        whole, left = divmod(parameters * width, bucket)
-        blocks = (bucket,) * int(whole) + ((left,) if left else ())
         calls = flow.collectives[0].calls  # three per bucket
         return dataclasses.replace(
             flow,
@@ -249,7 +246,6 @@ class DDPBackend(Backend):
                                          calls=calls)
                               for what, n in sent if n),
             copies=flow.copies + width * (1.5 + 1 + 1.5) * parameters + 3 * width * plain,
-            fresh=(*flow.fresh, *blocks, *blocks, plain * width),  # clone, error; the flat
             matmuls=tuple(shape for n, m, r in matrices
                           for shape in ((n, m, r), (m, n, r), (n, r, m))))
 

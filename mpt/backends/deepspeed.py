@@ -319,11 +319,9 @@ class DeepSpeedBackend(DDPBackend):
         bucket's slices into one new flat tensor to allreduce
         (``allreduce_and_copy_with_multiple_ranks``) and copies the rank's own slices back.
         The norm reads the fp64 copies again, and the step copies the updated fp32 partition
-        into the model's parameters. The copies are ``Traffic.copies``, the blocks
-        ``Traffic.fresh`` (each parameter's from ``module``, where it is given). ZeRO-0 and 3
+        into the model's parameters. The copies are ``Traffic.copies``; ZeRO-0 and 3
         modelled without them. (What gloo does inside the all-gather, into a flat tensor of
-        its own that a host faults in at every call from about 32 MiB, is in the calibrated
-        sweep's time of that collective.)
+        its own, is in the calibrated sweep's time of that collective.)
 
         A cast ``--grad-compression`` is DeepSpeed's ``communication_data_type``: the gradients
         are reduced in it, the parameters gathered as they are. Where the dtype sent is not
@@ -342,7 +340,7 @@ class DeepSpeedBackend(DDPBackend):
         found: tuple[Collective, ...] = (
             (gradients,) if stage == 0 else (gradients, gather) if stage < 3
             else (gather, gather, gradients))
-        copies, fresh = 0.0, ()  # ZeRO-0 and 3: none modelled
+        copies = 0.0  # ZeRO-0 and 3: none modelled
         if stage in (1, 2):
             ranks = plan.dp_shard
             bucket, partition = cls._zero_buffers(stage, spec, parameters, ranks)
@@ -350,22 +348,12 @@ class DeepSpeedBackend(DDPBackend):
             copies = (2 * bucket + 2 * partition  # in, divided; out, flattened
                       + stepped * (width + 2 * 8) / 2  # to fp64 and read for the norm
                       + stepped * (4 + width) / 2)  # the fp32 partition into the weights
-            norms: list[float] = []
-            if module is not None:
-                counts = [p.numel() for p in module.parameters() if p.requires_grad]
-                share = parameters / max(1, sum(counts)) / ranks
-                norms = [8 * n * share for n in counts]
-            flat: tuple[float, ...] = ()
             if ranks > 1:
                 copies += bucket + bucket / ranks  # the slices flattened, its own copied back
-                flat = (bucket,)
                 if sent != (torch.float32 if stage == 1 else mode):  # cast there and back
-                    cast = bucket / (4 if stage == 1 else width) * sent.itemsize
-                    copies += bucket + cast
-                    flat += (cast,)
-            fresh = (bucket, partition, partition, *norms, *flat)
+                    copies += bucket + bucket / (4 if stage == 1 else width) * sent.itemsize
         return Traffic(collectives=found, window="step" if stage == 3 else "none",
-                       shards_optimizer=stage > 0, copies=copies, fresh=fresh)
+                       shards_optimizer=stage > 0, copies=copies)
 
     @classmethod
     def default_precision(cls, options: Mapping[str, Any]) -> str | None:

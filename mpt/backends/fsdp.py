@@ -340,10 +340,6 @@ class FSDPBackend(DDPBackend):
         (``FSDPParamGroup.unshard`` at world size 1) a gather is one copy, each parameter's
         shard into its unsharded storage; the reduce-scatter still copies in and out.
 
-        Each of those buffers is allocated anew (``Traffic.fresh``; of ``module``'s units, where
-        it is given): per gather the flat output (none at one shard) and each gathered
-        parameter's storage, per reduce-scatter its flat input and the shard it returns.
-
         A cast ``--grad-compression`` is the units' reduce dtype (``foreach_reduce``): the
         gradients are cast as they are copied into the flat input, reduced and divided in it,
         and the shard cast back into a new tensor of the gradients' dtype."""
@@ -376,18 +372,8 @@ class FSDPBackend(DDPBackend):
                          else grads * around)
         copies = ((2 if reshard else 1) * weights * (around if flat else 1) * gathers
                   + reduce_copies * reduces)
-        fresh: list[float] = []
-        if held:
-            share = parameters / max(1, sum(map(sum, held)))  # a tensor-parallel rank's part
-            for unit in held:
-                gathered = [n * share * spec.params.itemsize for n in unit]
-                reduced = sum(unit) * share * width
-                gather = [sum(gathered), *gathered] if flat else gathered
-                back = [sum(unit) * share * kept / plan.dp_shard] if wire != spec.reduce else []
-                fresh += (gather * (2 if reshard else 1) * gathers
-                          + [reduced, reduced / plan.dp_shard, *back] * reduces)
         return Traffic(collectives=tuple(found), window="step", shards_optimizer=True,
-                       copies=copies, fresh=tuple(fresh))
+                       copies=copies)
 
     # -- life cycle ---------------------------------------------------------------------------
     group_alone = True  # fully_shard needs a group at 1 rank too (a 2-rank checkpoint resumes)

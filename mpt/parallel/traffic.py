@@ -60,11 +60,6 @@ class Traffic:
     flat buffers they send from and receive into: DDP's buckets, fsdp's all-gather and
     reduce-scatter buffers); each is read once and written once, so the cost model prices
     twice this at the device's memory bandwidth. 0: none modelled."""
-    fresh: tuple[float, ...] = ()
-    """Bytes of each buffer the backend allocates anew per step around these collectives
-    (fsdp's: ``FSDPBackend.step_traffic``). A host allocator maps the large ones anew at every
-    allocation, and their first write costs what ``Device.fresh_seconds`` says; a GPU's
-    caching allocator keeps them. Empty: none modelled."""
     matmuls: tuple[tuple[int, int, int], ...] = ()
     """The backend's own matmuls per step, each as (rows, inner, columns), in the gradients'
     dtype (PowerSGD's products of each gradient matrix and its factors: ``DDPBackend``): the

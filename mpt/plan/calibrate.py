@@ -1,7 +1,9 @@
 """`mpt plan --calibrate`: measure this machine's figures for the cost model, and load them.
 
 ``--gpus`` real processes, at least 2 on one machine (``torch.multiprocessing``, gloo on a
-CPU, NCCL on GPUs), each as `mpt launch` starts a rank (one intra-op thread):
+CPU, NCCL on GPUs), each as `mpt launch` starts a rank (one intra-op thread) and, on a CPU, as
+the plan's launch line there runs it (``--host-memory steady``: glibc keeps every block it
+served, so that no step faults memory in again):
 
 1. a sweep of allreduce, all-gather and reduce-scatter sizes (16 KiB - 32 MiB) between them,
    the allreduce and the reduce-scatter also in bf16 and fp16, each fitted by least squares
@@ -23,7 +25,7 @@ CPU, NCCL on GPUs), each as `mpt launch` starts a rank (one intra-op thread):
    (``SPLITS``), and its optimizer step with ``zero_grad``, each the median of three spells of
    ``STEP_REPEATS`` timings (``ModelStep``), after ``STEP_WARMUP`` steps: one before step 1,
    one between steps 1 and 2, one after step 2. What the op-by-op model leaves out on this device
-   (the host allocator's re-faulted blocks, a kernel's real speed at the model's own shapes)
+   (a kernel's real speed at the model's own shapes)
    is in these two figures; the plan scales its compute by them (``MeasuredStep``).
 
 Across nodes (``--nodes N --nr R --master-addr HOST`` on every node, as `mpt launch` is
@@ -56,16 +58,27 @@ from typing import Any
 
 import torch
 
+from mpt.environments.host_memory import apply_host_memory
 from mpt.environments.world import World
 from mpt.errors import UsageError
 from mpt.plan.network import fit_key, ring_factor, ring_steps
-from mpt.plan.profiles import CollectiveFit, Device, Link, MeasuredStep, StepSpec
+from mpt.plan.profiles import (
+    CPU_HOST_MEMORY,
+    CollectiveFit,
+    Device,
+    Link,
+    MeasuredStep,
+    StepSpec,
+)
 from mpt.plan.workload import MODEL_ERRORS
 from mpt.precision.base import dtype_name
 
 FORMAT = "mpt-plan-calibration/2"
-"""Version 2 added ``matmul_sweep`` and ``update_seconds``; ``fresh_bandwidth`` came later and
-reads as 0 where a file lacks it."""
+"""Version 2 added ``matmul_sweep`` and ``update_seconds``."""
+PRICED_NO_MORE = ("fresh_bandwidth",)
+"""Figures files of this version once carried that the plan no longer prices (the first write
+of a block glibc's defaults map anew: since the calibration runs under ``--host-memory steady``
+there is none); skipped where a file has them."""
 SIZES = (1 << 14, 1 << 18, 1 << 21, 1 << 23, 1 << 25)
 """Bytes per collective in the sweep: from latency-bound to bandwidth-bound and as large as
 what training sends (DDP's 25 MiB buckets, fsdp's units): beyond the caches, a message moves
@@ -125,9 +138,6 @@ class Calibration:
     """By dtype, ``rows`` and ``inner``: ``[smallest dimension, FLOP/s]`` pairs (``Device``)."""
     update_seconds: dict[str, float]
     """Seconds of torch's optimizer step per parameter, by ``--optimizer`` name."""
-    fresh_bandwidth: float = 0.0
-    """Bytes per second of first writing a block the host allocator maps anew (``Device``'s);
-    0 on a GPU, and in files measured before it was."""
     nodes: int = 1
     """Nodes measured at once (1: this machine alone)."""
     hosts: list[str] = dataclasses.field(default_factory=list)
@@ -170,7 +180,6 @@ class Calibration:
                       collectives=within.collectives, source=source,
                       device_type="cpu" if self.backend == "gloo" else "cuda",
                       matmul_sweep=self.matmul_sweep, update_seconds=self.update_seconds,
-                      fresh_bandwidth=self.fresh_bandwidth,
                       pipeline_overhead=self.pipeline_overhead)
 
 
@@ -359,16 +368,8 @@ def device_figures(device: torch.device, sync: Callable[[], None]) -> dict[str, 
     copy = _timed(lambda: dst.copy_(src), 5, sync)
     one = torch.ones(1, device=device)
     overhead = _timed(lambda: [one.add_(1) for _ in range(200)], 3, sync) / 200
-    # a block of FRESH_BLOCK or more written where the allocator maps it anew, against the same
-    # write into kept memory (a GPU's caching allocator keeps its blocks: nothing to measure)
-    fresh = 0.0
-    if device.type == "cpu":
-        anew = _timed(lambda: torch.empty_like(dst).fill_(1), 5, sync)
-        kept = _timed(lambda: dst.fill_(1), 5, sync)
-        fresh = dst.nbytes / (anew - kept) if anew > kept else 0.0
     return {"flops": flops, "matmul_sweep": sweeps, "memory_bandwidth": 2 * src.nbytes / copy,
-            "op_overhead": overhead, "update_seconds": update_figures(device, sync),
-            "fresh_bandwidth": fresh}
+            "op_overhead": overhead, "update_seconds": update_figures(device, sync)}
 
 
 def pipeline_overheads(pair: Any, position: int, device: torch.device,
@@ -534,6 +535,8 @@ def _worker(local_rank: int, world: World, out: str, step: StepSpec | None,
     world = dataclasses.replace(world, local_rank=local_rank)
     torch.set_num_threads(1)  # as `mpt launch` starts each rank
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world.gpus
+    if not cuda:
+        apply_host_memory(CPU_HOST_MEMORY)  # as the plan's launch line on a CPU host runs it
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -663,7 +666,7 @@ def load(path: Path) -> Calibration:
     if found_format != FORMAT:
         raise UsageError("--calibration", path, f"it is not a {FORMAT} file",
                          "pass a file written by `mpt plan --calibrate --output FILE`")
-    found = Calibration(**data)
+    found = Calibration(**{k: v for k, v in data.items() if k not in PRICED_NO_MORE})
     here = identity()
     differ = [key for key in ("host", "cpu", "device") if found.identity.get(key) != here[key]
               and not (key == "host" and here[key] in found.hosts)]

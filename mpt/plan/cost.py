@@ -188,7 +188,6 @@ def op_seconds(op: Op, cluster: Cluster, spec: PrecisionSpec, tp: int) -> float:
     dtype = dtype_name(spec.compute) if matmul else "float32"
     seconds = max(op.flops / device.matmul_flops(dtype, op.shape),
                   op.bytes * width / device.memory_bandwidth)
-    seconds += device.fresh_seconds([int(n * width) for n in op.results])
     return (seconds / tp if op.split else seconds) + device.op_overhead
 
 
@@ -309,11 +308,8 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
 def copy_seconds(flow: Traffic, cluster: Cluster) -> float:
     """The backend's copies into and out of its collectives' buffers (``Traffic.copies``):
     each byte read and written once, at the memory bandwidth (which counts both: the
-    calibration's is twice a 64 MiB copy's bytes over its time, a datasheet's HBM's); and the
-    first write of the buffers it allocates anew (``Traffic.fresh``)."""
-    device = cluster.device
-    return (2 * flow.copies / device.memory_bandwidth
-            + device.fresh_seconds([int(n) for n in flow.fresh]))
+    calibration's is twice a 64 MiB copy's bytes over its time, a datasheet's HBM's)."""
+    return 2 * flow.copies / cluster.device.memory_bandwidth
 
 
 def matmul_seconds(flow: Traffic, cluster: Cluster, spec: PrecisionSpec) -> float:

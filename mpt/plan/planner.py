@@ -17,7 +17,7 @@ from mpt.pipeline.split import stage_blocks
 from mpt.plan.cost import Model, Prediction, modelled_compute, predict
 from mpt.plan.layouts import Refused, layouts
 from mpt.plan.network import Cluster
-from mpt.plan.profiles import MeasuredStep
+from mpt.plan.profiles import CPU_HOST_MEMORY, MeasuredStep
 from mpt.plan.workload import MODEL_ERRORS, profile, refusal, tp_plan_of
 from mpt.precision import PrecisionSpec, describe
 from mpt.precision.base import dtype_name
@@ -175,4 +175,6 @@ def launch_line(prediction: Prediction, cluster: Cluster, script: str, batch: in
         parts.append("--nr 0")
     parts += [*prediction.layout.flags, f"--precision {precision}",
               f"--global-batch-size {batch}"]
+    if cluster.device.device_type == "cpu":
+        parts.append(f"--host-memory {CPU_HOST_MEMORY}")
     return " ".join([*parts, script])

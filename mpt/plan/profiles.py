@@ -32,11 +32,12 @@ from dataclasses import dataclass, field
 
 from mpt.errors import UsageError
 
-FRESH_BLOCK = 32 << 20
-"""glibc's largest mmap threshold (``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit hosts): a block of
-this size or more is mapped from the kernel at every allocation and unmapped when freed, where
-smaller ones come back from the heap."""
-
+CPU_HOST_MEMORY = "steady"
+"""The ``--host-memory`` a CPU host's plan prices: its launch line carries it and its
+calibration runs under it. Every block then comes from glibc's heap and is kept, so that after
+the first steps no step faults memory in again, as on a GPU. Under glibc's defaults (``fast``)
+a step can fault in blocks of 32 MiB and more (mapped anew each time) and a heap's trimmed top,
+depending on the heap (fsdp's ResNet-18 at one rank: 1.26 x the step; docs/plan.md)."""
 GB = 1e9
 
 
@@ -143,22 +144,10 @@ class Device:
     update_seconds: Mapping[str, float] = field(default_factory=dict)
     """Calibrated only: seconds torch's optimizer step takes per parameter, by ``--optimizer``
     name; empty: the step streams its bytes at the memory bandwidth."""
-    fresh_bandwidth: float = 0.0
-    """Calibrated on a CPU only: bytes per second at which a result of ``FRESH_BLOCK`` bytes
-    or more is first written, beyond a write into memory the process keeps (glibc maps every
-    such block anew from the kernel, which faults and zeroes its pages: a weight gradient of
-    64 MiB each backward); 0: no such cost (a GPU's caching allocator keeps its blocks)."""
     pipeline_overhead: Mapping[str, float] = field(default_factory=dict)
     """Calibrated only: seconds each action (a forward, a backward, or zero bubble's input or
     weight gradients) of a pipeline schedule costs beyond its compute and its sends, by
     ``--pipeline-schedule``; empty: none counted."""
-
-    def fresh_seconds(self, results: Sequence[int]) -> float:
-        """What first writing ``results`` (bytes of an op's result tensors) costs beyond the
-        op's own time: the blocks the host allocator maps anew."""
-        if not self.fresh_bandwidth:
-            return 0.0
-        return sum(n for n in results if n >= FRESH_BLOCK) / self.fresh_bandwidth
 
     def matmul_flops(self, dtype: str, shape: Sequence[int] | None = None) -> float:
         """FLOP/s of a matmul in ``dtype`` (the fp32 figure where the dtype was not measured)

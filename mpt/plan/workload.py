@@ -60,8 +60,7 @@ class Op:
     GEMM in its im2col form; None for other ops (attention kernels among them): a short
     dimension runs far below the peak."""
     results: tuple[int, ...] = ()
-    """Bytes of each tensor it returns in new memory (none for an in-place or ``out=`` op):
-    ``Device.fresh_seconds`` prices the large ones."""
+    """Bytes of each tensor it returns in new memory (none for an in-place or ``out=`` op)."""
     weighted: bool = False
     """Whether it takes a weight and an input that needs a gradient (a Linear's addmm, a
     convolution, a norm): where the paths to the weights leave the input's. torch's

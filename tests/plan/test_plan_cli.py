@@ -130,6 +130,18 @@ def _calibration(tmp_path: Path, **fields) -> Path:
     return path
 
 
+def test_a_cpu_hosts_launch_line_keeps_glibcs_heap_as_it_was_priced(monkeypatch, capsys,
+                                                                     tmp_path) -> None:
+    """A calibrated CPU's plan prices steps that fault no memory in again, as its calibration
+    ran them: its launch line carries --host-memory steady; a GPU's does not."""
+    code, out, _ = _run(monkeypatch, capsys, f"{MODELS}:mlp", "--calibration",
+                        str(_calibration(tmp_path)), "--json")
+    assert code == 0 and json.loads(out)["best"].endswith(
+        f"--host-memory steady {MODELS}")
+    code, out, _ = _run(monkeypatch, capsys, f"{MODELS}:mlp", "--gpus", "2", "--json")
+    assert code == 0 and "--host-memory" not in json.loads(out)["best"]
+
+
 def test_a_link_measured_across_nodes_prices_the_plan_unless_link_is_given(
         monkeypatch, capsys, tmp_path) -> None:
     from mpt.plan import calibrate

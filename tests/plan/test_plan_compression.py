@@ -87,9 +87,6 @@ def test_fsdp_reduces_in_the_cast_and_casts_the_shard_back() -> None:
     whole, shard = PARAMS * (4 + 2) / 2, PARAMS / 2 * (2 + (2 + 4) / 2)
     assert cast.copies == pytest.approx(weights + whole + shard)
     assert plain.copies == pytest.approx(weights + GRADIENTS * 1.5)
-    # per unit: the 16-bit flat input and shard, and the fp32 shard cast back
-    assert sum(cast.fresh) - sum(plain.fresh) == pytest.approx(
-        -GRADIENTS * 1.5 + GRADIENTS / 2 * 1.5 + GRADIENTS / 2)
     hsdp = fsdp.step_traffic({"replicate": 2}, ParallelPlan(dp_replicate=2, dp_shard=2), spec,
                              PARAMS, comm=BF16)
     (across,) = [c for c in hsdp.collectives if c.kind == "all_reduce"]
@@ -108,7 +105,6 @@ def test_deepspeed_sends_its_gradients_in_the_communication_data_type() -> None:
     assert (reduce.kind, reduce.size, reduce.dtype) == ("all_reduce", GRADIENTS / 2, "float16")
     assert gather == plain.collectives[1]
     assert cast.copies - plain.copies == pytest.approx(GRADIENTS + GRADIENTS / 2)
-    assert cast.fresh == (*plain.fresh, GRADIENTS / 2)
 
 
 def test_a_dtype_is_priced_by_its_own_fit_else_by_its_bytes() -> None:

@@ -16,7 +16,7 @@ from mpt.parallel import ParallelPlan
 from mpt.pipeline.split import stage_blocks
 from mpt.plan.network import Cluster, collective
 from mpt.plan.planner import plan
-from mpt.plan.profiles import FRESH_BLOCK, CollectiveFit, device_profile, link_profile
+from mpt.plan.profiles import CollectiveFit, device_profile, link_profile
 from mpt.precision import describe
 
 GRADIENTS = 25_175_040 * 4  # the MLP's fp32 gradients, 100.7 MB
@@ -334,60 +334,17 @@ def test_a_convolution_is_priced_as_the_gemms_of_its_im2col_form(transposed: boo
     assert all(f == flops for _, f in convs)
 
 
-def test_a_result_the_host_maps_anew_costs_its_first_write() -> None:
-    """A weight gradient of 64 MiB is a block glibc maps from the kernel at every backward
-    (docs/benchmarks.md: 28.6 ms to first write on this host, 1.9 to rewrite); one under
-    FRESH_BLOCK comes back from the heap, and a GPU's caching allocator keeps its blocks."""
-    from mpt.plan.cost import op_seconds
-    from mpt.plan.workload import Op, profile
-
-    work = profile(meta_model(mlp), [1024], torch.float32, 8)
-    grads = {op.results for block in work.blocks for op in block.backward if op.flops}
-    assert (4096 * 4096 * 4,) in grads  # the middle layer's weight gradient: 64 MiB
-    cpu = replace(_cluster(1, 1), device=replace(device_profile("h100-sxm"),
-                                                 fresh_bandwidth=2e9))
-    spec = describe("fp32")
-    big, small = Op(flops=0, bytes=0, results=(FRESH_BLOCK,)), Op(flops=0, bytes=0,
-                                                                  results=(FRESH_BLOCK - 1,))
-    assert op_seconds(big, cpu, spec, 1) - op_seconds(small, cpu, spec, 1) == pytest.approx(
-        FRESH_BLOCK / 2e9)
-    gpu = _cluster(1, 1)
-    assert op_seconds(big, gpu, spec, 1) == op_seconds(small, gpu, spec, 1)
-
-
-def test_fsdp_allocates_its_gathered_units_and_reduced_gradients_anew() -> None:
-    """torch's _fsdp_collectives allocate per all-gather the flat output and each parameter's
-    gathered storage, per reduce-scatter the flat input and the shard it returns: the MLP's
-    64 MiB layer (a unit of its own) lists them, resharding after the forward gathers twice,
-    and on a host they cost their first write; not on a GPU."""
-    spec, middle = describe("fp32"), 4096 * 4096 * 4
+def test_fsdp_at_one_shard_copies_each_parameter_and_reduces_through_buffers() -> None:
+    """At one shard (torch's FSDPParamGroup.unshard at world size 1) a gather is each
+    parameter copied from its shard, through no flat output; the reduce-scatter still copies
+    in and out. The plan prices each byte copied read and written at the memory bandwidth."""
     net = meta_model(mlp)
-    fsdp = get_backend("fsdp")
-    flow = fsdp.step_traffic({}, ParallelPlan(dp_shard=2), spec, 25_175_040, module=net)
-    assert flow.fresh.count(middle + 4096 * 4) == 3  # two gathers' outputs, the reduce's input
-    assert flow.fresh.count(middle) == 2  # the weight's gathered storage, twice
-    assert (middle + 4096 * 4) / 2 in flow.fresh  # the reduced shard
-    kept = fsdp.step_traffic({"reshard_after_forward": False}, ParallelPlan(dp_shard=2), spec,
-                             25_175_040, module=net)
-    assert kept.fresh.count(middle) == 1
-    # one shard (torch's FSDPParamGroup.unshard at world size 1): no flat gather output, each
-    # parameter copied from its shard; the reduce-scatter still copies in and out
-    alone = fsdp.step_traffic({}, ParallelPlan(dp_shard=1), spec, 25_175_040, module=net)
-    assert alone.fresh.count(middle + 4096 * 4) == 2  # the reduce's input and its "shard"
-    assert alone.fresh.count(middle) == 2
+    alone = get_backend("fsdp").step_traffic({}, ParallelPlan(dp_shard=1), describe("fp32"),
+                                             25_175_040, module=net)
     assert alone.copies == pytest.approx((2 + 2) * GRADIENTS)
-    assert get_backend("ddp").step_traffic({}, ParallelPlan(dp_replicate=2), spec, 25_175_040,
-                                           module=net).fresh == ()
-    host = replace(_cluster(1, 2), device=replace(device_profile("h100-sxm"),
-                                                  fresh_bandwidth=2e9))
-    cpu = plan(net, host, precision="fp32", batch=16, input_shape=[1024],
-               input_dtype=torch.float32)
-    gpu = _plan(1, 2)
-    for result, fresh in ((cpu, sum(n for n in flow.fresh if n >= FRESH_BLOCK) / 2e9),
-                          (gpu, 0.0)):
-        p = _by_label(result, "--backend fsdp")
-        copied = 2 * 4.5 * GRADIENTS / result.cluster.device.memory_bandwidth
-        assert p.terms["buffer copies"] == pytest.approx(copied + fresh)
+    result = _plan(1, 2)  # two shards: two gathers (shard in, unit out) and the reduce
+    copied = 2 * 4.5 * GRADIENTS / result.cluster.device.memory_bandwidth
+    assert _by_label(result, "--backend fsdp").terms["buffer copies"] == pytest.approx(copied)
 
 
 def test_deepspeed_zero_1_and_2_copy_into_buffers_allocated_at_every_step() -> None:
@@ -405,20 +362,14 @@ def test_deepspeed_zero_1_and_2_copy_into_buffers_allocated_at_every_step() -> N
         2 * GRADIENTS + GRADIENTS * 1.5  # in and divided; flattened, a half back
         + 2 * half  # out, flattened
         + half * (4 + 16) / 8 + half)  # to fp64 and read (20 bytes a parameter); to the weights
-    assert flow.fresh[:3] == pytest.approx((GRADIENTS, half, half))
-    norms = flow.fresh[3:-1]
-    assert max(norms) == pytest.approx(8 * (4096 * 4096) / 2)  # the fp64 norm copy
-    assert sum(norms) == pytest.approx(8 * params / 2)
-    assert flow.fresh[-1] == pytest.approx(GRADIENTS)  # the slices flattened
     alone = ds.step_traffic({"zero_stage": 1}, ParallelPlan(dp_shard=1), spec, params,
                             module=net)
     assert alone.copies == pytest.approx(2 * GRADIENTS + 2 * GRADIENTS + 2.5 * GRADIENTS
                                          + GRADIENTS)
-    assert len(alone.fresh) == 3 + len(norms)
     for stage in (0, 3):
         other = ds.step_traffic({"zero_stage": stage}, ParallelPlan(dp_shard=2), spec, params,
                                 module=net)
-        assert other.copies == 0 and other.fresh == ()
+        assert other.copies == 0
 
 
 def test_deepspeed_zero_2_allreduces_its_bucket_as_zero_1_does() -> None:
