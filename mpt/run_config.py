@@ -96,7 +96,7 @@ class RunConfig:
         "times what the run holds, but a heap's free top goes back to the OS and some steps "
         "fault it in again), lean (freed blocks of 1 MiB and more go back to the OS at once: "
         "resident memory tracks what the run holds, and each step pays page faults again: "
-        "1.1-2.7 x the step time of CPU training) or steady (every block, whatever its "
+        "1.0-2.7 x the step time of CPU training) or steady (every block, whatever its "
         "size, comes from the heap and is kept: after the first steps no step faults memory "
         "in again, as a GPU's caching allocator; resident memory stays at its peak); "
         "docs/parallel.md.",
