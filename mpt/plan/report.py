@@ -9,6 +9,7 @@ from rich.table import Table
 
 from mpt.plan.cost import Prediction
 from mpt.plan.planner import Plan, launch_line
+from mpt.plan.profiles import CPU_HOST_MEMORY
 
 GIB = 2.0**30
 MB = 1e6
@@ -19,7 +20,10 @@ def _source(result: Plan) -> str:
     made = "datasheet" if device.source == "datasheet" else f"calibrated ({device.source})"
     return (f"device {device.name}: {made}; node link {link.name}: {link.source}"
             + ("; datasheet peaks: a lower bound of the step" if device.source == "datasheet"
-               else "") + f"; compute: {result.compute}")
+               else "") + f"; compute: {result.compute}"
+            + (f"; memory: what a rank holds, which the resident set under --host-memory "
+               f"{CPU_HOST_MEMORY} exceeds by what glibc's heap grew to (docs/plan.md)"
+               if device.device_type == "cpu" else ""))
 
 
 def as_json(result: Plan, script: str) -> dict[str, Any]:

@@ -133,13 +133,17 @@ def _calibration(tmp_path: Path, **fields) -> Path:
 def test_a_cpu_hosts_launch_line_keeps_glibcs_heap_as_it_was_priced(monkeypatch, capsys,
                                                                      tmp_path) -> None:
     """A calibrated CPU's plan prices steps that fault no memory in again, as its calibration
-    ran them: its launch line carries --host-memory steady; a GPU's does not."""
+    ran them: its launch line carries --host-memory steady, and the plan says the resident set
+    under it exceeds the memory counted; a GPU's does neither."""
     code, out, _ = _run(monkeypatch, capsys, f"{MODELS}:mlp", "--calibration",
                         str(_calibration(tmp_path)), "--json")
-    assert code == 0 and json.loads(out)["best"].endswith(
-        f"--host-memory steady {MODELS}")
+    found = json.loads(out)
+    assert code == 0 and found["best"].endswith(f"--host-memory steady {MODELS}")
+    assert "resident set under --host-memory steady" in found["cluster"]["source"]
     code, out, _ = _run(monkeypatch, capsys, f"{MODELS}:mlp", "--gpus", "2", "--json")
-    assert code == 0 and "--host-memory" not in json.loads(out)["best"]
+    found = json.loads(out)
+    assert code == 0 and "--host-memory" not in found["best"]
+    assert "--host-memory" not in found["cluster"]["source"]
 
 
 def test_a_link_measured_across_nodes_prices_the_plan_unless_link_is_given(
