@@ -38,6 +38,7 @@ calibration runs under it. Every block then comes from glibc's heap and is kept,
 the first steps no step faults memory in again, as on a GPU. Under glibc's defaults (``fast``)
 a step can fault in blocks of 32 MiB and more (mapped anew each time) and a heap's trimmed top,
 depending on the heap (fsdp's ResNet-18 at one rank: 1.26 x the step; docs/plan.md)."""
+
 GB = 1e9
 
 

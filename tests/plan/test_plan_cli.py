@@ -130,6 +130,19 @@ def _calibration(tmp_path: Path, **fields) -> Path:
     return path
 
 
+def test_a_calibration_with_a_term_no_longer_priced_still_loads(monkeypatch, capsys,
+                                                                 tmp_path) -> None:
+    """Files measured before the calibration ran under --host-memory steady carry
+    fresh_bandwidth: the plan skips it and prices as for a file without it."""
+    path = _calibration(tmp_path)
+    code, plain, _ = _run(monkeypatch, capsys, f"{MODELS}:mlp", "--calibration", str(path),
+                          "--json")
+    path.write_text(json.dumps({**json.loads(path.read_text()), "fresh_bandwidth": 2e9}))
+    code_old, old, _ = _run(monkeypatch, capsys, f"{MODELS}:mlp", "--calibration", str(path),
+                            "--json")
+    assert code == code_old == 0 and old == plain
+
+
 def test_a_cpu_hosts_launch_line_keeps_glibcs_heap_as_it_was_priced(monkeypatch, capsys,
                                                                      tmp_path) -> None:
     """A calibrated CPU's plan prices steps that fault no memory in again, as its calibration
