@@ -93,12 +93,14 @@ class RunConfig:
     host_memory: str = _setting(
         HOST_MEMORY[0], "How the C allocator (glibc) treats freed host memory: fast (glibc's "
         "defaults: freed blocks are kept for reuse, so resident memory can grow to several "
-        "times what the run holds, but a heap's free top goes back to the OS and some steps "
-        "fault it in again), lean (freed blocks of 1 MiB and more go back to the OS at once: "
-        "resident memory tracks what the run holds, and each step pays page faults again: "
+        "times what the run holds, but blocks of 32 MiB and more and a heap's free top go "
+        "back to the OS, and steps fault them in again), lean (freed blocks of 1 MiB and "
+        "more go back to the OS at once: resident memory tracks what the run holds, and each "
+        "step pays page faults again: "
         "1.0-2.7 x the step time of CPU training) or steady (every block, whatever its "
         "size, comes from the heap and is kept: after the first steps no step faults memory "
-        "in again, as a GPU's caching allocator; resident memory stays at its peak); "
+        "in again, as a GPU's caching allocator; resident memory stays at its peak, which "
+        "can hold a few more of the largest blocks); "
         "docs/parallel.md.",
         parse=parse_host_memory, metavar="|".join(HOST_MEMORY))
     checkpoint_dir: str | None = _setting(

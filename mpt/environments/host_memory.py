@@ -13,6 +13,7 @@ by 2.2 GiB in 6 steps).
   threshold): that goes back to the OS, and the next step that needs it faults it in again. When
   that happens depends on the order of the heap's blocks (measured: fsdp's ResNet-18 at one rank
   faults 38-45 MB of a 44.7 MB model back in at every backward, ddp's at some runs' steps).
+  A block of 32 MiB or more is mapped anew at every allocation and faulted in at every step.
 - ``lean``: a fixed mmap threshold of 1 MiB and a trim threshold of 2 MiB (glibc's own ratio),
   what ``MALLOC_MMAP_THRESHOLD_=1048576`` in a worker's environment does (the same peak on the
   MLP above: +650 MiB over the RSS before ``mpt.Runtime``), chosen per run instead: every freed
