@@ -100,7 +100,7 @@ class RunConfig:
         "1.0-2.7 x the step time of CPU training) or steady (every block, whatever its "
         "size, comes from the heap and is kept: after the first steps no step faults memory "
         "in again, as a GPU's caching allocator; resident memory stays at its peak, which "
-        "can hold a few more of the largest blocks); "
+        "can reach twice fast's and more); "
         "docs/parallel.md.",
         parse=parse_host_memory, metavar="|".join(HOST_MEMORY))
     checkpoint_dir: str | None = _setting(

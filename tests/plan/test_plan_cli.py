@@ -153,6 +153,7 @@ def test_a_cpu_hosts_launch_line_keeps_glibcs_heap_as_it_was_priced(monkeypatch,
     found = json.loads(out)
     assert code == 0 and found["best"].endswith(f"--host-memory steady {MODELS}")
     assert "resident set under --host-memory steady" in found["cluster"]["source"]
+    assert "launch with --host-memory lean" in found["cluster"]["source"]
     code, out, _ = _run(monkeypatch, capsys, f"{MODELS}:mlp", "--gpus", "2", "--json")
     found = json.loads(out)
     assert code == 0 and "--host-memory" not in found["best"]
