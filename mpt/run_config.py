@@ -96,12 +96,10 @@ class RunConfig:
         "times what the run holds, but blocks of 32 MiB and more and a heap's free top go "
         "back to the OS, and steps fault them in again), lean (freed blocks of 1 MiB and "
         "more go back to the OS at once: resident memory tracks what the run holds, and each "
-        "step pays page faults again: "
-        "1.0-2.7 x the step time of CPU training) or steady (every block, whatever its "
-        "size, comes from the heap and is kept: after the first steps no step faults memory "
-        "in again, as a GPU's caching allocator; resident memory stays at its peak, which "
-        "can reach twice fast's and more); "
-        "docs/parallel.md.",
+        "step pays page faults again: 1.0-2.7 x the step time of CPU training) or steady "
+        "(every block, whatever its size, comes from the heap and is kept: after the first "
+        "steps no step faults memory in again, as a GPU's caching allocator; resident memory "
+        "stays at its peak, which can reach twice fast's and more); docs/parallel.md.",
         parse=parse_host_memory, metavar="|".join(HOST_MEMORY))
     checkpoint_dir: str | None = _setting(
         None, "Where rt.save() writes and rt.resume() looks (a path or fsspec URL).",

@@ -61,9 +61,9 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # from glibc's <
 SETTINGS = {"lean": ((_M_MMAP_THRESHOLD, LEAN_MMAP_THRESHOLD),
                      (_M_TRIM_THRESHOLD, LEAN_TRIM_THRESHOLD)),
             "steady": ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))}
-"""Each mode's ``mallopt`` calls, in order (a fixed mmap threshold first: setting it stops glibc
-moving both thresholds; a trim threshold of -1 turns trimming off, ``man mallopt``); ``fast``
-makes none."""
+"""Each mode's ``mallopt`` calls, in order; ``fast`` makes none. Setting either threshold stops
+glibc moving both; a trim threshold of -1 turns trimming off and an mmap maximum of 0 maps no
+block (``man mallopt``)."""
 
 
 def _glibc() -> ctypes.CDLL | None:

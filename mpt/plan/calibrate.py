@@ -75,10 +75,6 @@ from mpt.precision.base import dtype_name
 
 FORMAT = "mpt-plan-calibration/2"
 """Version 2 added ``matmul_sweep`` and ``update_seconds``."""
-PRICED_NO_MORE = ("fresh_bandwidth",)
-"""Figures files of this version once carried that the plan no longer prices (the first write
-of a block glibc's defaults map anew: since the calibration runs under ``--host-memory steady``
-there is none); skipped where a file has them."""
 SIZES = (1 << 14, 1 << 18, 1 << 21, 1 << 23, 1 << 25)
 """Bytes per collective in the sweep: from latency-bound to bandwidth-bound and as large as
 what training sends (DDP's 25 MiB buckets, fsdp's units): beyond the caches, a message moves
@@ -666,7 +662,10 @@ def load(path: Path) -> Calibration:
     if found_format != FORMAT:
         raise UsageError("--calibration", path, f"it is not a {FORMAT} file",
                          "pass a file written by `mpt plan --calibrate --output FILE`")
-    found = Calibration(**{k: v for k, v in data.items() if k not in PRICED_NO_MORE})
+    # Files of this version measured before the calibration ran under --host-memory steady
+    # carry the first write of a block glibc's defaults map anew, which the plan no longer prices.
+    data.pop("fresh_bandwidth", None)
+    found = Calibration(**data)
     here = identity()
     differ = [key for key in ("host", "cpu", "device") if found.identity.get(key) != here[key]
               and not (key == "host" and here[key] in found.hosts)]
