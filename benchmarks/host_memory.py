@@ -37,7 +37,7 @@ def worker(args: argparse.Namespace) -> None:
     ``args.worker``."""
     import torch
     from plan_memory import peak_rss, reset_peak_rss
-    from scaling import batches, build_model, loss_of
+    from scaling import batches, build_model, loss_of, mpt_step
 
     import mpt
 
@@ -50,10 +50,7 @@ def worker(args: argparse.Namespace) -> None:
     for i in range(args.warmup + args.steps):
         x, y = data[i % len(data)]
         start = time.perf_counter()
-        with rt.autocast():
-            loss = loss_fn(model(x), y)
-        rt.backward(loss)
-        rt.step()
+        mpt_step(rt, model, loss_fn, x, y)
         steps.append(time.perf_counter() - start)
     Path(args.worker).write_text(json.dumps({
         "step": statistics.median(steps[args.warmup:]), "peak": peak_rss() - before}))

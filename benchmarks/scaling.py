@@ -34,6 +34,7 @@ runs/scaling/efficiency.png.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -198,6 +199,14 @@ def allreduce_alone(rt, params: int) -> float | None:
     return statistics.median(float(t) for t in times)
 
 
+def mpt_step(rt, model, loss_fn, x, y) -> None:
+    """One training step through mpt, as a user's loop writes it."""
+    with rt.autocast():
+        loss = loss_fn(model(x), y)
+    rt.backward(loss)
+    rt.step()
+
+
 def worker(args: argparse.Namespace) -> None:
     """One rank of a cell: both sides, alternating rounds; rank 0 writes the cell's JSON."""
     import copy
@@ -214,14 +223,7 @@ def worker(args: argparse.Namespace) -> None:
     twin = None if args.mpt_only else copy.deepcopy(base)
     model, _ = rt.setup(base, torch.optim.SGD(base.parameters(), lr=1e-3, momentum=0.9))
     loss_fn = loss_of(args.model)
-
-    def mpt_step(x, y) -> None:
-        with rt.autocast():
-            loss = loss_fn(model(x), y)
-        rt.backward(loss)
-        rt.step()
-
-    sides = {"mpt": mpt_step}
+    sides = {"mpt": functools.partial(mpt_step, rt, model, loss_fn)}
     if twin is not None:
         sides["raw"] = raw_side(rt.backend.name, twin, rt, loss_fn)
     data = batches(args.model, rt.rank, args.steps)
