@@ -20,28 +20,35 @@ by 2.2 GiB in 6 steps).
   block of 1 MiB or more leaves at once, so resident memory tracks what the run holds, and each
   step faults its large blocks in again (CPU training on 2 cores: 1.5-1.9 x the CPU time of a
   step, 1.84 x its wall time on a quiet machine; docs/benchmarks.md).
-- ``steady``: every block comes from glibc's heaps, none gets a mapping of its own, and no heap
-  is ever trimmed (``mallopt``: at most 0 mmap'd blocks, trim threshold -1). After the first
-  steps a step reuses the blocks an earlier one freed, whatever their size, and faults nothing
-  in again, as a GPU's caching allocator keeps its blocks; resident memory stays at its
-  high-water mark. Settling costs memory: torch asks for 64-byte aligned blocks, which glibc
-  serves from a free region a little larger than the block, so the first steps' freed blocks
-  can fall short and the heap grows by a few of the largest until two merge (a 64 MiB block
-  allocated and freed in turn: 3-8 rounds, 192-448 MiB faulted in, in 40 runs), and more where
-  a step frees blocks of many sizes: DeepSpeed ZeRO-1 on 2 ranks of a 25 M-parameter MLP grew
-  from 1.15 to 2.0 GiB in 14 steps and to 2.1 GiB at step 72 of 100, against 0.97 GiB under
-  ``fast``, at 0.6 x its step. A block too large for a thread's own heap (about 64 MiB, outside
-  the main thread) is still mapped: that run still faulted in 96 MiB a step.
+- ``steady``: freed blocks are kept and reused, whatever their size, as a GPU's caching
+  allocator keeps its blocks: after the first steps a step faults nothing in again and resident
+  memory stays at its high-water mark. Where the machine has jemalloc (Debian's
+  ``libjemalloc2``), the launcher preloads it into the workers with its decay off
+  (``MALLOC_CONF=dirty_decay_ms:-1,muzzy_decay_ms:-1``: freed pages are never purged), as
+  torch's own CPU launcher (``torch.backends.xeon.run_cpu --enable-jemalloc``) does: its size
+  classes serve a freed block to the next request of its size (measured: DeepSpeed ZeRO-1 on
+  2 ranks of a 25 M-parameter MLP faulted nothing in from its third step on, at a flat 1.39
+  GiB for 30 steps, against 0.97-1.0 GiB under ``fast``). Elsewhere (no jemalloc, or a process
+  not started by ``mpt launch``) glibc's heaps keep every block (``mallopt``: at most 0 mmap'd
+  blocks, trim threshold -1), which settles more slowly and at more memory: torch asks for
+  64-byte aligned blocks, which glibc serves from a free region a little larger than the block,
+  so a freed block can fall short of the next request and the heap grows until two merge (a
+  64 MiB block allocated and freed in turn: 3-8 rounds, 192-448 MiB faulted in, in 40 runs);
+  that DeepSpeed job grew to 2.0 GiB in 14 steps and 2.1 GiB at step 72 of 100, and still
+  faulted in 96 MiB a step (a block too large for a thread's own heap, about 64 MiB outside the
+  main thread, is still mapped). The run says once when it falls back.
 
-Applied once per process by ``mpt.connector.connect``, before the Runtime allocates anything of
-the model. Other C libraries (musl, macOS) have no ``mallopt`` to call: there the setting has no
-effect and the run says so once.
+The launcher sets what must be in place before a worker starts (``host_memory_env``); in the
+process, ``mpt.connector.connect`` applies the rest once (``apply_host_memory``), before the
+Runtime allocates anything of the model. Other C libraries (musl, macOS) have no ``mallopt`` to
+call: there ``lean`` and glibc's ``steady`` have no effect and the run says so once.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from collections.abc import Mapping
 
 from mpt.parse import one_of
 
@@ -61,9 +68,28 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # from glibc's <
 SETTINGS = {"lean": ((_M_MMAP_THRESHOLD, LEAN_MMAP_THRESHOLD),
                      (_M_TRIM_THRESHOLD, LEAN_TRIM_THRESHOLD)),
             "steady": ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))}
-"""Each mode's ``mallopt`` calls, in order; ``fast`` makes none. Setting either threshold stops
-glibc moving both; a trim threshold of -1 turns trimming off and an mmap maximum of 0 maps no
-block (``man mallopt``)."""
+"""Each mode's ``mallopt`` calls on glibc, in order; ``fast`` makes none (``steady``'s: where
+jemalloc is not preloaded). Setting either threshold stops glibc moving both; a trim threshold
+of -1 turns trimming off and an mmap maximum of 0 maps no block (``man mallopt``)."""
+
+JEMALLOC = "jemalloc"
+"""The library ``steady`` preloads where the dynamic linker finds it (``libjemalloc.so.2``)."""
+JEMALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
+"""jemalloc's settings under ``steady``: freed pages are never purged, so they stay for reuse
+(a user's own ``MALLOC_CONF`` follows and wins)."""
+
+
+def host_memory_env(mode: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """What a worker's environment needs before it starts for ``mode``, given the launcher's
+    ``environ``: under ``steady``, jemalloc preloaded with its decay off where this machine has
+    it; nothing for the other modes, whose settings the process applies itself."""
+    library = ctypes.util.find_library(JEMALLOC) if mode == "steady" else None
+    if library is None:
+        return {}
+    preload = environ.get("LD_PRELOAD", "").split()
+    conf = environ.get("MALLOC_CONF", "")
+    return {"LD_PRELOAD": " ".join([library, *(p for p in preload if p != library)]),
+            "MALLOC_CONF": f"{JEMALLOC_CONF},{conf}" if conf else JEMALLOC_CONF}
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -75,16 +101,30 @@ def _glibc() -> ctypes.CDLL | None:
     return libc if hasattr(libc, "gnu_get_libc_version") and hasattr(libc, "mallopt") else None
 
 
+def on_jemalloc() -> bool:
+    """Whether this process's ``malloc`` is jemalloc's (preloaded: its ``mallctl`` is global)."""
+    return hasattr(ctypes.CDLL(None), "mallctl")
+
+
 def apply_host_memory(mode: str) -> str | None:
     """Set this process's allocator for ``mode`` (one of ``HOST_MEMORY``); a line to tell the
-    user where it cannot (None where it took effect or where nothing was to change)."""
+    user where it cannot, or where ``steady`` falls back to glibc (None where it took effect
+    or where nothing was to change)."""
     mode = parse_host_memory("--host-memory", mode)
     if mode == "fast":
         return None  # glibc's default: nothing to set
+    if on_jemalloc():
+        return None if mode == "steady" else (
+            f"mpt: --host-memory {mode} has no effect here: this process's allocator is "
+            "jemalloc (LD_PRELOAD), whose settings are its MALLOC_CONF")
     libc = _glibc()
     if libc is None:
         return (f"mpt: --host-memory {mode} has no effect here: the C library is not glibc, "
                 "and its allocator keeps its own defaults")
     if not all(libc.mallopt(param, value) for param, value in SETTINGS[mode]):
         return f"mpt: --host-memory {mode} has no effect here: glibc's mallopt refused it"
+    if mode == "steady":
+        return ("mpt: --host-memory steady keeps blocks in glibc's heaps here, not jemalloc's "
+                "(its resident set can settle at twice fast's): install libjemalloc2 and start "
+                "the job with mpt launch")
     return None

@@ -15,6 +15,7 @@ import torch
 from mpt.backends import get_backend, registered, resolve_precision
 from mpt.elastic import NodeRange, check_elastic, plan_sizes
 from mpt.environments import World
+from mpt.environments.host_memory import host_memory_env
 from mpt.errors import UsageError
 from mpt.launchers.horovod_join import check_port
 from mpt.launchers.local_rank import LOCAL_RANK_ARG
@@ -204,9 +205,10 @@ class LaunchSpec:
 
     def worker_env(self) -> dict[str, str]:
         """What every worker inherits, whichever launcher starts it: the run's settings (its
-        ``mpt.Runtime`` reads them), one thread per process, and what the backend's engine
-        reads from the environment."""
+        ``mpt.Runtime`` reads them), one thread per process, the allocator ``--host-memory``
+        preloads, and what the backend's engine reads from the environment."""
         return {**self.run.to_env(), **thread_env(self.gpus),
+                **host_memory_env(self.run.host_memory, os.environ),
                 **get_backend(self.backend).worker_env(self)}
 
     def worker_args(self) -> list[str]:

@@ -2,8 +2,8 @@
 
 ``--gpus`` real processes, at least 2 on one machine (``torch.multiprocessing``, gloo on a
 CPU, NCCL on GPUs), each as `mpt launch` starts a rank (one intra-op thread) and, on a CPU, as
-the plan's launch line there runs it (``--host-memory steady``: glibc keeps every block it
-served, so that no step faults memory in again):
+the plan's launch line there runs it (``--host-memory steady``: jemalloc, where the machine has
+it, or glibc keeps every block it served, so that no step faults memory in again):
 
 1. a sweep of allreduce, all-gather and reduce-scatter sizes (16 KiB - 32 MiB) between them,
    the allreduce and the reduce-scatter also in bf16 and fp16, each fitted by least squares
@@ -42,6 +42,7 @@ an older format.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -51,14 +52,14 @@ import socket
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from mpt.environments.host_memory import apply_host_memory
+from mpt.environments.host_memory import apply_host_memory, host_memory_env
 from mpt.environments.world import World
 from mpt.errors import UsageError
 from mpt.plan.network import fit_key, ring_factor, ring_steps
@@ -606,6 +607,21 @@ def measure(ranks: int = 2, step: StepSpec | None = None, training: int | None =
     return found
 
 
+@contextlib.contextmanager
+def _inherited(env: Mapping[str, str]) -> Iterator[None]:
+    """This process's environment with ``env`` added while the block starts processes."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
+
+
 def measure_nodes(world: World, step: StepSpec | None = None, training: int | None = None
                   ) -> Calibration | None:
     """Measure this node's processes of ``world`` with every other node's (each node calls
@@ -621,8 +637,12 @@ def measure_nodes(world: World, step: StepSpec | None = None, training: int | No
     # machines: `mpt launch --backend horovod` refuses that job.
     rendezvous = HorovodRendezvous(address="") if unreachable_gloo(
         world.nodes, str(world.master_addr)) else HorovodRendezvous.serve(world)
+    # On a CPU the ranks run under the allocator the plan's launch line gives them there, which
+    # is preloaded before a process starts: mp.spawn's processes inherit our environment.
+    cpu = not (torch.cuda.is_available() and torch.cuda.device_count() >= world.gpus)
+    preload = host_memory_env(CPU_HOST_MEMORY, os.environ) if cpu else {}
     try:
-        with tempfile.TemporaryDirectory() as folder:
+        with tempfile.TemporaryDirectory() as folder, _inherited(preload):
             path = Path(folder) / "figures.json"
             mp.spawn(_worker, args=(world, str(path), step, training or world.gpus,
                                     rendezvous.address), nprocs=world.gpus, join=True)

@@ -22,9 +22,9 @@ def _source(result: Plan) -> str:
             + ("; datasheet peaks: a lower bound of the step" if device.source == "datasheet"
                else "") + f"; compute: {result.compute}"
             + (f"; memory: what a rank holds, which the resident set under --host-memory "
-               f"{CPU_HOST_MEMORY} exceeds by what glibc's heap grew to; where memory is short, "
-               "launch with --host-memory lean, whose resident set these figures describe "
-               "(docs/plan.md)" if device.device_type == "cpu" else ""))
+               f"{CPU_HOST_MEMORY} exceeds by the freed blocks its allocator keeps; where "
+               "memory is short, launch with --host-memory lean, whose resident set these "
+               "figures describe (docs/plan.md)" if device.device_type == "cpu" else ""))
 
 
 def as_json(result: Plan, script: str) -> dict[str, Any]:

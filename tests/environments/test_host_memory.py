@@ -1,17 +1,21 @@
 """``--host-memory``: lean hands freed large blocks back to the OS, fast (glibc's default) keeps
 them but trims a heap's free top and maps a block of 32 MiB or more anew each time, steady keeps
-every block, whatever its size; a bad value is one line naming the
-flag, the value and the choices."""
+every block, whatever its size: in jemalloc, which `mpt launch` preloads where the machine has
+it, else in glibc's heaps, and says so; a bad value is one line naming the flag, the value and
+the choices."""
 
 from __future__ import annotations
 
+import ctypes.util
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 from mpt.environments import host_memory
+from tests.conftest import run_mpt
 
 MiB = 2**20
 BLOCK = 8 * MiB
@@ -86,11 +90,20 @@ def test_lean_returns_freed_large_blocks_and_fast_and_steady_keep_them():
     assert kept["steady"] >= (BLOCKS - 4) * BLOCK, kept
 
 
-def _rounds(mode: str, size: int, count: int, times: int = 6) -> list[list[int]]:
-    """What each round of ``STEPS`` faulted in and handed back under ``mode``."""
+jemalloc_only = pytest.mark.skipif(
+    ctypes.util.find_library("jemalloc") is None,
+    reason="needs jemalloc (Debian's libjemalloc2; make setup installs it where apt-get runs "
+    "as root)")
+
+
+def _rounds(mode: str, size: int, count: int, times: int = 6,
+            env: dict[str, str] | None = None) -> list[list[int]]:
+    """What each round of ``STEPS`` faulted in and handed back under ``mode``, the process
+    started with ``env`` added to this one's."""
     return json.loads(subprocess.run(
         [sys.executable, "-c", STEPS, mode, str(size), str(count), str(times)],
-        capture_output=True, text=True, timeout=60, check=True).stdout)
+        capture_output=True, text=True, timeout=60, check=True,
+        env={**os.environ, **(env or {})}).stdout)
 
 
 @glibc_only
@@ -107,7 +120,7 @@ def test_steady_keeps_what_a_step_freed_and_stops_faulting_it_in():
 
 
 @glibc_only
-def test_steady_reuses_a_block_glibc_would_map_anew():
+def test_steady_without_jemalloc_reuses_a_block_glibc_would_map_anew():
     """A 64 MiB block, above glibc's highest mmap threshold (32 MiB), allocated and freed 16
     times."""
     size = 64 * MiB
@@ -121,6 +134,50 @@ def test_steady_reuses_a_block_glibc_would_map_anew():
     # 3-8 rounds in 40 runs); from then on each round writes the same pages again
     assert all(returned <= 0 for _, returned in rounds["steady"]), rounds
     assert all(faulted <= MiB for faulted, _ in rounds["steady"][-4:]), rounds
+
+
+@jemalloc_only
+def test_steady_in_jemalloc_faults_nothing_in_from_the_second_round():
+    """The same 64 MiB block, 16 times, in a process started as `mpt launch` starts a worker
+    under steady: jemalloc preloaded with its decay off."""
+    size = 64 * MiB
+    preload = host_memory.host_memory_env("steady", os.environ)
+    assert "libjemalloc" in preload["LD_PRELOAD"], preload
+    rounds = {"fast": _rounds("fast", size, 1, 16),
+              "steady": _rounds("steady", size, 1, 16, env=preload)}
+    # fast (the control, glibc's defaults): each round maps and faults the block in anew
+    assert all(faulted >= size - MiB for faulted, _ in rounds["fast"]), rounds
+    # jemalloc serves the freed block's pages to the next request of its size at once
+    assert all(returned <= 0 for _, returned in rounds["steady"]), rounds
+    assert all(faulted <= MiB for faulted, _ in rounds["steady"][1:]), rounds
+
+
+@jemalloc_only
+def test_launch_preloads_jemalloc_under_steady_only(tmp_path):
+    script = tmp_path / "which.py"
+    script.write_text("import mpt\n"
+                      "from mpt.environments.host_memory import on_jemalloc\n"
+                      "rt = mpt.Runtime()\n"
+                      "print('on jemalloc:', on_jemalloc(), flush=True)\n"
+                      "rt.close()\n")
+    found = {}
+    for mode in ("steady", "fast"):
+        result = run_mpt("launch", "--gpus", "1", "--host-memory", mode, str(script))
+        assert result.returncode == 0, result.stderr[-2000:]
+        found[mode] = result.stdout
+    assert "on jemalloc: True" in found["steady"], found
+    assert "on jemalloc: False" in found["fast"], found
+    assert "glibc's heaps" not in found["steady"]  # no fallback note where jemalloc runs
+
+
+@glibc_only
+def test_steady_says_when_it_falls_back_to_glibc():
+    note = subprocess.run(
+        [sys.executable, "-c", "from mpt.environments.host_memory import apply_host_memory; "
+         "print(apply_host_memory('steady'))"],
+        capture_output=True, text=True, timeout=60, check=True,
+        env={**os.environ, "LD_PRELOAD": ""}).stdout
+    assert "keeps blocks in glibc's heaps here" in note and "libjemalloc2" in note, note
 
 
 def test_lean_says_where_it_cannot_apply(monkeypatch):
