@@ -164,7 +164,7 @@ def test_launch_preloads_jemalloc_under_steady_only(tmp_path):
     for mode in ("steady", "fast"):
         result = run_mpt("launch", "--gpus", "1", "--host-memory", mode, str(script))
         assert result.returncode == 0, result.stderr[-2000:]
-        found[mode] = result.stdout
+        found[mode] = result.stdout + result.stderr
     assert "on jemalloc: True" in found["steady"], found
     assert "on jemalloc: False" in found["fast"], found
     assert "glibc's heaps" not in found["steady"]  # no fallback note where jemalloc runs
