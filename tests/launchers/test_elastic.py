@@ -318,9 +318,10 @@ class Job:
                 "--run-dir", str(self.run_dir), *flags, *node_flags, worker("elastic_train.py"),
                 str(self.out), "--steps", str(steps), "--sleep", str(sleep), "--save-every",
                 str(save_every), *WORKER_FLAGS.get(backend, ()))
+            # TMPDIR: a node this test SIGKILLs leaves its launch folder in tmp, not in /tmp
             self.nodes.append(Node(subprocess.Popen(
                 command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                env=launch_env())))
+                env={**launch_env(), "TMPDIR": str(tmp)})))
             if index == 0:  # the first node (or the store) hosts the rendezvous
                 assert wait_for(lambda: listening(port), 60), "node 0 never bound the port"
 
