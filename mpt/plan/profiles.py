@@ -36,9 +36,9 @@ CPU_HOST_MEMORY = "steady"
 """The ``--host-memory`` a CPU host's plan prices: its launch line carries it and its
 calibration runs under it. Freed blocks are then kept for reuse (by jemalloc, or glibc's heap
 where the machine has no jemalloc), so that after the first steps no step faults memory in
-again, as on a GPU. Under glibc's defaults (``fast``)
-a step can fault in blocks of 32 MiB and more (mapped anew each time) and a heap's trimmed top,
-depending on the heap (fsdp's ResNet-18 at one rank: 1.26 x the step; docs/plan.md)."""
+again, as on a GPU. Under glibc's defaults (``fast``) a step can fault in blocks of 32 MiB and
+more (mapped anew each time) and a heap's trimmed top, depending on the heap (fsdp's ResNet-18
+at one rank: 1.26 x the step; docs/plan.md)."""
 
 GB = 1e9
 
