@@ -59,11 +59,11 @@ $(STAMP): setup.py pyproject.toml CMakeLists.txt $(wildcard backends/csrc/*)
 # own CPU launcher does); installed here where it is missing and apt-get runs as root. Elsewhere
 # steady keeps blocks in glibc's heaps and the run says so.
 JEMALLOC_INSTALL := $(PYTHON) -c "import ctypes.util, sys; \
-  sys.exit(ctypes.util.find_library('jemalloc') is None)" || { [ "$$(id -u)" = 0 ] && \
-  command -v apt-get >/dev/null && { apt-get install -y -q libjemalloc2 >/dev/null 2>&1 || \
-  { apt-get update -q >/dev/null && apt-get install -y -q libjemalloc2 >/dev/null; }; }; } || \
-  echo "mpt: jemalloc is not installed (Debian: libjemalloc2): --host-memory steady will keep \
-  blocks in glibc's heaps"
+  sys.exit(ctypes.util.find_library('jemalloc') is None)" \
+  || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq \
+       && apt-get install -y -qq libjemalloc2 >/dev/null; } \
+  || echo "mpt: jemalloc is not installed (Debian: libjemalloc2): --host-memory steady will \
+  keep blocks in glibc's heaps"
 
 # What every target below runs on: the venv with mpt, jemalloc, then Horovod (built once, see
 # above).

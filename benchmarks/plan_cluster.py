@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from mpt.environments.host_memory import HOST_MEMORY
 from mpt.plan.profiles import CPU_HOST_MEMORY
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -145,7 +146,7 @@ def main() -> None:
     cells = [c for c in json.loads(args.results.read_text())
              if c["model"] in INPUTS
              and (c["nodes"] == 1 or c["rate"] != UNSHAPED)]
-    other = sorted({c.get("host_memory", "fast") for c in cells} - {CPU_HOST_MEMORY})
+    other = sorted({c.get("host_memory", HOST_MEMORY[0]) for c in cells} - {CPU_HOST_MEMORY})
     if other:  # the calibration and the plan's launch line run under CPU_HOST_MEMORY
         print(f"note: cells measured under --host-memory {', '.join(other)}, priced as under "
               f"{CPU_HOST_MEMORY}")

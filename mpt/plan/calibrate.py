@@ -42,7 +42,6 @@ an older format.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import json
@@ -52,10 +51,11 @@ import socket
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -531,7 +531,7 @@ def _worker(local_rank: int, world: World, out: str, step: StepSpec | None,
 
     world = dataclasses.replace(world, local_rank=local_rank)
     torch.set_num_threads(1)  # as `mpt launch` starts each rank
-    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world.gpus
+    cuda = on_cuda(world)
     if not cuda:
         apply_host_memory(CPU_HOST_MEMORY)  # as the plan's launch line on a CPU host runs it
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
@@ -607,19 +607,9 @@ def measure(ranks: int = 2, step: StepSpec | None = None, training: int | None =
     return found
 
 
-@contextlib.contextmanager
-def _inherited(env: Mapping[str, str]) -> Iterator[None]:
-    """This process's environment with ``env`` added while the block starts processes."""
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = value
+def on_cuda(world: World) -> bool:
+    """Whether this node's ranks measure GPUs (one each), else the CPU."""
+    return torch.cuda.is_available() and torch.cuda.device_count() >= world.gpus
 
 
 def measure_nodes(world: World, step: StepSpec | None = None, training: int | None = None
@@ -638,11 +628,11 @@ def measure_nodes(world: World, step: StepSpec | None = None, training: int | No
     rendezvous = HorovodRendezvous(address="") if unreachable_gloo(
         world.nodes, str(world.master_addr)) else HorovodRendezvous.serve(world)
     # On a CPU the ranks run under the allocator the plan's launch line gives them there, which
-    # is preloaded before a process starts: mp.spawn's processes inherit our environment.
-    cpu = not (torch.cuda.is_available() and torch.cuda.device_count() >= world.gpus)
-    preload = host_memory_env(CPU_HOST_MEMORY, os.environ) if cpu else {}
+    # is preloaded before a process starts: mp.spawn's processes inherit our environment,
+    # which is ours again once they end (a test's process keeps no LD_PRELOAD).
+    preload = {} if on_cuda(world) else host_memory_env(CPU_HOST_MEMORY, os.environ)
     try:
-        with tempfile.TemporaryDirectory() as folder, _inherited(preload):
+        with tempfile.TemporaryDirectory() as folder, mock.patch.dict(os.environ, preload):
             path = Path(folder) / "figures.json"
             mp.spawn(_worker, args=(world, str(path), step, training or world.gpus,
                                     rendezvous.address), nprocs=world.gpus, join=True)
