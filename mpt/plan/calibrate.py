@@ -9,16 +9,16 @@ it, or glibc keeps every block it served, so that no step faults memory in again
    the allreduce and the reduce-scatter also in bf16 and fp16, each fitted by least squares
    to ``t = latency + ring factor x size / bus bandwidth`` (nccl-tests' busbw);
 2. then as many ranks of each node at once as will train there (``--gpus``: the rest wait), so
-   that each shares the machine as it will while training, rank 0's figures kept: per dtype
-   (float32, bfloat16, float16), matmuls of ``N`` x ``N`` weights whose smallest dimension
-   sweeps ``SMALLEST`` then ``N``, both with few rows (``s x N @ N x N``: a forward, an input
-   gradient) and a short inner dimension (``N x s @ s x N``: a weight gradient), on operands
-   rotated through more memory than the caches hold, as a training step streams each weight
-   from memory; the bandwidth of a large copy; the time of a one-element op (the dispatch
-   overhead); the seconds per parameter of each optimizer's torch step (its default path on the
-   device: single-tensor on a CPU, foreach on CUDA); and, on a CPU, the first write of a 64 MiB
-   block the allocator maps anew, against a kept one. Each figure is the median of a few
-   timings after a warm-up.
+   that each shares the machine as it will while training, each timing but the matmuls'
+   begun on all of them together (as a training step's collectives begin each phase), rank
+   0's figures kept: per dtype (float32, bfloat16, float16), matmuls of ``N`` x ``N``
+   weights whose smallest dimension sweeps ``SMALLEST`` then ``N``, both with few rows
+   (``s x N @ N x N``: a forward, an input gradient) and a short inner dimension
+   (``N x s @ s x N``: a weight gradient), on operands rotated through more memory than the
+   caches hold, as a training step streams each weight from memory; the bandwidth of a
+   large copy; the time of a one-element op (the dispatch overhead); and the seconds per
+   parameter of each optimizer's torch step (its default path on the device: single-tensor
+   on a CPU, foreach on CUDA). Each figure is the median of a few timings after a warm-up.
 3. with a model (`mpt plan FILE.py:FUNCTION --calibrate`), by the same ranks: that model's own
    training step, built on the device at the per-rank micro-batch (``StepSpec``): its forward
    and backward, the same samples cut into 2, 4, 8 and 16 micro-batches that accumulate
@@ -216,12 +216,19 @@ def fit(points: list[tuple[float, float]]) -> dict[str, float]:
     return {"latency": max(0.0, mt - slope * mx), "bus_bandwidth": 1.0 / slope}
 
 
-def _timed(run: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> float:
-    """The median of ``repeats`` timings after one warm-up."""
+def alone() -> None:
+    """``align`` where a rank measures with no other: nothing to wait for."""
+
+
+def _timed(run: Callable[[], Any], repeats: int, sync: Callable[[], None],
+           align: Callable[[], None] = alone) -> float:
+    """The median of ``repeats`` timings after one warm-up, each begun once ``align`` returns
+    (``device_figures``)."""
     run()
     sync()
     times = []
     for _ in range(repeats):
+        align()
         start = time.perf_counter()
         run()
         sync()
@@ -342,7 +349,8 @@ def matmul_figures(device: torch.device, sync: Callable[[], None]
     return peaks, sweeps
 
 
-def update_figures(device: torch.device, sync: Callable[[], None]) -> dict[str, float]:
+def update_figures(device: torch.device, sync: Callable[[], None],
+                   align: Callable[[], None] = alone) -> dict[str, float]:
     """Seconds per parameter of each optimizer's torch step over 4 x 2^20 fp32 parameters
     (with their gradients and states, beyond the caches)."""
     found = {}
@@ -351,22 +359,30 @@ def update_figures(device: torch.device, sync: Callable[[], None]) -> dict[str, 
         for p in params:
             p.grad = torch.full_like(p, 1e-3)
         optimizer = getattr(torch.optim, cls)(params, lr=1e-3, **kwargs)
-        found[name] = _timed(optimizer.step, 5, sync) / sum(p.numel() for p in params)
+        found[name] = (_timed(optimizer.step, 5, sync, align)
+                       / sum(p.numel() for p in params))
     return found
 
 
-def device_figures(device: torch.device, sync: Callable[[], None]) -> dict[str, Any]:
+def device_figures(device: torch.device, sync: Callable[[], None],
+                   align: Callable[[], None] = alone) -> dict[str, Any]:
     """This rank's matmul FLOP/s by dtype and shape, copy bandwidth, op overhead and optimizer
-    steps. Every rank measures at once, so that each shares the machine as it does while
-    training."""
+    steps. Every rank that will train on the machine measures at once, so that each shares it
+    as while training; the copy, the op and the optimizers' steps each timing begun on all of
+    them together (``align``, a barrier of theirs), as the collective that ends each phase of
+    a training step starts the next on every rank at once. On a CPU the ranks share the
+    memory's bandwidth (here two ranks' 64 MiB copies ran at 19-22 GB/s each, one rank's
+    alone at 34-45); timed apart, two ranks' copies overlapped too little to show it (43.5
+    GB/s). The matmuls are not aligned: each rank chooses from its own first run how many
+    to time (``_cold_flops``), so their counts of timings may differ."""
     flops, sweeps = matmul_figures(device, sync)
     src = torch.ones(1 << 24, device=device)  # 64 MiB: beyond any cache
     dst = torch.empty_like(src)
-    copy = _timed(lambda: dst.copy_(src), 5, sync)
+    copy = _timed(lambda: dst.copy_(src), 5, sync, align)
     one = torch.ones(1, device=device)
-    overhead = _timed(lambda: [one.add_(1) for _ in range(200)], 3, sync) / 200
+    overhead = _timed(lambda: [one.add_(1) for _ in range(200)], 3, sync, align) / 200
     return {"flops": flops, "matmul_sweep": sweeps, "memory_bandwidth": 2 * src.nbytes / copy,
-            "op_overhead": overhead, "update_seconds": update_figures(device, sync)}
+            "op_overhead": overhead, "update_seconds": update_figures(device, sync, align)}
 
 
 def pipeline_overheads(pair: Any, position: int, device: torch.device,
@@ -419,12 +435,14 @@ class ModelStep:
     its optimizer step with ``zero_grad`` (gradients to None, as torch's default frees them),
     timed in spells (``time``) that the calibration spreads over its run, so that
     a slow spell of a shared machine moves the medians (``figures``: ``MeasuredStep``'s fields)
-    by one spell's share, not wholly. A piece count whose pieces the model refuses (batch
-    norm's one sample) is not timed; an error of the whole micro-batch (out of memory, an input
-    the model refuses) ends the timing and is kept as the figures' ``error``."""
+    by one spell's share, not wholly; each timed part begun once ``align`` returns, on every
+    rank that trains at once (``device_figures``). A piece count whose pieces the model refuses
+    (batch norm's one sample) is not timed; an error of the whole micro-batch (out of memory,
+    an input the model refuses) ends the timing and is kept as the figures' ``error``."""
 
-    def __init__(self, spec: StepSpec, device: torch.device, sync: Callable[[], None]) -> None:
-        self.spec, self.sync = spec, sync
+    def __init__(self, spec: StepSpec, device: torch.device, sync: Callable[[], None],
+                 align: Callable[[], None] = alone) -> None:
+        self.spec, self.sync, self.align = spec, sync, align
         self.splits = [1, *(k for k in SPLITS if spec.micro_batch % k == 0)]
         self.timings: dict[int, list[float]] = {k: [] for k in self.splits}
         self.updates: list[float] = []
@@ -495,11 +513,13 @@ class ModelStep:
         forward_backward, update = self.runs
         for _ in range(steps):
             for pieces in self.splits:
+                self.align()
                 start = time.perf_counter()
                 forward_backward(pieces)
                 self.sync()
                 if keep:
                     self.timings[pieces].append(time.perf_counter() - start)
+                self.align()
                 start = time.perf_counter()
                 update()
                 self.sync()
@@ -552,8 +572,16 @@ def _worker(local_rank: int, world: World, out: str, step: StepSpec | None,
                  for node in range(world.nodes)]
         # the model's step is timed in three spells, before, between and after the rest, the
         # training ranks together (barriers): a slow minute of a shared machine is one of them
-        model = (ModelStep(step, device, sync) if step is not None and local_rank < training
-                 else None)
+        # the ranks that will train measure the device and the model at once, each timing
+        # begun on all of them together (``device_figures``)
+        measuring = dist.new_group([rank for _, local, rank in world.all_processes()
+                                    if local < training])
+
+        def align() -> None:
+            dist.barrier(group=measuring)
+
+        model = (ModelStep(step, device, sync, align)
+                 if step is not None and local_rank < training else None)
         dist.barrier()
         if model is not None:
             model.time()
@@ -575,7 +603,7 @@ def _worker(local_rank: int, world: World, out: str, step: StepSpec | None,
         dist.barrier()
         # the node's training ranks measure at once; a process started only for the
         # collectives (one node of one rank) waits in the gather below
-        figures = device_figures(device, sync) if local_rank < training else {}
+        figures = device_figures(device, sync, align) if local_rank < training else {}
         dist.barrier()  # each rank's figures take their own time: the step starts together
         if model is not None:
             model.time()

@@ -108,7 +108,9 @@ def test_the_calibration_times_a_models_own_step_and_keeps_it(tmp_path) -> None:
     (tmp_path / "tiny.py").write_text(
         "from torch import nn\n\ndef build():\n"
         "    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2))\n")
-    model = calibrate.ModelStep(spec, torch.device("cpu"), lambda: None)
+    aligned = []  # each timed part begins once the ranks that train at once are aligned
+    model = calibrate.ModelStep(spec, torch.device("cpu"), lambda: None,
+                                lambda: aligned.append(1))
     model.time()
     model.time(3)
     # the micro-batch of 4 whole, and cut into 2 and 4 pieces (8 and 16 do not divide it)
@@ -116,6 +118,8 @@ def test_the_calibration_times_a_models_own_step_and_keeps_it(tmp_path) -> None:
         1: calibrate.STEP_REPEATS + 3, 2: calibrate.STEP_REPEATS + 3,
         4: calibrate.STEP_REPEATS + 3}
     assert len(model.updates) == calibrate.STEP_REPEATS + 3
+    # a forward and backward and an update per piece count, warm-up steps too
+    assert len(aligned) == 2 * 3 * (calibrate.STEP_WARMUP + calibrate.STEP_REPEATS + 3)
     figures = model.figures()
     assert figures["parameters"] == 16 * 32 + 32 + 32 * 2 + 2
     assert figures["forward_backward"] == statistics.median(model.timings[1]) > 0
@@ -187,3 +191,17 @@ def test_token_ids_and_a_cast_model_are_timed_in_their_own_dtypes(tmp_path) -> N
         figures = model.figures()
         assert figures["parameters"] == parameters
         assert figures["forward_backward"] > 0 and figures["update"] > 0
+
+
+def test_each_timing_begins_on_every_measuring_rank_at_once(free_port) -> None:
+    """Two gloo processes, rank 0's work 1 ms and rank 1's 40: aligned by a barrier, rank 0
+    begins each run with rank 1 (40 ms apart), while its timings leave the wait out; alone, it
+    runs its own five in a few ms."""
+    from plan_aligned import LONG, SHORT, measure
+
+    found = measure(free_port)
+    aligned, alone = found["aligned"], found["alone"]
+    gaps = [b - a for a, b in zip(aligned["starts"][1:], aligned["starts"][2:], strict=False)]
+    assert len(gaps) == 4 and min(gaps) > 0.75 * LONG, gaps
+    assert SHORT <= aligned["median"] < LONG / 2
+    assert alone["starts"][-1] - alone["starts"][0] < LONG
