@@ -7,11 +7,11 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 
 import torch
+from plan_pipeline_probe import on_two_ranks
 
 SHORT, LONG = 0.001, 0.04
 """Seconds of rank 0's work and of rank 1's."""
@@ -45,9 +45,4 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 def measure(port: int) -> dict[str, dict]:
     """Rank 0's median and the start of each of its runs (the warm-up's first), per way."""
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as folder:
-        out = str(Path(folder) / "timed.json")
-        mp.spawn(_worker, args=(port, out), nprocs=2, join=True)
-        return json.loads(Path(out).read_text())
+    return on_two_ranks(_worker, port)

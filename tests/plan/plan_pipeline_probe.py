@@ -6,7 +6,9 @@ import datetime
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,11 +29,16 @@ def _worker(rank: int, port: int, out: str) -> None:
     os._exit(0)  # as plan_ddp_step's ranks: no interpreter teardown under gloo's threads
 
 
-def measure(port: int) -> dict[str, float]:
-    """Seconds per action of each schedule, as rank 0 of the probe found them."""
+def on_two_ranks(worker: Callable[[int, int, str], None], port: int) -> Any:
+    """What rank 0 of two processes running ``worker(rank, port, out)`` wrote into ``out``."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as folder:
-        out = str(Path(folder) / "probe.json")
-        mp.spawn(_worker, args=(port, out), nprocs=2, join=True)
+        out = str(Path(folder) / "found.json")
+        mp.spawn(worker, args=(port, out), nprocs=2, join=True)
         return json.loads(Path(out).read_text())
+
+
+def measure(port: int) -> dict[str, float]:
+    """Seconds per action of each schedule, as rank 0 of the probe found them."""
+    return on_two_ranks(_worker, port)
