@@ -63,9 +63,11 @@ def test_a_failing_rank_ends_the_job_with_its_code(tmp_path, free_port, mode, co
 
 
 def test_workers_die_with_a_killed_launcher(tmp_path, free_port):
+    # TMPDIR: the SIGKILLed launcher leaves its launch folder in tmp_path, not in /tmp
     proc = subprocess.Popen(mpt_command("launch", "--gpus", "2", "--master-port", str(free_port),
                                         worker("report_world.py"), str(tmp_path), "120"),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "TMPDIR": str(tmp_path)})
     try:
         assert wait_for(lambda: all((tmp_path / f"rank{r}.json").exists() for r in range(2)), 60)
         pids = [rep["pid"] for rep in read_reports(tmp_path, 2)]
