@@ -570,8 +570,6 @@ def _worker(local_rank: int, world: World, out: str, step: StepSpec | None,
         # every rank makes every node's group, in the same order (torch's rule for new_group)
         nodes = [dist.new_group([rank for nr, _, rank in world.all_processes() if nr == node])
                  for node in range(world.nodes)]
-        # the model's step is timed in three spells, before, between and after the rest, the
-        # training ranks together (barriers): a slow minute of a shared machine is one of them
         # the ranks that will train measure the device and the model at once, each timing
         # begun on all of them together (``device_figures``)
         measuring = dist.new_group([rank for _, local, rank in world.all_processes()
@@ -580,6 +578,8 @@ def _worker(local_rank: int, world: World, out: str, step: StepSpec | None,
         def align() -> None:
             dist.barrier(group=measuring)
 
+        # the model's step is timed in three spells, before, between and after the rest, the
+        # training ranks together (barriers): a slow minute of a shared machine is one of them
         model = (ModelStep(step, device, sync, align)
                  if step is not None and local_rank < training else None)
         dist.barrier()
