@@ -465,6 +465,7 @@ def check_shrunk(tmp_path: Path, out: Path, run_dir: Path, backend: str, killed_
     return restored
 
 
+@pytest.mark.slow  # `make test` keeps the same shrink restored from snapshots (below)
 def test_a_lost_node_shrinks_the_job_which_keeps_the_global_batch_and_the_curve(tmp_path):
     shrink(tmp_path, "ddp")
 
