@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import platform
@@ -572,12 +573,8 @@ def _worker(local_rank: int, world: World, out: str, step: StepSpec | None,
                  for node in range(world.nodes)]
         # the ranks that will train measure the device and the model at once, each timing
         # begun on all of them together (``device_figures``)
-        measuring = dist.new_group([rank for _, local, rank in world.all_processes()
-                                    if local < training])
-
-        def align() -> None:
-            dist.barrier(group=measuring)
-
+        align = functools.partial(dist.barrier, group=dist.new_group(
+            [rank for _, local, rank in world.all_processes() if local < training]))
         # the model's step is timed in three spells, before, between and after the rest, the
         # training ranks together (barriers): a slow minute of a shared machine is one of them
         model = (ModelStep(step, device, sync, align)
