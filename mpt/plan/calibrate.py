@@ -26,7 +26,10 @@ it, or glibc keeps every block it served, so that no step faults memory in again
    ``STEP_REPEATS`` timings (``ModelStep``), after ``STEP_WARMUP`` steps: one before step 1,
    one between steps 1 and 2, one after step 2. What the op-by-op model leaves out on this device
    (a kernel's real speed at the model's own shapes)
-   is in these two figures; the plan scales its compute by them (``MeasuredStep``).
+   is in these two figures; the plan scales its compute by them (``MeasuredStep``). The same
+   whole step again under `--backend fsdp`'s ``fully_shard`` over each rank alone: what its
+   hooks, DTensor parameters and copies add, which the plan's fsdp layouts pay beyond the
+   copies it prices.
 
 Across nodes (``--nodes N --nr R --master-addr HOST`` on every node, as `mpt launch` is
 started), each node starts its ``--gpus`` processes and all of them meet in one process group:
@@ -50,12 +53,13 @@ import os
 import platform
 import socket
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from unittest import mock
 
 import torch
@@ -74,6 +78,9 @@ from mpt.plan.profiles import (
 )
 from mpt.plan.workload import MODEL_ERRORS
 from mpt.precision.base import dtype_name
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 FORMAT = "mpt-plan-calibration/2"
 """Version 2 added ``matmul_sweep`` and ``update_seconds``."""
@@ -433,8 +440,10 @@ def pipeline_overheads(pair: Any, position: int, device: torch.device,
 class ModelStep:
     """``spec``'s model built on ``device`` and trained on one micro-batch: its forward and
     backward, whole and cut into each of ``SPLITS`` pieces that divides it (accumulating), and
-    its optimizer step with ``zero_grad`` (gradients to None, as torch's default frees them),
-    timed in spells (``time``) that the calibration spreads over its run, so that
+    its optimizer step with ``zero_grad`` (gradients to None, as torch's default frees them);
+    with ``mesh`` (of this rank alone), the same whole step of a second copy under
+    ``--backend fsdp``'s ``fully_shard`` over it. Timed in spells (``time``) that the
+    calibration spreads over its run, so that
     a slow spell of a shared machine moves the medians (``figures``: ``MeasuredStep``'s fields)
     by one spell's share, not wholly; each timed part begun once ``align`` returns, on every
     rank that trains at once (``device_figures``). A piece count whose pieces the model refuses
@@ -442,26 +451,41 @@ class ModelStep:
     an input the model refuses) ends the timing and is kept as the figures' ``error``."""
 
     def __init__(self, spec: StepSpec, device: torch.device, sync: Callable[[], None],
-                 align: Callable[[], None] = alone) -> None:
+                 align: Callable[[], None] = alone, mesh: DeviceMesh | None = None) -> None:
         self.spec, self.sync, self.align = spec, sync, align
         self.splits = [1, *(k for k in SPLITS if spec.micro_batch % k == 0)]
         self.timings: dict[int, list[float]] = {k: [] for k in self.splits}
         self.updates: list[float] = []
+        self.sharded: dict[str, list[float]] = {"forward_backward": [], "update": []}
         self.error = ""
         self.parameters = 0
-        self.runs: tuple[Callable[[int], None], Callable[[], None]] | None = None
+        self.runs: list[tuple[Callable[[int], None], Callable[[], None]]] = []
         try:
-            self.runs = self._build(device)
+            self.runs.append(self._build(device))
             self.splits = [k for k in self.splits if self._accepts(k)]
+        except MODEL_ERRORS as exc:
+            self.error = _first_line(exc)
+            return
+        if mesh is not None:
+            try:  # a second copy of the model: where it does not fit, the plain step still times
+                self.runs.append(self._build(device, mesh))
+            except (*MODEL_ERRORS, UsageError) as exc:
+                print(f"mpt plan --calibrate: {spec.model}'s step under fully_shard was not "
+                      f"timed ({_first_line(exc)}); its fsdp layouts price its copies alone",
+                      file=sys.stderr)
+        try:
             self._run(STEP_WARMUP, keep=False)
         except MODEL_ERRORS as exc:
-            self.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            self.error = _first_line(exc)
 
-    def _build(self, device: torch.device) -> tuple[Callable[[int], None], Callable[[], None]]:
-        """The model, its input and optimizer on ``device``: its two timed parts, the first
-        over the micro-batch cut into as many pieces as it is given."""
+    def _build(self, device: torch.device, mesh: DeviceMesh | None = None
+               ) -> tuple[Callable[[int], None], Callable[[], None]]:
+        """The model, its input and optimizer on ``device`` (set up by the fsdp backend over
+        ``mesh``, where it is given): its two timed parts, the first over the micro-batch cut
+        into as many pieces as it is given."""
         from torch.utils._pytree import tree_leaves
 
+        from mpt.backends import get_backend
         from mpt.estimate import load_model
         from mpt.precision import make_precision
 
@@ -480,6 +504,12 @@ class ModelStep:
         cls, kwargs = OPTIMIZERS[spec.optimizer]
         # a tiny rate: the weights stay where they began, so no step slows on overflowing values
         optimizer = getattr(torch.optim, cls)(net.parameters(), lr=1e-9, **kwargs)
+        if mesh is not None:
+            # the backend's own units and policies, resharded after the forward as `setup`
+            # does; its stage entry because it takes the mesh (the world is every rank's)
+            fsdp = get_backend("fsdp")(world=World(), device=device, precision=precision,
+                                       options={"reshard_after_forward": True})
+            fsdp.setup_stage(net, [net], optimizer, mesh)
 
         def forward_backward(pieces: int) -> None:
             for piece in x.chunk(pieces):
@@ -497,8 +527,7 @@ class ModelStep:
     def _accepts(self, pieces: int) -> bool:
         """Whether the model trains on its micro-batch cut into ``pieces`` (its refusal of the
         whole one is raised)."""
-        assert self.runs is not None
-        forward_backward, update = self.runs
+        forward_backward, update = self.runs[0]
         try:
             forward_backward(pieces)
         except MODEL_ERRORS:
@@ -509,23 +538,25 @@ class ModelStep:
             update()
         return True
 
+    def _part(self, part: Callable[[], None], into: list[float], keep: bool) -> None:
+        self.align()
+        start = time.perf_counter()
+        part()
+        self.sync()
+        if keep:
+            into.append(time.perf_counter() - start)
+
     def _run(self, steps: int, keep: bool) -> None:
-        assert self.runs is not None
-        forward_backward, update = self.runs
+        (forward_backward, update), *sharded = self.runs
         for _ in range(steps):
             for pieces in self.splits:
-                self.align()
-                start = time.perf_counter()
-                forward_backward(pieces)
-                self.sync()
-                if keep:
-                    self.timings[pieces].append(time.perf_counter() - start)
-                self.align()
-                start = time.perf_counter()
-                update()
-                self.sync()
-                if keep and pieces == 1:
-                    self.updates.append(time.perf_counter() - start)
+                self._part(functools.partial(forward_backward, pieces), self.timings[pieces],
+                            keep)
+                self._part(update, self.updates if pieces == 1 else [], keep)
+            for forward_backward_sharded, update_sharded in sharded:
+                self._part(functools.partial(forward_backward_sharded, 1),
+                            self.sharded["forward_backward"], keep)
+                self._part(update_sharded, self.sharded["update"], keep)
 
     def time(self, steps: int = STEP_REPEATS) -> None:
         """One spell: ``steps`` more steps timed (none once an error was kept)."""
@@ -534,7 +565,7 @@ class ModelStep:
         try:
             self._run(steps, keep=True)
         except MODEL_ERRORS as exc:
-            self.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            self.error = _first_line(exc)
 
     def figures(self) -> dict[str, Any]:
         """The medians of every spell's timings, or the error."""
@@ -543,12 +574,19 @@ class ModelStep:
         return {"spec": dataclasses.asdict(self.spec), "parameters": self.parameters,
                 "forward_backward": statistics.median(self.timings[1]),
                 "update": statistics.median(self.updates),
-                "split": {str(k): statistics.median(self.timings[k]) for k in self.splits[1:]}}
+                "split": {str(k): statistics.median(self.timings[k]) for k in self.splits[1:]},
+                "sharded": {part: statistics.median(found)
+                            for part, found in self.sharded.items() if found}}
+
+
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".splitlines()[0]
 
 
 def _worker(local_rank: int, world: World, out: str, step: StepSpec | None,
             training: int, horovod: str) -> None:
     import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
 
     world = dataclasses.replace(world, local_rank=local_rank)
     torch.set_num_threads(1)  # as `mpt launch` starts each rank
@@ -577,7 +615,10 @@ def _worker(local_rank: int, world: World, out: str, step: StepSpec | None,
             [rank for _, local, rank in world.all_processes() if local < training]))
         # the model's step is timed in three spells, before, between and after the rest, the
         # training ranks together (barriers): a slow minute of a shared machine is one of them
-        model = (ModelStep(step, device, sync, align)
+        # and fsdp's fully_shard of it over each rank alone (every rank makes every group)
+        mine, _ = dist.new_subgroups(group_size=1)
+        model = (ModelStep(step, device, sync, align,
+                           DeviceMesh.from_group(mine, device.type))
                  if step is not None and local_rank < training else None)
         dist.barrier()
         if model is not None:

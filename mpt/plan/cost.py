@@ -17,7 +17,9 @@ The step, for a rank of the slowest pipeline stage:
   parameter (``Model``'s ``compute_scales`` and ``update_seconds``); then the backend's
   copies into and out of its collectives' buffers (``Traffic.copies``: DDP's buckets, fsdp's
   all-gather and reduce-scatter inputs and outputs), read and written once each at the memory
-  bandwidth, never hidden (they run on the rank's own cores or stream).
+  bandwidth, never hidden (they run on the rank's own cores or stream); under fsdp,
+  ``fully_shard``'s own work beyond those copies (its hooks and DTensor parameters) where the
+  calibration timed the model under it at one shard (``Model.sharding``).
 - tensor parallelism: the plan's allreduces of activations, in the forward and the backward, on
   the critical path (each waits for its matmul and the next op waits for it).
 - pipeline (P stages, M micro-batches, the layout's ``--pipeline-schedule``): the schedule
@@ -110,7 +112,8 @@ class Prediction:
     capacity: float
     """Bytes one rank may fill."""
     compute: float
-    """Seconds of forward, backward, optimizer step and the backend's buffer copies."""
+    """Seconds of forward, backward, optimizer step, the backend's buffer copies and
+    fully_shard's own work."""
     exposed: float
     """Seconds of communication not hidden behind compute."""
     hidden: float
@@ -164,6 +167,11 @@ class Model:
     update_seconds: float | None = None
     """Seconds per parameter of the model's own optimizer step and ``zero_grad`` as a
     calibration timed them; None: the device's figure for ``optimizer``."""
+    sharding: tuple[float, float] = (0.0, 0.0)
+    """Seconds ``fully_shard``'s own work adds to the whole model's forward and backward (per
+    micro-batch) and to its optimizer step, beyond the copies priced, as a calibration timed
+    them at one shard (``MeasuredStep.sharded``); a pipeline stage pays its share of the
+    parameters. Zero where none was timed."""
 
     def compute_scale(self, micro_batch: int) -> float:
         """``compute_scales`` at ``micro_batch``: linear in the log of the size between two
@@ -284,10 +292,14 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
     stepped = trained / plan.dp_shard if flow.shards_optimizer else trained
     terms["optimizer step"] = optimizer_seconds(stepped, model, cluster)
     terms["buffer copies"] = copy_seconds(flow, cluster)
+    terms["fully_shard's own work"] = (
+        stage_share(stage, model) * (m * model.sharding[0] + model.sharding[1])
+        if flow.fully_sharded else 0.0)
     terms["backend matmuls"] = matmul_seconds(flow, cluster, spec)
     terms["data-parallel communication"] = max(0.0, dp_seconds - window)
     compute = (terms["forward"] + terms["backward"] + terms["optimizer step"]
-               + terms["buffer copies"] + terms["backend matmuls"] + terms["pipeline actions"])
+               + terms["buffer copies"] + terms["fully_shard's own work"]
+               + terms["backend matmuls"] + terms["pipeline actions"])
     exposed = (terms["data-parallel communication"] + terms["tensor-parallel allreduces"]
                + terms["pipeline sends"])
     terms["pipeline bubble"] = bubble
@@ -303,6 +315,14 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
         rank_bytes=dp_rank + sent * p2p.per_rank + m * sum(tp_times[c].per_rank for c in mine),
         terms=terms, limiter="")
     return _with_limiter(prediction, slowest, f"dp {kinds} ({where})")
+
+
+def stage_share(stage: nn.Module, model: Model) -> float:
+    """The share of the model's parameters in ``stage`` (1 without a pipeline)."""
+    if stage is model.net:
+        return 1.0
+    return (sum(p.numel() for p in stage.parameters())
+            / max(1, sum(p.numel() for p in model.net.parameters())))
 
 
 def copy_seconds(flow: Traffic, cluster: Cluster) -> float:

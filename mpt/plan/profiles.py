@@ -108,6 +108,11 @@ class MeasuredStep:
     split: Mapping[int, float] = field(default_factory=dict)
     """Seconds of the forward and backward of the same samples cut into k micro-batches that
     accumulate, by k (the median; empty in files measured before it was)."""
+    sharded: Mapping[str, float] = field(default_factory=dict)
+    """``forward_backward`` and ``update`` of the same step under fsdp's ``fully_shard`` of
+    mpt's units, over this rank alone (the medians): beyond the plain step, what fully_shard's
+    own work costs (its hooks, its DTensor parameters, its copies), which ``--backend fsdp``
+    pays at any number of shards. Empty where it was not timed (files measured before)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

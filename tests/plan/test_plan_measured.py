@@ -206,3 +206,67 @@ def test_each_timing_begins_on_every_measuring_rank_at_once(free_port) -> None:
     assert len(gaps) == 4 and min(gaps) > 0.75 * LONG, gaps
     assert SHORT <= aligned["median"] < LONG / 2
     assert alone["starts"][-1] - alone["starts"][0] < LONG
+
+
+def test_fsdp_layouts_pay_fully_shards_own_work_as_timed_at_one_shard() -> None:
+    """The step timed under fully_shard at one shard, less the plain step and the copies the
+    plan prices there, is fsdp's own work: each fsdp layout pays it (its forward and backward
+    part per micro-batch), no other backend does, and a step of another precision adds none."""
+    from mpt.backends import get_backend
+    from mpt.parallel import ParallelPlan
+    from mpt.plan.cost import copy_seconds
+
+    flow = get_backend("fsdp").step_traffic({}, ParallelPlan(), describe("fp32"), PARAMETERS,
+                                            module=meta_model(mlp))
+    copies = copy_seconds(flow, _cluster())
+    hooks, dtensors = 0.004, 0.003  # the forward and backward's, the optimizer step's
+    step = dataclasses.replace(_step(forward_backward=0.05), sharded={
+        "forward_backward": 0.05 + copies + hooks, "update": 0.02 + dtensors})
+
+    def own_work(label: str, changed: MeasuredStep = step) -> float:
+        result = plan(meta_model(mlp), _cluster(), precision="fp32", batch=16,
+                      input_shape=[1024], input_dtype=torch.float32, optimizer="sgd-momentum",
+                      step=changed)
+        return next(p for p in result.fitting if p.layout.label == label
+                    ).terms["fully_shard's own work"]
+
+    assert own_work("--backend fsdp") == pytest.approx(hooks + dtensors)
+    assert own_work("--backend fsdp --accumulate 4") == pytest.approx(4 * hooks + dtensors)
+    assert own_work("--backend ddp") == own_work("--backend deepspeed --zero-stage 1") == 0
+    # a pipeline stage pays its share of the model's parameters (the slower stage's)
+    net = meta_model(mlp)
+    sizes = dict(net.named_parameters())
+    shares = [sum(p.numel() for name, p in sizes.items() if name.split(".")[0] in blocks)
+              / PARAMETERS for blocks in model_of(net, [1024], torch.float32, "sgd").stages(2)]
+    staged = own_work("--backend fsdp --pipeline-stages 2 --microbatches 2")
+    assert any(staged == pytest.approx(share * (2 * hooks + dtensors)) for share in shares)
+    assert 0 < min(shares) < max(shares) < 1
+    assert own_work("--backend fsdp", dataclasses.replace(step, sharded={})) == 0
+    other = dataclasses.replace(step, spec=dataclasses.replace(step.spec, precision="bf16-mixed"))
+    assert own_work("--backend fsdp", other) == 0
+
+
+def test_the_calibration_times_the_step_under_fully_shard_beside_the_plain_one(
+        free_port, tmp_path) -> None:
+    """Two gloo ranks, each with a mesh of itself alone (as the calibration makes them): the
+    model's step again under fsdp's fully_shard, timed as often as the plain one, its hooks
+    and DTensor parameters slower than the plain step of a small model; the figures reach the
+    plan's MeasuredStep through the file."""
+    from plan_sharded_step import measure
+
+    from mpt.plan import calibrate
+
+    found = measure(free_port)
+    figures = found["figures"]
+    assert found["sharded"] == {"forward_backward": calibrate.STEP_REPEATS,
+                                "update": calibrate.STEP_REPEATS}
+    assert figures["sharded"]["forward_backward"] > figures["forward_backward"] > 0
+    assert figures["sharded"]["update"] > figures["update"] > 0
+    path = tmp_path / "cal.json"
+    fit = {"latency": 1e-4, "bus_bandwidth": 1e9}
+    calibrate.save(calibrate.Calibration(
+        identity=calibrate.identity(), ranks=2, backend="gloo", flops={"float32": 1e11},
+        memory_bandwidth=1e10, op_overhead=1e-6, memory=1e10, collectives={"all_reduce": fit},
+        matmul_sweep={}, update_seconds={}, model_step=figures), path)
+    step = calibrate.load(path).measured_step()
+    assert step is not None and step.sharded == figures["sharded"]

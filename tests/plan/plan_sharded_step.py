@@ -1,0 +1,45 @@
+"""Two real gloo processes time a model's step as `mpt plan --calibrate` does (``ModelStep``),
+with a mesh of each rank alone: the plain step, and the same step under fsdp's
+``fully_shard``."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from pathlib import Path
+
+import torch
+from plan_pipeline_probe import on_two_ranks
+
+MODEL = f"{Path(__file__).parent / 'plan_models.py'}:small"
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from mpt.plan.calibrate import ModelStep
+    from mpt.plan.profiles import StepSpec
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=datetime.timedelta(seconds=120))
+    mine, _ = dist.new_subgroups(group_size=1)
+    spec = StepSpec(model=MODEL, input_shape=(1024,), input_dtype="float32", micro_batch=4,
+                    precision="fp32", optimizer="adamw")
+    model = ModelStep(spec, torch.device("cpu"), lambda: None, dist.barrier,
+                      DeviceMesh.from_group(mine, "cpu"))
+    model.time()
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_text(json.dumps({"figures": model.figures(),
+                                         "sharded": {k: len(v) for k, v in
+                                                     model.sharded.items()}}))
+    os._exit(0)  # as plan_ddp_step's ranks: no interpreter teardown under gloo's threads
+
+
+def measure(port: int) -> dict:
+    """Rank 0's figures, and how many timings of each sharded part it took."""
+    return on_two_ranks(_worker, port)
