@@ -194,13 +194,22 @@ def test_token_ids_and_a_cast_model_are_timed_in_their_own_dtypes(tmp_path) -> N
         assert figures["forward_backward"] > 0 and figures["update"] > 0
 
 
-def test_each_timing_begins_on_every_measuring_rank_at_once(free_port) -> None:
+@pytest.fixture(scope="module")
+def two_ranks() -> dict:
+    """One 2-rank gloo job's timings (plan_aligned.py)."""
+    from conftest import find_free_port
+    from plan_aligned import measure
+
+    return measure(find_free_port())
+
+
+def test_each_timing_begins_on_every_measuring_rank_at_once(two_ranks) -> None:
     """Two gloo processes, rank 0's work 1 ms and rank 1's 40: aligned by a barrier, rank 0
     begins each run with rank 1 (40 ms apart), while its timings leave the wait out; alone, it
     runs its own five in a few ms."""
-    from plan_aligned import LONG, SHORT, measure
+    from plan_aligned import LONG, SHORT
 
-    found = measure(free_port)
+    found = two_ranks
     aligned, alone = found["aligned"], found["alone"]
     gaps = [b - a for a, b in itertools.pairwise(aligned["starts"][1:])]  # the timed runs
     assert len(gaps) == 4 and min(gaps) > 0.75 * LONG, gaps
@@ -247,16 +256,14 @@ def test_fsdp_layouts_pay_fully_shards_own_work_as_timed_at_one_shard() -> None:
 
 
 def test_the_calibration_times_the_step_under_fully_shard_beside_the_plain_one(
-        free_port, tmp_path) -> None:
+        two_ranks, tmp_path) -> None:
     """Two gloo ranks, each with a mesh of itself alone (as the calibration makes them): the
     model's step again under fsdp's fully_shard, timed as often as the plain one, its hooks
     and DTensor parameters slower than the plain step of a small model; the figures reach the
     plan's MeasuredStep through the file."""
-    from plan_sharded_step import measure
-
     from mpt.plan import calibrate
 
-    found = measure(free_port)
+    found = two_ranks["step"]
     figures = found["figures"]
     assert found["sharded"] == {"forward_backward": calibrate.STEP_REPEATS,
                                 "update": calibrate.STEP_REPEATS}
