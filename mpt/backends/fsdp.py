@@ -167,6 +167,7 @@ class FSDPBackend(DDPBackend):
 
     name = "fsdp"
     fresh_gradient_in_row = True
+    wraps_units = True
     options: ClassVar[dict[str, BackendOption]] = {
         "wrap": BackendOption(help="module classes that become FSDP units, comma-separated "
                                    "(default: each submodule of at least "

@@ -82,6 +82,8 @@ from mpt.precision.base import dtype_name
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from mpt.backends.base import Backend
+
 FORMAT = "mpt-plan-calibration/2"
 """Version 2 added ``matmul_sweep`` and ``update_seconds``."""
 SIZES = (1 << 14, 1 << 18, 1 << 21, 1 << 23, 1 << 25)
@@ -485,7 +487,6 @@ class ModelStep:
         into as many pieces as it is given."""
         from torch.utils._pytree import tree_leaves
 
-        from mpt.backends import get_backend
         from mpt.estimate import load_model
         from mpt.precision import make_precision
 
@@ -504,12 +505,13 @@ class ModelStep:
         cls, kwargs = OPTIMIZERS[spec.optimizer]
         # a tiny rate: the weights stay where they began, so no step slows on overflowing values
         optimizer = getattr(torch.optim, cls)(net.parameters(), lr=1e-9, **kwargs)
-        if mesh is not None:
+        wrapper = wrapping_backend()
+        if mesh is not None and wrapper is not None:
             # the backend's own units and policies, resharded after the forward as `setup`
             # does; its stage entry because it takes the mesh (the world is every rank's)
-            fsdp = get_backend("fsdp")(world=World(), device=device, precision=precision,
-                                       options={"reshard_after_forward": True})
-            fsdp.setup_stage(net, [net], optimizer, mesh)
+            wrapper(world=World(), device=device, precision=precision,
+                    options={"reshard_after_forward": True}).setup_stage(
+                net, [net], optimizer, mesh)
 
         def forward_backward(pieces: int) -> None:
             for piece in x.chunk(pieces):
@@ -579,6 +581,13 @@ class ModelStep:
                             for part, found in self.sharded.items() if found}}
 
 
+def wrapping_backend() -> type[Backend] | None:
+    """The backend whose units' own work the calibration times (``Backend.wraps_units``)."""
+    from mpt.backends import registered
+
+    return next((cls for cls in registered().values() if cls.wraps_units), None)
+
+
 def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".splitlines()[0]
 
@@ -616,10 +625,12 @@ def _worker(local_rank: int, world: World, out: str, step: StepSpec | None,
         # the model's step is timed in three spells, before, between and after the rest, the
         # training ranks together (barriers): a slow minute of a shared machine is one of them
         # and fsdp's fully_shard of it over each rank alone (every rank makes every group)
-        mine, _ = dist.new_subgroups(group_size=1)
-        model = (ModelStep(step, device, sync, align,
-                           DeviceMesh.from_group(mine, device.type))
-                 if step is not None and local_rank < training else None)
+        model = None
+        if step is not None:
+            mine, _ = dist.new_subgroups(group_size=1)
+            if local_rank < training:
+                model = ModelStep(step, device, sync, align,
+                                  DeviceMesh.from_group(mine, device.type))
         dist.barrier()
         if model is not None:
             model.time()

@@ -11,11 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpt.backends import get_backend
 from mpt.errors import UsageError
 from mpt.estimate import OPTIMIZER_STATES, parameter_counts
 from mpt.parallel import ParallelPlan
 from mpt.pipeline.split import stage_blocks
+from mpt.plan.calibrate import wrapping_backend
 from mpt.plan.cost import Model, Prediction, copy_seconds, modelled_compute, predict
 from mpt.plan.layouts import Refused, layouts
 from mpt.plan.network import Cluster
@@ -105,10 +105,10 @@ def measured_scales(model: Model, cluster: Cluster, spec: PrecisionSpec,
     if timed.optimizer == model.optimizer:
         found["update_seconds"] = step.update / step.parameters
         used.append(f"{timed.optimizer} step {step.update * 1e3:.1f} ms")
-    if step.sharded and timed.precision == spec.name:
-        # what fsdp's fully_shard adds at one shard beyond the copies the plan prices there
-        flow = get_backend("fsdp").step_traffic({}, ParallelPlan(), spec, parameters,
-                                                module=model.net)
+    wrapper = wrapping_backend()
+    if step.sharded and timed.precision == spec.name and wrapper is not None:
+        # what fully_shard adds at one shard beyond the copies the plan prices there
+        flow = wrapper.step_traffic({}, ParallelPlan(), spec, parameters, module=model.net)
         copies = copy_seconds(flow, cluster)
         extra = (max(0.0, step.sharded["forward_backward"] - step.forward_backward - copies),
                  max(0.0, step.sharded["update"] - step.update)

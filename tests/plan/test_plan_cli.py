@@ -224,6 +224,9 @@ def test_calibrate_across_two_nodes_measures_the_link_between_them(tmp_path, fre
     assert step is not None and step.spec.micro_batch == 2 and step.spec.optimizer == "adamw"
     assert step.parameters == 1024 * 64 + 64 + 64 * 8 + 8 and step.forward_backward > 0
     assert "small's step at micro-batch 2" in said[0]
+    # and under fsdp's fully_shard, over each rank alone
+    assert set(step.sharded) == {"forward_backward", "update"}
+    assert "under fsdp's fully_shard at one shard" in said[0]
     try:  # Horovod's own allreduce, across the nodes, where it is installed
         import horovod.torch  # noqa: F401
     except ImportError:
