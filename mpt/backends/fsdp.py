@@ -374,7 +374,7 @@ class FSDPBackend(DDPBackend):
         copies = ((2 if reshard else 1) * weights * (around if flat else 1) * gathers
                   + reduce_copies * reduces)
         return Traffic(collectives=tuple(found), window="step", shards_optimizer=True,
-                       copies=copies, fully_sharded=True)
+                       copies=copies)
 
     # -- life cycle ---------------------------------------------------------------------------
     group_alone = True  # fully_shard needs a group at 1 rank too (a 2-rank checkpoint resumes)

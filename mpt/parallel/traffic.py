@@ -65,7 +65,3 @@ class Traffic:
     dtype (PowerSGD's products of each gradient matrix and its factors: ``DDPBackend``): the
     cost model prices each as it prices the model's, at the throughput of its shape, in the
     compute."""
-    fully_sharded: bool = False
-    """Whether ``fully_shard`` wraps the model (fsdp): its hooks around every unit's forward
-    and backward and its DTensor parameters cost beyond these copies, which the cost model adds
-    where a calibration timed the model under it (``Model.sharding``)."""

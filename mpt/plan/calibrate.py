@@ -111,6 +111,9 @@ OPTIMIZERS: dict[str, tuple[str, dict[str, float]]] = {
 STEP_WARMUP, STEP_REPEATS = 2, 5
 """Steps of the model's own step run before timing (state, caches, the allocator's threshold
 settle), then timed."""
+Parts = tuple[Callable[[int], None], Callable[[], None]]
+"""A model's two timed parts: its forward and backward over the micro-batch cut into as many
+pieces as it is given, and its optimizer step with ``zero_grad``."""
 PROBE_MICROBATCHES, PROBE_WIDTH = 8, 64
 """The pipeline probe's micro-batches and its chunks' width (one Linear each: its compute is
 next to nothing against the schedule's own work)."""
@@ -461,16 +464,18 @@ class ModelStep:
         self.sharded: dict[str, list[float]] = {"forward_backward": [], "update": []}
         self.error = ""
         self.parameters = 0
-        self.runs: list[tuple[Callable[[int], None], Callable[[], None]]] = []
+        self.plain: Parts | None = None
+        self.wrapped: Parts | None = None
         try:
-            self.runs.append(self._build(device))
+            self.plain = self._build(device)
             self.splits = [k for k in self.splits if self._accepts(k)]
         except MODEL_ERRORS as exc:
             self.error = _first_line(exc)
             return
-        if mesh is not None:
+        wrapper = wrapping_backend()
+        if mesh is not None and wrapper is not None:
             try:  # a second copy of the model: where it does not fit, the plain step still times
-                self.runs.append(self._build(device, mesh))
+                self.wrapped = self._build(device, (wrapper, mesh))
             except (*MODEL_ERRORS, UsageError) as exc:
                 print(f"mpt plan --calibrate: {spec.model}'s step under fully_shard was not "
                       f"timed ({_first_line(exc)}); its fsdp layouts price its copies alone",
@@ -480,11 +485,10 @@ class ModelStep:
         except MODEL_ERRORS as exc:
             self.error = _first_line(exc)
 
-    def _build(self, device: torch.device, mesh: DeviceMesh | None = None
-               ) -> tuple[Callable[[int], None], Callable[[], None]]:
-        """The model, its input and optimizer on ``device`` (set up by the fsdp backend over
-        ``mesh``, where it is given): its two timed parts, the first over the micro-batch cut
-        into as many pieces as it is given."""
+    def _build(self, device: torch.device,
+               wrapped: tuple[type[Backend], DeviceMesh] | None = None) -> Parts:
+        """The model, its input and optimizer on ``device`` (set up by a backend over a mesh,
+        where ``wrapped`` gives them): its two timed parts (``Parts``)."""
         from torch.utils._pytree import tree_leaves
 
         from mpt.estimate import load_model
@@ -505,10 +509,10 @@ class ModelStep:
         cls, kwargs = OPTIMIZERS[spec.optimizer]
         # a tiny rate: the weights stay where they began, so no step slows on overflowing values
         optimizer = getattr(torch.optim, cls)(net.parameters(), lr=1e-9, **kwargs)
-        wrapper = wrapping_backend()
-        if mesh is not None and wrapper is not None:
+        if wrapped is not None:
             # the backend's own units and policies, resharded after the forward as `setup`
             # does; its stage entry because it takes the mesh (the world is every rank's)
+            wrapper, mesh = wrapped
             wrapper(world=World(), device=device, precision=precision,
                     options={"reshard_after_forward": True}).setup_stage(
                 net, [net], optimizer, mesh)
@@ -529,7 +533,8 @@ class ModelStep:
     def _accepts(self, pieces: int) -> bool:
         """Whether the model trains on its micro-batch cut into ``pieces`` (its refusal of the
         whole one is raised)."""
-        forward_backward, update = self.runs[0]
+        assert self.plain is not None
+        forward_backward, update = self.plain
         try:
             forward_backward(pieces)
         except MODEL_ERRORS:
@@ -549,16 +554,18 @@ class ModelStep:
             into.append(time.perf_counter() - start)
 
     def _run(self, steps: int, keep: bool) -> None:
-        (forward_backward, update), *sharded = self.runs
+        assert self.plain is not None
+        forward_backward, update = self.plain
         for _ in range(steps):
             for pieces in self.splits:
                 self._part(functools.partial(forward_backward, pieces), self.timings[pieces],
                             keep)
                 self._part(update, self.updates if pieces == 1 else [], keep)
-            for forward_backward_sharded, update_sharded in sharded:
-                self._part(functools.partial(forward_backward_sharded, 1),
+            if self.wrapped is not None:
+                wrapped_forward_backward, wrapped_update = self.wrapped
+                self._part(functools.partial(wrapped_forward_backward, 1),
                             self.sharded["forward_backward"], keep)
-                self._part(update_sharded, self.sharded["update"], keep)
+                self._part(wrapped_update, self.sharded["update"], keep)
 
     def time(self, steps: int = STEP_REPEATS) -> None:
         """One spell: ``steps`` more steps timed (none once an error was kept)."""

@@ -63,7 +63,7 @@ from torch import nn
 
 from mpt.backends import get_backend
 from mpt.comm import GradComm
-from mpt.estimate import MemoryEstimate
+from mpt.estimate import MemoryEstimate, parameter_counts
 from mpt.parallel import ParallelPlan
 from mpt.parallel.traffic import Traffic
 from mpt.pipeline.config import LOOPED, ZERO_BUBBLE
@@ -282,8 +282,9 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
     held, trained = _memory(layout, model, stages, ranks, costs, activations, spec, slowest,
                             cluster.device.device_type, batch=data)
     stage = model.net if plan.pp == 1 else _stage_module(model, stages[slowest])
-    flow = get_backend(layout.backend).step_traffic(layout.options, plan, spec, trained, m,
-                                                    module=stage, comm=layout.comm)
+    backend = get_backend(layout.backend)
+    flow = backend.step_traffic(layout.options, plan, spec, trained, m, module=stage,
+                                comm=layout.comm)
     dp_seconds, dp_link, dp_rank, crosses = _data_parallel(flow, plan, cluster)
     # accumulated without a pipeline, gradients are reduced in the last micro-batch's backward
     last = terms["backward"] / (m if plan.pp == 1 else 1)
@@ -292,9 +293,10 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
     stepped = trained / plan.dp_shard if flow.shards_optimizer else trained
     terms["optimizer step"] = optimizer_seconds(stepped, model, cluster)
     terms["buffer copies"] = copy_seconds(flow, cluster)
+    # a pipeline stage's units and parameters: its share of the model's
     terms["fully_shard's own work"] = (
-        stage_share(stage, model) * (m * model.sharding[0] + model.sharding[1])
-        if flow.fully_sharded else 0.0)
+        parameter_counts(stage)[0] / max(1, parameter_counts(model.net)[0])
+        * (m * model.sharding[0] + model.sharding[1]) if backend.wraps_units else 0.0)
     terms["backend matmuls"] = matmul_seconds(flow, cluster, spec)
     terms["data-parallel communication"] = max(0.0, dp_seconds - window)
     compute = (terms["forward"] + terms["backward"] + terms["optimizer step"]
@@ -315,14 +317,6 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
         rank_bytes=dp_rank + sent * p2p.per_rank + m * sum(tp_times[c].per_rank for c in mine),
         terms=terms, limiter="")
     return _with_limiter(prediction, slowest, f"dp {kinds} ({where})")
-
-
-def stage_share(stage: nn.Module, model: Model) -> float:
-    """The share of the model's parameters in ``stage`` (1 without a pipeline)."""
-    if stage is model.net:
-        return 1.0
-    return (sum(p.numel() for p in stage.parameters())
-            / max(1, sum(p.numel() for p in model.net.parameters())))
 
 
 def copy_seconds(flow: Traffic, cluster: Cluster) -> float:
