@@ -65,6 +65,8 @@ if TYPE_CHECKING:  # it imports deepspeed, which is imported only once a run ask
     from mpt.backends.deepspeed_state import FlatState
 
 INSTALL = 'pip install "deepspeed>=0.19,<0.20"'
+OFFLOADED = ((1, "optimizer"), (2, "optimizer"), (3, "optimizer"), (3, "optimizer,parameters"))
+"""Each ZeRO stage with what ``--offload`` may move to host memory there."""
 ZERO_REDUCE_BUCKET = 5e8
 """DeepSpeed's default ``reduce_bucket_size``, in elements (``runtime/zero/config.py``)."""
 ZERO3_MAX_LIVE = 1e9
@@ -201,8 +203,7 @@ class DeepSpeedBackend(DDPBackend):
         width = cls._width(spec)
         weights, trained = parameter_counts(model)
         rows = []
-        for stage, offload in ((0, ""), (1, ""), (2, ""), (3, ""), (2, "optimizer"),
-                               (3, "optimizer,parameters")):
+        for stage, offload in ((0, ""), (1, ""), (2, ""), (3, ""), *OFFLOADED):
             masters = 4 * trained if stage > 0 or width == 2 else 0
             parts = [width * weights, width * trained, 4 * optimizer_states * trained + masters]
             for index in range(3 - stage, 3):
@@ -228,6 +229,11 @@ class DeepSpeedBackend(DDPBackend):
         return f"deepspeed --zero-stage {stage}" + (f" --offload {offload}" if offload else "")
 
     @staticmethod
+    def _planned_offload(options: Mapping[str, Any]) -> str:
+        """What ``options`` offload, as ``--offload`` writes it ("" for nothing)."""
+        return ",".join(sorted(parse_offload(options.get("offload") or "none")))
+
+    @staticmethod
     def _planned_stage(options: Mapping[str, Any]) -> int:
         """The ZeRO stage ``options`` name, mpt's default where none (`mpt plan` names it
         itself: a config's stage is not read)."""
@@ -237,8 +243,8 @@ class DeepSpeedBackend(DDPBackend):
     @classmethod
     def estimate_row(cls, rows: Sequence[MemoryEstimate], options: Mapping[str, Any]
                      ) -> MemoryEstimate:
-        """The row of the options' ZeRO stage, without offload."""
-        wanted = cls._label(cls._planned_stage(options))
+        """The row of the options' ZeRO stage and offload."""
+        wanted = cls._label(cls._planned_stage(options), cls._planned_offload(options))
         return next((r for r in rows if r.label == wanted), rows[0])
 
     @classmethod
@@ -288,13 +294,15 @@ class DeepSpeedBackend(DDPBackend):
         """ZeRO-0 and 1 only: they reduce at the accumulation boundary, once a step (their
         memory measured the same at 4 micro-batches as at one). ZeRO-2 reduces at every
         micro-batch (``reduce_ready_partitions_and_remove_grads``) and holds more while it
-        accumulates; ZeRO-3 gathers and reduce-scatters at every one: not modelled."""
-        return cls._planned_stage(options) in (0, 1)
+        accumulates; ZeRO-3 gathers and reduce-scatters at every one: not modelled. Nor is
+        an offloaded optimizer's (DeepSpeed accumulates its gradients on the host)."""
+        return cls._planned_stage(options) in (0, 1) and not cls._planned_offload(options)
 
     @classmethod
     def plan_variants(cls, world_size: int, pp: int) -> list[dict[str, Any]]:
-        """Every ZeRO stage."""
-        return [{"zero_stage": stage} for stage in range(4)]
+        """Every ZeRO stage, and each with what it may offload (``OFFLOADED``)."""
+        return [*({"zero_stage": stage} for stage in range(4)),
+                *({"zero_stage": stage, "offload": offload} for stage, offload in OFFLOADED)]
 
     @classmethod
     def step_traffic(cls, options: Mapping[str, Any], plan: ParallelPlan, spec: PrecisionSpec,
@@ -326,7 +334,15 @@ class DeepSpeedBackend(DDPBackend):
         A cast ``--grad-compression`` is DeepSpeed's ``communication_data_type``: the gradients
         are reduced in it, the parameters gathered as they are. Where the dtype sent is not
         the bucket's (that, or ZeRO-1's fp32 bucket in a 16-bit mode), ``allreduce_bucket``
-        casts the flat tensor to it and the result back (ZeRO-3 not modelled so)."""
+        casts the flat tensor to it and the result back (ZeRO-3 not modelled so).
+
+        ``--offload optimizer`` steps the partition on the host: its reduced gradients go to
+        the host's fp32 copy of it (torch's ``copy_`` converts before it moves, so they cross
+        in fp32), and the updated partition comes back into the weights in the mode's dtype,
+        through a host buffer of that dtype (``param_buffer_of_bit16_for_cpu_offload_groups``):
+        buffers of DeepSpeed's own, copied into on a CPU too (``Traffic.host_buffers``).
+        ``--offload parameters`` (ZeRO-3) keeps the partition of the weights on the host too:
+        each gather first fetches it, and the update stays there (``Traffic.host_copies``)."""
         stage = cls._planned_stage(options)
         width = cls._width(spec)
         size = parameters * width
@@ -352,8 +368,15 @@ class DeepSpeedBackend(DDPBackend):
                 copies += bucket + bucket / ranks  # the slices flattened, its own copied back
                 if sent != (torch.float32 if stage == 1 else mode):  # cast there and back
                     copies += bucket + bucket / (4 if stage == 1 else width) * sent.itemsize
+        offload = cls._planned_offload(options)
+        mine = parameters / plan.dp_shard  # the rank's partition
+        # its gradients to the host in fp32; back, the update, or with the weights kept
+        # there the fetch of each gather (the forward's and the backward's) instead
+        back = 2 * microbatches * mine * width if "parameters" in offload else mine * width
         return Traffic(collectives=found, window="step" if stage == 3 else "none",
-                       shards_optimizer=stage > 0, copies=copies)
+                       shards_optimizer=stage > 0, copies=copies,
+                       host_copies=4 * mine + back if offload else 0.0,
+                       host_buffers=True, steps_on_host=bool(offload))
 
     @classmethod
     def default_precision(cls, options: Mapping[str, Any]) -> str | None:

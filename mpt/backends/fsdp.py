@@ -277,6 +277,12 @@ class FSDPBackend(DDPBackend):
                                gradients=unit, optimizer=0, host=sum(shards))]
 
     @classmethod
+    def estimate_row(cls, rows: Sequence[MemoryEstimate], options: Mapping[str, Any]
+                     ) -> MemoryEstimate:
+        """The offloaded row under ``--fsdp-cpu-offload``."""
+        return rows[1 if cls.check_options(options)["cpu_offload"] else 0]
+
+    @classmethod
     def estimate_buffers(cls, stage: nn.Module, spec: PrecisionSpec, row: MemoryEstimate,
                          share: float, plan: ParallelPlan, options: Mapping[str, Any],
                          comm: GradComm | None = None, microbatches: int = 1) -> Buffers:
@@ -312,11 +318,12 @@ class FSDPBackend(DDPBackend):
     def plan_variants(cls, world_size: int, pp: int) -> list[dict[str, Any]]:
         """Every ``--fsdp-replicate`` that divides the world (1: plain fsdp, more: HSDP); under
         a pipeline each also with ``--fsdp-reshard-after-forward yes``, which trades M x the
-        collectives for a stage that is never kept gathered."""
+        collectives for a stage that is never kept gathered; without a pipeline each also
+        with ``--fsdp-cpu-offload``."""
         found: list[dict[str, Any]] = [{"replicate": r} for r in divisors(world_size)]
-        if pp > 1:
-            found += [{**options, "reshard_after_forward": True} for options in found]
-        return found
+        tried = [{**options, "reshard_after_forward": True} if pp > 1
+                 else {**options, "cpu_offload": True} for options in found]
+        return found + tried
 
     @classmethod
     def step_traffic(cls, options: Mapping[str, Any], plan: ParallelPlan, spec: PrecisionSpec,
@@ -343,7 +350,13 @@ class FSDPBackend(DDPBackend):
 
         A cast ``--grad-compression`` is the units' reduce dtype (``foreach_reduce``): the
         gradients are cast as they are copied into the flat input, reduced and divided in it,
-        and the shard cast back into a new tensor of the gradients' dtype."""
+        and the shard cast back into a new tensor of the gradients' dtype.
+
+        ``--fsdp-cpu-offload`` keeps the shards in host memory, in the masters' dtype: each
+        gather first copies the rank's shard to the device (``FSDPParam.all_gather_inputs``),
+        each reduce-scatter's shard of gradients goes back to the host
+        (``foreach_reduce``), and the optimizer steps there (``Traffic.host_copies``,
+        ``steps_on_host``)."""
         values = cls.check_options(options)
         wire = wire_dtype(comm, spec.reduce)
         width, kept = wire.itemsize, spec.reduce.itemsize  # on the wire; the gradients'
@@ -371,10 +384,13 @@ class FSDPBackend(DDPBackend):
         cast = (kept + width) / 2  # per element read in one dtype and written in the other
         reduce_copies = (parameters * (cast + (width + cast) / plan.dp_shard) if wire != spec.reduce
                          else grads * around)
-        copies = ((2 if reshard else 1) * weights * (around if flat else 1) * gathers
-                  + reduce_copies * reduces)
+        fetched = (2 if reshard else 1) * gathers
+        copies = fetched * weights * (around if flat else 1) + reduce_copies * reduces
+        offload = values["cpu_offload"]
+        shard = parameters * spec.master.itemsize / plan.dp_shard
         return Traffic(collectives=tuple(found), window="step", shards_optimizer=True,
-                       copies=copies)
+                       copies=copies, host_copies=shard * (fetched + reduces) if offload else 0.0,
+                       steps_on_host=offload)
 
     # -- life cycle ---------------------------------------------------------------------------
     group_alone = True  # fully_shard needs a group at 1 rank too (a 2-rank checkpoint resumes)

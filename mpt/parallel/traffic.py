@@ -60,6 +60,20 @@ class Traffic:
     flat buffers they send from and receive into: DDP's buckets, fsdp's all-gather and
     reduce-scatter buffers); each is read once and written once, so the cost model prices
     twice this at the device's memory bandwidth. 0: none modelled."""
+    host_copies: float = 0.0
+    """Bytes a rank moves between host memory and the device's per step where the backend
+    offloads (shards or partitions fetched before they are gathered or stepped, gradients
+    sent to the host, updated weights sent back), both ways together: the cost model prices
+    them at the device's host link. Where the device's memory is the host's (a CPU rank)
+    they are copies in memory where the backend copies into host buffers of its own
+    (``host_buffers``), else nothing (torch's ``.to("cpu")`` returns the tensor itself)."""
+    host_buffers: bool = False
+    """Whether ``host_copies`` go through host buffers of the backend's own (DeepSpeed's fp32
+    gradients and its 16-bit staging buffer of the update), which it copies into even where
+    the device's memory is the host's."""
+    steps_on_host: bool = False
+    """Whether the optimizer steps on the host's cores (its state offloaded): priced by the
+    host's step, not the device's."""
     matmuls: tuple[tuple[int, int, int], ...] = ()
     """The backend's own matmuls per step, each as (rows, inner, columns), in the gradients'
     dtype (PowerSGD's products of each gradient matrix and its factors: ``DDPBackend``): the

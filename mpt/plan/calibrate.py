@@ -18,7 +18,9 @@ it, or glibc keeps every block it served, so that no step faults memory in again
    caches hold, as a training step streams each weight from memory; the bandwidth of a
    large copy; the time of a one-element op (the dispatch overhead); and the seconds per
    parameter of each optimizer's torch step (its default path on the device: single-tensor
-   on a CPU, foreach on CUDA). Each figure is the median of a few timings after a warm-up.
+   on a CPU, foreach on CUDA); beside a GPU, what offloading pays (``host_figures``): the
+   copy rate between pinned host memory and the device, each way, and the optimizer steps
+   over host tensors. Each figure is the median of a few timings after a warm-up.
 3. with a model (`mpt plan FILE.py:FUNCTION --calibrate`), by the same ranks: that model's own
    training step, built on the device at the per-rank micro-batch (``StepSpec``): its forward
    and backward, the same samples cut into 2, 4, 8 and 16 micro-batches that accumulate
@@ -161,6 +163,15 @@ class Calibration:
     pipeline_overhead: dict[str, float] = dataclasses.field(default_factory=dict)
     """Seconds each action of a pipeline schedule costs beyond its compute and its sends, by
     ``--pipeline-schedule`` (``pipeline_overheads``; empty in files measured before it was)."""
+    host_link: float | None = None
+    """Bytes per second each way between pinned host memory and a GPU (``host_figures``);
+    None on a CPU, whose memory is the host's."""
+    host_update_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Like ``update_seconds``, of the step over host tensors that an offloaded optimizer
+    runs beside a GPU; empty on a CPU, where it is ``update_seconds``."""
+    host_memory: float = 0.0
+    """Beside GPUs, bytes of host memory one rank may offload into: the host's over the
+    ranks that train; 0 on a CPU, where ``memory`` is the host's."""
 
     def measured_step(self) -> MeasuredStep | None:
         """The model's step this calibration timed, None where it timed none."""
@@ -190,7 +201,9 @@ class Calibration:
                       collectives=within.collectives, source=source,
                       device_type="cpu" if self.backend == "gloo" else "cuda",
                       matmul_sweep=self.matmul_sweep, update_seconds=self.update_seconds,
-                      pipeline_overhead=self.pipeline_overhead)
+                      pipeline_overhead=self.pipeline_overhead, host_link=self.host_link,
+                      host_update_seconds=self.host_update_seconds,
+                      host_memory=self.host_memory)
 
 
 def _link(name: str, fits: dict[str, dict[str, float]], source: str) -> Link:
@@ -377,6 +390,22 @@ def update_figures(device: torch.device, sync: Callable[[], None],
     return found
 
 
+def host_figures(device: torch.device, sync: Callable[[], None],
+                 align: Callable[[], None] = alone) -> dict[str, Any]:
+    """Beside a GPU, what offloading pays: bytes per second each way between pinned host
+    memory and the device (the slower way of a 64 MiB copy, as fully_shard's offload pins
+    its shards), and torch's optimizer steps over host tensors (``update_figures``), the
+    training ranks at once. Nothing on a CPU, whose memory is the host's."""
+    if device.type == "cpu":
+        return {}
+    host = torch.ones(1 << 24).pin_memory()
+    there = torch.empty_like(host, device=device)
+    ways = [_timed(lambda: there.copy_(host, non_blocking=True), 5, sync, align),
+            _timed(lambda: host.copy_(there, non_blocking=True), 5, sync, align)]
+    return {"host_link": host.nbytes / max(ways),
+            "host_update_seconds": update_figures(torch.device("cpu"), alone, align)}
+
+
 def device_figures(device: torch.device, sync: Callable[[], None],
                    align: Callable[[], None] = alone) -> dict[str, Any]:
     """This rank's matmul FLOP/s by dtype and shape, copy bandwidth, op overhead and optimizer
@@ -395,7 +424,8 @@ def device_figures(device: torch.device, sync: Callable[[], None],
     one = torch.ones(1, device=device)
     overhead = _timed(lambda: [one.add_(1) for _ in range(200)], 3, sync, align) / 200
     return {"flops": flops, "matmul_sweep": sweeps, "memory_bandwidth": 2 * src.nbytes / copy,
-            "op_overhead": overhead, "update_seconds": update_figures(device, sync, align)}
+            "op_overhead": overhead, "update_seconds": update_figures(device, sync, align),
+            **host_figures(device, sync, align)}
 
 
 def pipeline_overheads(pair: Any, position: int, device: torch.device,
@@ -670,12 +700,13 @@ def _worker(local_rank: int, world: World, out: str, step: StepSpec | None,
         dist.destroy_process_group()
     if world.rank:
         return
-    memory = (torch.cuda.get_device_properties(device).total_memory if cuda
-              else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / training)
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / training
+    memory = torch.cuda.get_device_properties(device).total_memory if cuda else host
     Path(out).write_text(json.dumps({
         "ranks": world.gpus, "nodes": world.nodes, "hosts": sorted(set(hosts)),
         "backend": "nccl" if cuda else "gloo", "collectives": within or link, "link": link,
-        "memory": memory, "pipeline_overhead": overheads, **figures}))
+        "memory": memory, "pipeline_overhead": overheads, **figures,
+        **({"host_memory": host} if cuda else {})}))
 
 
 def measure(ranks: int = 2, step: StepSpec | None = None, training: int | None = None

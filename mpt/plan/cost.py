@@ -19,7 +19,11 @@ The step, for a rank of the slowest pipeline stage:
   all-gather and reduce-scatter inputs and outputs), read and written once each at the memory
   bandwidth, never hidden (they run on the rank's own cores or stream); under fsdp,
   ``fully_shard``'s own work beyond those copies (its hooks and DTensor parameters) where the
-  calibration timed the model under it at one shard (``Model.sharding``).
+  calibration timed the model under it at one shard (``Model.sharding``); where a backend
+  offloads (``--fsdp-cpu-offload``, DeepSpeed's ``--offload``), what it moves between host
+  and device (``Traffic.host_copies``) at the device's host link, not hidden, and the
+  optimizer step at the host's rate (nothing moves, and the step is the device's, where the
+  device's memory is the host's: a CPU rank).
 - tensor parallelism: the plan's allreduces of activations, in the forward and the backward, on
   the critical path (each waits for its matmul and the next op waits for it).
 - pipeline (P stages, M micro-batches, the layout's ``--pipeline-schedule``): the schedule
@@ -35,9 +39,11 @@ The step, for a rank of the slowest pipeline stage:
   times the device's ``overlap``.
 
 Memory per rank, at the higher of two peaks: the backend's ``estimate_row`` of its
-``estimate_memory`` for the stage's blocks at the shard size, its tp-split parameters over T,
-and its ``estimate_buffers`` (DDP's buckets, fsdp's prefetched unit and reduce-scatter input
-or, under a pipeline, its stage kept gathered, Horovod's copies and fusion buffer, ZeRO-1/2/3's
+``estimate_memory`` for the stage's blocks at the shard size (what it offloads counted where
+the device's memory is the host's, else checked against the host's memory per rank, and an
+offloaded optimizer's temporaries on the host), its tp-split parameters over T, and its
+``estimate_buffers`` (DDP's buckets, fsdp's prefetched unit and reduce-scatter input or, under
+a pipeline, its stage kept gathered, Horovod's copies and fusion buffer, ZeRO-1/2/3's
 buckets and ZeRO-3's gathered parameters); under a pipeline what torch's stage keeps from
 step to step, per micro-batch (its receive buffers, the last stage's outputs, zero bubble's
 input gradients); the replica's batch of input, which the script holds; then either the
@@ -68,7 +74,7 @@ from mpt.parallel import ParallelPlan
 from mpt.parallel.traffic import Traffic
 from mpt.pipeline.config import LOOPED, ZERO_BUBBLE
 from mpt.plan.network import Cluster, collective, send
-from mpt.plan.profiles import interpolate
+from mpt.plan.profiles import Device, interpolate
 from mpt.plan.schedule import ChunkCost, simulate
 from mpt.plan.workload import BlockCost, Op, Workload
 from mpt.precision import PrecisionSpec
@@ -111,9 +117,12 @@ class Prediction:
     """What one rank of the fullest stage holds at its peak."""
     capacity: float
     """Bytes one rank may fill."""
+    host_capacity: float
+    """Bytes of host memory one rank may fill with what it offloads (``Device.host_memory``),
+    beside a device with memory of its own."""
     compute: float
-    """Seconds of forward, backward, optimizer step, the backend's buffer copies and
-    fully_shard's own work."""
+    """Seconds of forward, backward, optimizer step, the backend's buffer copies, what it
+    offloads moving between host and device, and fully_shard's own work."""
     exposed: float
     """Seconds of communication not hidden behind compute."""
     hidden: float
@@ -135,9 +144,18 @@ class Prediction:
         return self.memory.peak
 
     @property
+    def host_short(self) -> int:
+        """Bytes of what a rank offloads that do not fit in its host memory (0 where they
+        do, and where the device's memory is the host's: there they are in the peak)."""
+        if self.memory.offloaded or not self.memory.row.host:
+            return 0
+        return max(0, int(self.memory.row.host - self.host_capacity))
+
+    @property
     def short(self) -> int:
-        """Bytes that do not fit on a rank (0 where it fits)."""
-        return max(0, int(self.total_memory - self.capacity))
+        """Bytes that do not fit on a rank, on its device and in its host memory (0 where
+        all fit)."""
+        return max(0, int(self.total_memory - self.capacity)) + self.host_short
 
     @property
     def step(self) -> float:
@@ -280,7 +298,7 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
     # a pipeline's rank holds the replica's batch; an accumulating script one micro-batch
     data = (m if plan.pp > 1 else 1) * work.input_bytes
     held, trained = _memory(layout, model, stages, ranks, costs, activations, spec, slowest,
-                            cluster.device.device_type, batch=data)
+                            cluster.device, batch=data)
     stage = model.net if plan.pp == 1 else _stage_module(model, stages[slowest])
     backend = get_backend(layout.backend)
     flow = backend.step_traffic(layout.options, plan, spec, trained, m, module=stage,
@@ -291,8 +309,9 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
     window = {"backward": last, "step": terms["forward"] + terms["backward"],
               "none": 0.0}[flow.window] * cluster.device.overlap
     stepped = trained / plan.dp_shard if flow.shards_optimizer else trained
-    terms["optimizer step"] = optimizer_seconds(stepped, model, cluster)
+    terms["optimizer step"] = optimizer_seconds(stepped, model, cluster, flow.steps_on_host)
     terms["buffer copies"] = copy_seconds(flow, cluster)
+    terms["host-device copies"] = host_seconds(flow, cluster)
     # a pipeline stage's units and parameters: its share of the model's
     terms["fully_shard's own work"] = (
         parameter_counts(stage)[0] / max(1, parameter_counts(model.net)[0])
@@ -300,7 +319,8 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
     terms["backend matmuls"] = matmul_seconds(flow, cluster, spec)
     terms["data-parallel communication"] = max(0.0, dp_seconds - window)
     compute = (terms["forward"] + terms["backward"] + terms["optimizer step"]
-               + terms["buffer copies"] + terms["fully_shard's own work"]
+               + terms["buffer copies"] + terms["host-device copies"]
+               + terms["fully_shard's own work"]
                + terms["backend matmuls"] + terms["pipeline actions"])
     exposed = (terms["data-parallel communication"] + terms["tensor-parallel allreduces"]
                + terms["pipeline sends"])
@@ -309,7 +329,8 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
     where = f"{cluster.link.name} node link" if crosses else "in-node link"
     sent = 2 * m * per_rank  # an activation and its gradient per micro-batch and chunk
     prediction = Prediction(
-        layout=layout, memory=held, capacity=cluster.device.memory, compute=compute,
+        layout=layout, memory=held, capacity=cluster.device.memory,
+        host_capacity=cluster.device.host_memory, compute=compute,
         exposed=exposed,
         hidden=dp_seconds - terms["data-parallel communication"], bubble=bubble,
         link_bytes=dp_link + sent * p2p.link_bytes
@@ -326,6 +347,18 @@ def copy_seconds(flow: Traffic, cluster: Cluster) -> float:
     return 2 * flow.copies / cluster.device.memory_bandwidth
 
 
+def host_seconds(flow: Traffic, cluster: Cluster) -> float:
+    """What offloading moves between host and device (``Traffic.host_copies``) at the
+    device's host link, never hidden (torch and DeepSpeed start these copies on another
+    stream, but the next gather or the step waits for them). Where the device's memory is
+    the host's: copies in memory into a backend's own host buffers (``host_buffers``), as
+    ``copy_seconds`` prices them, else nothing."""
+    link = cluster.device.host_link
+    if link is None:
+        return 2 * flow.host_copies / cluster.device.memory_bandwidth if flow.host_buffers else 0.0
+    return flow.host_copies / link
+
+
 def matmul_seconds(flow: Traffic, cluster: Cluster, spec: PrecisionSpec) -> float:
     """The backend's own matmuls (``Traffic.matmuls``), in the gradients' dtype, each priced
     as a model's matmul is (``op_seconds``)."""
@@ -336,16 +369,24 @@ def matmul_seconds(flow: Traffic, cluster: Cluster, spec: PrecisionSpec) -> floa
                for rows, inner, columns in flow.matmuls)
 
 
-def optimizer_seconds(parameters: float, model: Model, cluster: Cluster) -> float:
+def optimizer_seconds(parameters: float, model: Model, cluster: Cluster,
+                      on_host: bool = False) -> float:
     """The optimizer step over ``parameters``: torch's step as calibrated (per parameter, its
     own path and passes), else its bytes (read weight, gradient and states, write weight and
-    states) at the memory bandwidth."""
+    states) at the memory bandwidth. ``on_host``: the step of an offloaded optimizer, on the
+    host's cores (the same as the device's where its memory is the host's): the host's
+    calibrated step, else those bytes at the host's memory bandwidth."""
     device = cluster.device
+    streamed = parameters * 4 * (3 + 2 * model.optimizer_states)
+    if on_host and device.host_link is not None:
+        if model.optimizer in device.host_update_seconds:
+            return parameters * device.host_update_seconds[model.optimizer]
+        return streamed / device.host_bandwidth
     if model.update_seconds is not None:
         return parameters * model.update_seconds
     if model.optimizer in device.update_seconds:
         return parameters * device.update_seconds[model.optimizer]
-    return parameters * 4 * (3 + 2 * model.optimizer_states) / device.memory_bandwidth
+    return streamed / device.memory_bandwidth
 
 
 def modelled_compute(model: Model, cluster: Cluster, spec: PrecisionSpec, micro_batch: int
@@ -370,6 +411,9 @@ def _data_parallel(flow: Traffic, plan: ParallelPlan, cluster: Cluster
 
 def _with_limiter(p: Prediction, stage: int, dp_words: str) -> Prediction:
     """``p`` with its limiter: memory where it does not fit, else its largest term."""
+    if p.host_short:
+        return replace(p, limiter=f"host memory: {p.host_short / 2**30:.2f} GiB short per "
+                                  "rank")
     if p.short:
         return replace(p, limiter=f"memory: {p.short / 2**30:.2f} GiB short per rank")
     candidates = {"compute": p.compute, dp_words: p.terms["data-parallel communication"],
@@ -398,6 +442,9 @@ class Held:
     gathered units)."""
     between: int
     """What the backend holds only between the backward and the step (``Buffers.between``)."""
+    offloaded: int
+    """What offloading keeps in host memory (the row's ``host``) where that is the rank's own
+    memory (a CPU rank): counted in the peak; 0 on a device with memory of its own."""
 
     batch: int
     """The batch of input the script holds through its step: under a pipeline the replica's
@@ -413,7 +460,7 @@ class Held:
         """The highest of the backward's peak (the row, the buffers and the activations), what
         lies between it and the optimizer step (with ``between``) and the step's (without what
         the backward released, with the step's temporaries), beside the batch."""
-        return (self.row.device + self.buffers + self.batch
+        return (self.row.device + self.offloaded + self.buffers + self.batch
                 + max(self.activations + self.accumulating, self.between,
                       self.transient - self.released))
 
@@ -441,14 +488,17 @@ def _pending(blocks: list[BlockCost], spec: PrecisionSpec, tp: int) -> int:
 
 def _memory(layout: Layout, model: Model, stages: list[list[str]], ranks: list[list[int]],
             costs: list[ChunkCost], activations: tuple[int, ...], spec: PrecisionSpec,
-            slowest: int, device_type: str, batch: int) -> tuple[Held, float]:
+            slowest: int, device: Device, batch: int) -> tuple[Held, float]:
     """What a rank of the fullest stage holds, and the parameters a rank of stage ``slowest``
     (the one whose time the step is) trains: its tp share. ``stages``: each pipeline rank's
     block names; ``ranks``: the chunks (of ``costs``) it runs; ``activations``: its peak of
     what its backwards need (the schedule's)."""
     plan = layout.plan
     cls = get_backend(layout.backend)
-    sharded = cls.step_traffic(layout.options, plan, spec, 0.0).shards_optimizer
+    flow = cls.step_traffic(layout.options, plan, spec, 0.0)
+    own = device.host_link is None  # the device's memory is the host's
+    # an optimizer stepping on the host keeps its temporaries there
+    stepping = own or not flow.steps_on_host
     best: Held | None = None
     trained = 0.0
     for index, names in enumerate(stages):
@@ -465,9 +515,12 @@ def _memory(layout: Layout, model: Model, stages: list[list[str]], ranks: list[l
                      accumulating=int(largest * spec.params.itemsize * share)
                      if layout.microbatches > 1 and not cls.fresh_gradient_in_row else 0,
                      buffers=beyond.held + kept,
-                     transient=_step_transient(stage, model.optimizer_states, share,
-                                               plan.dp_shard if sharded else 1, device_type),
-                     released=beyond.released, between=beyond.between)
+                     transient=_step_transient(
+                         stage, model.optimizer_states, share,
+                         plan.dp_shard if flow.shards_optimizer else 1,
+                         device.device_type) if stepping else 0,
+                     released=beyond.released, between=beyond.between,
+                     offloaded=row.host if own else 0)
         if best is None or found.peak > best.peak:
             best = found
         if index == slowest:

@@ -1,11 +1,12 @@
 """Every layout mpt can run for a model on a cluster, built the way `mpt launch` builds it.
 
 Each combination of backend, the option sets it declares worth comparing
-(``Backend.plan_variants``: DeepSpeed's ZeRO stages, fsdp's HSDP replicas and, under a
-pipeline, its resharding), pipeline stages P with each ``--pipeline-schedule`` and
-``--microbatches`` M of P, 2P, 4P and 8P that splits a replica's batch, tensor-parallel size T
-and, where more than one replica reduces gradients, each ``--grad-compression``
-(``COMPRESSIONS``: PowerSGD at its default rank, priced once it has started), and without a
+(``Backend.plan_variants``: DeepSpeed's ZeRO stages and what each may offload, fsdp's HSDP
+replicas and either, under a pipeline, its resharding or, without one, its CPU offload),
+pipeline stages P with each ``--pipeline-schedule`` and ``--microbatches`` M of P, 2P, 4P and
+8P that splits a replica's batch, tensor-parallel size T and, where more than one replica
+reduces gradients, each ``--grad-compression`` (``COMPRESSIONS``: PowerSGD at its default rank,
+priced once it has started), and without a
 pipeline each ``--accumulate`` of 1, 2, 4 and 8 that splits a replica's batch, for a backend
 whose accumulation the plan prices (``Backend.accumulation_priced``), goes through
 ``RunConfig`` and ``RunConfig.layout`` (the launcher's own checks: backend capabilities,
@@ -60,9 +61,12 @@ def _flags(backend: str, options: Mapping[str, Any], pp: int, tp: int,
     cls = registered()[backend]
     flags = [f"--backend {backend}"]
     for name, value in options.items():
-        if value != cls.options[name].default:
+        option = cls.options[name]
+        if value != option.default and option.is_switch:
+            flags.append(option.flag)
+        elif value != option.default:
             shown = ("yes" if value else "no") if isinstance(value, bool) else value
-            flags.append(f"{cls.options[name].flag} {shown}")
+            flags.append(f"{option.flag} {shown}")
     if pp > 1:
         flags.append(f"--pipeline-stages {pp}")
         if schedule != DEFAULT_SCHEDULE:

@@ -175,10 +175,12 @@ def _refuse_unfit(result: Plan) -> None:
                          "change the cluster or --batch")
     closest = result.short[0]
     need = closest.total_memory / 2**30
+    host = (f" and {closest.memory.row.host / 2**30:.2f} GiB of host memory"
+            if closest.host_short else "")
     raise UsageError("--nodes/--gpus", f"{result.cluster.nodes}x{result.cluster.gpus}",
                      f"no layout fits in {result.cluster.device.memory / 2**30:.1f} GiB per "
                      f"rank: the closest, {closest.layout.label}, needs {need:.2f} GiB per rank "
-                     f"of its fullest stage ({closest.short / 2**30:.2f} GiB short)",
+                     f"of its fullest stage{host} ({closest.short / 2**30:.2f} GiB short)",
                      "add nodes or GPUs, a device with more memory, or a smaller --batch")
 
 

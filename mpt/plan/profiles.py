@@ -15,6 +15,17 @@ peaks (dense, no sparsity), set before any comparison:
   TFLOP/s, fp16 18.7 TFLOP/s (no bf16: bf16 takes the fp32 figure), HBM2 732 GB/s; its GPUs
   talk over PCIe 3.0 x16: 8 GT/s x 16 lanes x 128/130 = 15.75 GB/s each way.
 - Ethernet / InfiniBand links by their line rate (1, 10, 100, 200, 400 Gbit/s, each way).
+- Host to device (what offloading moves), the datasheets' PCIe figure, both directions
+  together, halved: H100 SXM5 and H200 PCIe Gen5 128 GB/s (64 each way), A100 SXM4 PCIe Gen4
+  64 GB/s (32), P100 PCIe Gen3 x16 (15.75, as above).
+- The host's memory bandwidth per GPU, for an offloaded optimizer step: an assumption, that
+  of the NVIDIA DGX built with that GPU (its two CPUs' memory channels x their DDR rate x 8
+  bytes, over its 8 GPUs): DGX H100 and H200 (2 x Xeon Platinum 8480C, 8 x DDR5-4800 each)
+  76.8 GB/s, DGX A100 (2 x EPYC 7742, 8 x DDR4-3200 each) 51.2 GB/s, DGX-1 with P100
+  (2 x Xeon E5-2698 v4, 4 x DDR4-2400 each) 19.2 GB/s; and its host memory over its 8
+  GPUs, what a rank may offload into: DGX H100 and H200 2 TB (256 GB a GPU), DGX A100 2 TB
+  with the 80 GB GPUs and 1 TB with the 40 GB (256 and 128 GB), DGX-1 512 GB (64 GB).
+  Another server's host differs.
 
 A datasheet peak is never reached by a whole training step (kernel launches, memory-bound ops,
 the optimizer): the model adds the memory-bound time of every op (a roofline per op) but no
@@ -155,6 +166,20 @@ class Device:
     """Calibrated only: seconds each action (a forward, a backward, or zero bubble's input or
     weight gradients) of a pipeline schedule costs beyond its compute and its sends, by
     ``--pipeline-schedule``; empty: none counted."""
+    host_link: float | None = None
+    """Bytes per second each way between host memory and the device's (what offloading
+    moves); None where the device's memory is the host's (a CPU rank): offloading then moves
+    nothing, and what it offloads stays in the rank's memory."""
+    host_update_seconds: Mapping[str, float] = field(default_factory=dict)
+    """Calibrated only: seconds per parameter of torch's optimizer step over host tensors
+    (the step an offloaded optimizer runs), by ``--optimizer``; empty: its bytes at
+    ``host_bandwidth``."""
+    host_bandwidth: float = 0.0
+    """Bytes per second the host's memory streams for one rank (an offloaded optimizer step
+    where none was calibrated)."""
+    host_memory: float = 0.0
+    """Bytes of host memory one rank may fill with what it offloads, beside a device with
+    memory of its own (0: not known; nothing offloaded fits)."""
 
     def matmul_flops(self, dtype: str, shape: Sequence[int] | None = None) -> float:
         """FLOP/s of a matmul in ``dtype`` (the fp32 figure where the dtype was not measured)
@@ -183,12 +208,13 @@ def interpolate(points: Sequence[Sequence[float]], x: float) -> float:
     return float(y0 + share * (y1 - y0))
 
 
-def _gpu(name: str, bf16: float, fp32: float, hbm: float, memory_gb: float, nvlink: str
-         ) -> Device:
+def _gpu(name: str, bf16: float, fp32: float, hbm: float, memory_gb: float, nvlink: str,
+         pcie: float, host: float, host_gb: float) -> Device:
     return Device(name=name, flops={"bfloat16": bf16 * 1e12, "float16": bf16 * 1e12,
                                     "float32": fp32 * 1e12},
                   memory_bandwidth=hbm * 1e12, memory=memory_gb * GB, intra_node=LINKS[nvlink],
-                  op_overhead=0.0, overlap=1.0)
+                  op_overhead=0.0, overlap=1.0, host_link=pcie * GB, host_bandwidth=host * GB,
+                  host_memory=host_gb * GB)
 
 
 LINKS: dict[str, Link] = {
@@ -201,12 +227,14 @@ LINKS: dict[str, Link] = {
 """Named links; any ``<N>gbit`` or ``<N>mbit`` rate is also taken as a line rate."""
 
 DEVICES: dict[str, Device] = {
-    "h100-sxm": _gpu("h100-sxm", 989.0, 67.0, 3.35, 80, "nvlink4"),
-    "h200": _gpu("h200", 989.0, 67.0, 4.8, 141, "nvlink4"),
-    "a100-sxm-80gb": _gpu("a100-sxm-80gb", 312.0, 19.5, 2.039, 80, "nvlink3"),
-    "a100-sxm-40gb": _gpu("a100-sxm-40gb", 312.0, 19.5, 1.555, 40, "nvlink3"),
+    "h100-sxm": _gpu("h100-sxm", 989.0, 67.0, 3.35, 80, "nvlink4", 64.0, 76.8, 256),
+    "h200": _gpu("h200", 989.0, 67.0, 4.8, 141, "nvlink4", 64.0, 76.8, 256),
+    "a100-sxm-80gb": _gpu("a100-sxm-80gb", 312.0, 19.5, 2.039, 80, "nvlink3", 32.0, 51.2, 256),
+    "a100-sxm-40gb": _gpu("a100-sxm-40gb", 312.0, 19.5, 1.555, 40, "nvlink3", 32.0, 51.2, 128),
     "p100-pcie": Device(name="p100-pcie", flops={"float16": 18.7e12, "float32": 9.3e12},
-                        memory_bandwidth=0.732e12, memory=16 * GB, intra_node=LINKS["pcie3"]),
+                        memory_bandwidth=0.732e12, memory=16 * GB, intra_node=LINKS["pcie3"],
+                        host_link=LINKS["pcie3"].bandwidth, host_bandwidth=19.2 * GB,
+                        host_memory=64 * GB),
 }
 """Named devices with their datasheet figures (sources in the module docstring)."""
 

@@ -50,7 +50,9 @@ def _entry(p: Prediction) -> dict[str, Any]:
                        "optimizer": m.row.optimizer, "activations": m.activations,
                        "buffers": m.buffers, "buffers_after_backward": m.between,
                        "optimizer_step_temporaries": m.transient,
-                       "total": p.total_memory, "capacity": p.capacity, "short": p.short},
+                       "total": p.total_memory, "capacity": p.capacity,
+                       "host": p.memory.row.host, "host_capacity": p.host_capacity,
+                       "short": p.short},
             "step_s": p.step, "compute_s": p.compute, "exposed_comm_s": p.exposed,
             "hidden_comm_s": p.hidden, "bubble_s": p.bubble, "terms_s": dict(p.terms),
             "link_bytes": p.link_bytes, "rank_bytes": p.rank_bytes, "limiter": p.limiter}
@@ -105,11 +107,11 @@ def print_tables(result: Plan, script: str, console: Console, top: int = 0) -> N
     if result.short:
         lacking = Table(title=f"layouts that do not fit in {cluster.device.memory / GIB:.1f} "
                         "GiB per rank")
-        for column in ("layout", "needs GiB/rank", "short GiB"):
+        for column in ("layout", "needs GiB/rank", "offloaded GiB/rank", "short GiB"):
             lacking.add_column(column, justify="left" if column == "layout" else "right")
         for p in _first(result.short, top):
             lacking.add_row(_short(p.layout.label), f"{p.total_memory / GIB:.2f}",
-                            f"{p.short / GIB:.2f}")
+                            f"{p.memory.row.host / GIB:.2f}", f"{p.short / GIB:.2f}")
         console.print(lacking)
         _left_out(console, len(result.short), top, "closest to fitting")
     console.print(f"{len(result.refused)} other combinations are refused by mpt (--json lists "

@@ -43,8 +43,14 @@ def test_the_planner_branches_on_no_backend_name(path: Path) -> None:
 def test_each_backend_declares_the_options_worth_comparing() -> None:
     assert get_backend("horovod").plan_variants(4, 1) == [{}]
     assert get_backend("ddp").plan_variants(4, 2) == [{}]
-    assert get_backend("deepspeed").plan_variants(4, 1) == [{"zero_stage": s} for s in range(4)]
-    assert get_backend("fsdp").plan_variants(4, 1) == [{"replicate": r} for r in (1, 2, 4)]
+    assert get_backend("deepspeed").plan_variants(4, 1) == [
+        *({"zero_stage": s} for s in range(4)),
+        *({"zero_stage": s, "offload": "optimizer"} for s in (1, 2, 3)),
+        {"zero_stage": 3, "offload": "optimizer,parameters"}]
+    # without a pipeline fsdp may offload its shards and their step to the host
+    assert get_backend("fsdp").plan_variants(4, 1) == [
+        *({"replicate": r} for r in (1, 2, 4)),
+        *({"replicate": r, "cpu_offload": True} for r in (1, 2, 4))]
     # under a pipeline fsdp keeps each stage gathered over the micro-batches, or reshards
     assert get_backend("fsdp").plan_variants(2, 2) == [
         {"replicate": 1}, {"replicate": 2},
