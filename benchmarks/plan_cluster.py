@@ -125,7 +125,8 @@ def predicted(cell: dict[str, Any], device: Any, link: Any, step: Any = None) ->
     result = plan(meta_model(lambda: build_model(cell["model"])), cluster, precision="fp32",
                   batch=nodes * BATCH, input_shape=shape, input_dtype=dtype,
                   optimizer="sgd-momentum", step=step)
-    label = LABELS.get(cell["backend"], f"--backend {cell['backend']}")
+    name, *flags = cell["backend"].split()  # a backend with flags: those after its label
+    label = " ".join([LABELS.get(name, f"--backend {name}"), *flags])
     if cell["compression"] != "none":
         label += f" --grad-compression {cell['compression']}"
     return next(((p, rank) for rank, p in enumerate(result.fitting) if p.layout.label == label),

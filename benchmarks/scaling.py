@@ -270,7 +270,8 @@ def run_cell(model: str, backend: str, compression: str, nodes: int, rate: str,
     from mpt.cluster import EmulatedCluster, LinkShape, launch_command, run_nodes
 
     name = f"{model} {backend} {compression} {nodes} node(s) {rate}"
-    result = out / f"{model}-{backend}-{compression}-{nodes}-{rate}.json"
+    backend_name, *backend_flags = backend.split()  # a backend with flags: a variant of it
+    result = out / f"{model}-{'_'.join(backend.split())}-{compression}-{nodes}-{rate}.json"
     result.unlink(missing_ok=True)
     worker_args = ["--worker", str(result), "--model", model, "--steps", str(args.steps),
                    "--rounds", str(args.rounds), "--warmup", str(args.warmup),
@@ -282,7 +283,7 @@ def run_cell(model: str, backend: str, compression: str, nodes: int, rate: str,
         flags += ["--backend-options", json.dumps({"powersgd_start_step": POWERSGD_START})]
     with EmulatedCluster(nodes=nodes, shape=LinkShape(rate=rate)) as cluster:
         commands = [launch_command(cluster, nr, Path(__file__).resolve(), worker_args,
-                                   launch_args=["--backend", backend,
+                                   launch_args=["--backend", backend_name, *backend_flags,
                                                 "--grad-compression", compression, *flags])
                     for nr in range(nodes)]
         run = run_nodes(cluster, commands, timeout=args.timeout, cwd=str(ROOT),
@@ -404,7 +405,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # set by the driver: rank mode
     parser.add_argument("--models", "--model", dest="model", default="mlp,resnet18")
-    parser.add_argument("--backends", default="ddp,apex,horovod,deepspeed,fsdp")
+    parser.add_argument("--backends", default="ddp,apex,horovod,deepspeed,fsdp",
+                        help="comma-separated; each a --backend, or one with its flags "
+                             "(\"fsdp --fsdp-cpu-offload\"): --mpt-only for those")
     parser.add_argument("--nodes", default="1,2,4")
     parser.add_argument("--rates", default=f"1gbit,10gbit,{UNSHAPED}")
     parser.add_argument("--compressions", dest="compression", default="none,bf16",
@@ -427,6 +430,9 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    if not args.mpt_only and any(" " in b.strip() for b in args.backends.split(",")):
+        parser.error("--backends: a backend with flags has no raw loop of its own: pass "
+                     "--mpt-only")
     from mpt.cluster import unavailable_reason
 
     reason = unavailable_reason()
