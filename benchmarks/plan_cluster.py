@@ -125,8 +125,10 @@ def predicted(cell: dict[str, Any], device: Any, link: Any, step: Any = None) ->
     result = plan(meta_model(lambda: build_model(cell["model"])), cluster, precision="fp32",
                   batch=nodes * BATCH, input_shape=shape, input_dtype=dtype,
                   optimizer="sgd-momentum", step=step)
-    name, *flags = cell["backend"].split()  # a backend with flags: those after its label
-    label = " ".join([LABELS.get(name, f"--backend {name}"), *flags])
+    # a backend with flags: those after its label (the plan's order: the stage first)
+    name, *flags = cell["backend"].split()
+    named = "--zero-stage" in flags or name not in LABELS
+    label = " ".join([f"--backend {name}" if named else LABELS[name], *flags])
     if cell["compression"] != "none":
         label += f" --grad-compression {cell['compression']}"
     return next(((p, rank) for rank, p in enumerate(result.fitting) if p.layout.label == label),

@@ -37,6 +37,7 @@ import argparse
 import functools
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -391,11 +392,18 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path)
 
 
+def backends(listed: str) -> list[str]:
+    """``--backends``' entries: split at each comma that a backend's name follows, so that a
+    flag's own commas stay (``deepspeed --offload optimizer,parameters``)."""
+    return [b.strip() for b in re.split(r",(?=\s*(?:ddp|apex|horovod|deepspeed|fsdp)\b)",
+                                        listed)]
+
+
 def cell_keys(args: argparse.Namespace) -> list[tuple[str, str, str, int, str]]:
     """(model, backend, compression, nodes, rate) of every cell: one node reduces nothing, so
     it runs once per backend, uncompressed, with no link to shape."""
     return [(model, backend, compression, nodes, rate)
-            for model in args.model.split(",") for backend in args.backends.split(",")
+            for model in args.model.split(",") for backend in backends(args.backends)
             for nodes in map(int, args.nodes.split(","))
             for compression in (args.compression.split(",") if nodes > 1 else ["none"])
             for rate in (args.rates.split(",") if nodes > 1 else [UNSHAPED])]
@@ -430,7 +438,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    if not args.mpt_only and any(" " in b.strip() for b in args.backends.split(",")):
+    if not args.mpt_only and any(" " in b for b in backends(args.backends)):
         parser.error("--backends: a backend with flags has no raw loop of its own: pass "
                      "--mpt-only")
     from mpt.cluster import unavailable_reason

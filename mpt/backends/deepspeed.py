@@ -327,9 +327,20 @@ class DeepSpeedBackend(DDPBackend):
         bucket's slices into one new flat tensor to allreduce
         (``allreduce_and_copy_with_multiple_ranks``) and copies the rank's own slices back.
         The norm reads the fp64 copies again, and the step copies the updated fp32 partition
-        into the model's parameters. The copies are ``Traffic.copies``; ZeRO-0 and 3
-        modelled without them. (What gloo does inside the all-gather, into a flat tensor of
-        its own, is in the calibrated sweep's time of that collective.)
+        into the model's parameters. The copies are ``Traffic.copies``. (What gloo does
+        inside the all-gather, into a flat tensor of its own, is in the calibrated sweep's
+        time of that collective.) ZeRO-0 (the engine's ``allreduce_bucket``, traced): the
+        gradients flattened, over N > 1 ranks divided in place, cast to the dtype sent and
+        back where it differs, and copied back into each gradient.
+
+        ZeRO-3 (``stage3.py``, traced at one rank; for the MLP's 25.2 M parameters ``copy_``
+        alone writes 151 M elements a step): ``reduce_scatter_coalesced`` concatenates every
+        gradient into one flat tensor and divides it in place; ``partition_grads`` copies the
+        rank's shard into its fp32 partition, which the norm casts to fp64 and reads and
+        ``unscale_and_clip_grads`` multiplies in place; in a 16-bit mode the update is copied
+        into the weights (in fp32 mpt keeps one fp32 copy of each partition: nothing to
+        copy). At one rank each all-gather and the reduce-scatter is one copy of the whole,
+        which no collective prices there.
 
         A cast ``--grad-compression`` is DeepSpeed's ``communication_data_type``: the gradients
         are reduced in it, the parameters gathered as they are. Where the dtype sent is not
@@ -356,7 +367,21 @@ class DeepSpeedBackend(DDPBackend):
         found: tuple[Collective, ...] = (
             (gradients,) if stage == 0 else (gradients, gather) if stage < 3
             else (gather, gather, gradients))
-        copies = 0.0  # ZeRO-0 and 3: none modelled
+        copies = 0.0
+        if stage == 0:
+            copies = size * (2 + (plan.dp_replicate > 1))  # flattened, divided, back
+            if sent != mode:
+                copies += size + parameters * sent.itemsize  # cast there and back
+        if stage == 3:
+            ranks = plan.dp_shard
+            stepped = parameters / ranks  # the partition's parameters
+            copies = (2 * size  # concatenated, divided
+                      + stepped * (4 + width) / 2  # into the fp32 partition
+                      + stepped * (width + 2 * 8) / 2  # to fp64 and read for the norm
+                      + 4 * stepped  # unscaled
+                      + (stepped * (4 + width) / 2 if width != 4 else 0))  # the update back
+            if ranks == 1:
+                copies += 3 * size  # the two all-gathers and the reduce-scatter
         if stage in (1, 2):
             ranks = plan.dp_shard
             bucket, partition = cls._zero_buffers(stage, spec, parameters, ranks)

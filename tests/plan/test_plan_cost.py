@@ -10,6 +10,7 @@ import torch
 from plan_models import deep, mlp
 
 from mpt.backends import get_backend
+from mpt.comm import GradComm
 from mpt.errors import UsageError
 from mpt.estimate import meta_model
 from mpt.parallel import ParallelPlan
@@ -339,8 +340,9 @@ def test_deepspeed_zero_1_and_2_copy_into_buffers_allocated_at_every_step() -> N
     there in place, the bucket's slices flattened to be allreduced and the rank's own copied
     back, the rank's partition out of it, each of the partition's gradients in fp64 for the
     norm and read by it, the partition flattened, and the updated partition into the weights:
-    the MLP's 100.7 MB at 2 ranks. At one rank no slices are flattened. ZeRO-0 and 3: none
-    modelled."""
+    the MLP's 100.7 MB at 2 ranks. At one rank no slices are flattened. ZeRO-0 (the engine's
+    allreduce): flattened, divided over several ranks, copied back; cast there and back
+    where it sends another dtype."""
     spec, params, net = describe("fp32"), 25_175_040, meta_model(mlp)
     ds = get_backend("deepspeed")
     flow = ds.step_traffic({"zero_stage": 1}, ParallelPlan(dp_shard=2), spec, params, module=net)
@@ -353,10 +355,35 @@ def test_deepspeed_zero_1_and_2_copy_into_buffers_allocated_at_every_step() -> N
                             module=net)
     assert alone.copies == pytest.approx(2 * GRADIENTS + 2 * GRADIENTS + 2.5 * GRADIENTS
                                          + GRADIENTS)
-    for stage in (0, 3):
-        other = ds.step_traffic({"zero_stage": stage}, ParallelPlan(dp_shard=2), spec, params,
-                                module=net)
-        assert other.copies == 0
+    def zero(ranks: int, comm: GradComm | None = None) -> float:
+        return ds.step_traffic({"zero_stage": 0}, ParallelPlan(dp_replicate=ranks), spec,
+                               params, module=net, comm=comm).copies
+
+    assert zero(1) == pytest.approx(2 * GRADIENTS)
+    assert zero(2) == pytest.approx(3 * GRADIENTS)
+    assert zero(2, GradComm(compression="bf16")) == pytest.approx(4.5 * GRADIENTS)
+
+
+def test_deepspeed_zero_3_concatenates_its_gradients_and_steps_an_fp32_partition() -> None:
+    """DeepSpeed 0.19's stage3.py: every gradient concatenated and divided in place, the
+    rank's shard copied into its fp32 partition, cast to fp64 and read for the norm and
+    unscaled in place; in a 16-bit mode the update back into the weights. At one rank the
+    two all-gathers and the reduce-scatter are a copy each (traced for the MLP at one rank,
+    ``copy_`` alone writes 151 M elements a step: 6 x its parameters)."""
+    params = 25_175_040
+    ds = get_backend("deepspeed")
+
+    def copies(precision: str, ranks: int) -> float:
+        return ds.step_traffic({"zero_stage": 3}, ParallelPlan(dp_shard=ranks),
+                               describe(precision), params).copies
+
+    half = params / 2
+    assert copies("fp32", 2) == pytest.approx(
+        2 * GRADIENTS + half * 4 + half * (4 + 16) / 2 + half * 4)
+    assert copies("fp32", 1) == pytest.approx(
+        5 * GRADIENTS + params * 4 + params * 10 + params * 4)
+    assert copies("bf16-mixed", 2) == pytest.approx(  # DeepSpeed's bf16 mode: 2-byte grads
+        2 * GRADIENTS / 2 + half * 3 + half * (2 + 16) / 2 + half * 4 + half * 3)
 
 
 def test_deepspeed_zero_2_allreduces_its_bucket_as_zero_1_does() -> None:
@@ -432,7 +459,6 @@ def test_each_bucket_or_unit_is_a_call_that_pays_the_rings_latency() -> None:
     of its 128 MiB fusion buffer, mpt's flat buckets under a pipeline in 25 MiB each; fully_shard
     gathers and reduce-scatters once per unit (the MLP's three Linears; its root holds
     none). Each call pays the ring's steps of latency."""
-    from mpt.comm import GradComm
 
     spec, net, pair = describe("fp32"), meta_model(mlp), ParallelPlan(dp_replicate=2)
 
