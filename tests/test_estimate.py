@@ -44,8 +44,12 @@ def test_zero_stages_partition_optimizer_then_gradients_then_weights():
     two = found["deepspeed --zero-stage 2"]
     assert (two.parameters, two.gradients) == (4 * P, 4 * P // 4)
     assert found["deepspeed --zero-stage 3"].device == (4 * P + 4 * P + 12 * P) // 4
+    # offloaded: the state and the weights on the host, beside the partition's fp32 gradients
     offloaded = found["deepspeed --zero-stage 3 --offload optimizer,parameters"]
-    assert offloaded.host == 12 * P // 4 + 4 * P // 4 and offloaded.optimizer == 0
+    assert offloaded.host == 12 * P // 4 + 4 * P // 4 + 4 * P // 4 and offloaded.optimizer == 0
+    # ZeRO-1/2 also keep a buffer of the update and one of the largest gradient (a weight)
+    staged = found["deepspeed --zero-stage 2 --offload optimizer"]
+    assert staged.host == 12 * P // 4 + 4 * P // 4 + 4 * (P // 4 + WIDTH * WIDTH)
     bf16 = rows(DeepSpeedBackend, "bf16-mixed")["deepspeed --zero-stage 0"]
     assert (bf16.parameters, bf16.optimizer) == (2 * P, 12 * P)  # its bf16 mode keeps masters
 

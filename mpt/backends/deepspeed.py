@@ -199,9 +199,14 @@ class DeepSpeedBackend(DDPBackend):
                         world_size: int, options: Mapping[str, Any]) -> list[MemoryEstimate]:
         """Weights and gradients in the mode's dtype; the optimizer's state plus DeepSpeed's
         fp32 master copy (kept from stage 1 on even in fp32, and in 16-bit modes at stage 0);
-        stage 1 partitions the optimizer's share, 2 the gradients too, 3 the weights too."""
+        stage 1 partitions the optimizer's share, 2 the gradients too, 3 the weights too.
+        Offloaded, that state is in host memory, beside the buffers DeepSpeed makes there:
+        the partition's fp32 gradients, and at stages 1-2 a buffer of the update in the
+        mode's dtype and one of the largest gradient (``stage_1_and_2.py``; ``stage3.py``'s
+        ``subgroup_gradient_buffer``)."""
         width = cls._width(spec)
         weights, trained = parameter_counts(model)
+        largest = max((p.numel() for p in model.parameters() if p.requires_grad), default=0)
         rows = []
         for stage, offload in ((0, ""), (1, ""), (2, ""), (3, ""), *OFFLOADED):
             masters = 4 * trained if stage > 0 or width == 2 else 0
@@ -211,6 +216,8 @@ class DeepSpeedBackend(DDPBackend):
             host = 0
             if "optimizer" in offload:
                 host, parts[2] = parts[2], 0
+                host += 4 * trained // world_size + (
+                    width * (trained // world_size + largest) if stage < 3 else 0)
             if "parameters" in offload:
                 host, parts[0] = host + parts[0], 0
             rows.append(MemoryEstimate(label=cls._label(stage, offload), parameters=parts[0],
@@ -253,7 +260,9 @@ class DeepSpeedBackend(DDPBackend):
                          comm: GradComm | None = None, microbatches: int = 1) -> Buffers:
         """ZeRO-1 and 2: the reduction bucket and the rank's partition copied out of it
         (``_zero_buffers``), counted through the step, whose own copies (the partition's
-        gradients in fp64 for the norm, the partition flattened) take their place.
+        gradients in fp64 for the norm, the partition flattened) take their place; with an
+        offloaded optimizer, a buffer of the largest gradient too
+        (``temp_grad_buffer_for_gpu_offload``).
 
         ZeRO-3 (DeepSpeed 0.19's ``stage3.py`` at its defaults): every parameter gathered whole
         from the forward through the backward (``stage3_max_live_parameters`` and
@@ -268,8 +277,11 @@ class DeepSpeedBackend(DDPBackend):
         zero = cls._planned_stage(options)
         trained = [share * p.numel() for p in stage.parameters() if p.requires_grad]
         if zero in (1, 2):
+            # offloaded, also a buffer of the largest gradient on the device
+            staged = cls._width(spec) * max(trained, default=0) if cls._planned_offload(
+                options) else 0
             return Buffers(held=int(sum(cls._zero_buffers(zero, spec, sum(trained),
-                                                          plan.dp_shard))))
+                                                          plan.dp_shard)) + staged))
         if zero == 3:
             width = cls._width(spec)
             gathered = width * min(share * parameter_counts(stage)[0], ZERO3_MAX_LIVE)
