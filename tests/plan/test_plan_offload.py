@@ -12,7 +12,7 @@ from plan_models import mlp
 from mpt.backends import get_backend
 from mpt.estimate import meta_model
 from mpt.parallel import ParallelPlan
-from mpt.plan.calibrate import host_figures
+from mpt.plan.calibrate import OPTIMIZERS, host_figures
 from mpt.plan.cost import Prediction, predict
 from mpt.plan.layouts import layout
 from mpt.plan.network import Cluster
@@ -138,19 +138,12 @@ def test_a_cpu_calibration_measures_no_host_link() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_beside_a_gpu_the_calibration_times_the_host_link_and_the_host_step() -> None:
     device = torch.device("cuda", 0)
     found = host_figures(device, lambda: torch.cuda.synchronize(device))
     assert 1e9 < found["host_link"] < 1e12  # PCIe or NVLink-C2C, each way
-    assert set(found["host_update_seconds"]) == set(_cpu_optimizers())
+    assert set(found["host_update_seconds"]) == set(OPTIMIZERS)
     assert all(seconds > 0 for seconds in found["host_update_seconds"].values())
-
-
-def _cpu_optimizers() -> set[str]:
-    from mpt.plan.calibrate import OPTIMIZERS
-
-    return set(OPTIMIZERS)
 
 
 def test_what_a_rank_offloads_must_fit_in_its_host_memory() -> None:
