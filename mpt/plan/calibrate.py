@@ -105,6 +105,9 @@ SLOW = 0.05
 MEET_TIMEOUT = 300
 """Seconds the nodes wait for each other (at the start, and in each collective) before a
 calibration fails instead of hanging."""
+HOROVOD_DEADLINE = 900
+"""Seconds Horovod's sweep may take (``horovod_fits``; 4 nodes at 1 Gbit/s took minutes)
+before the calibration goes on without it."""
 OPTIMIZERS: dict[str, tuple[str, dict[str, float]]] = {
     "adam": ("Adam", {}), "adamw": ("AdamW", {}), "sgd": ("SGD", {}),
     "sgd-momentum": ("SGD", {"momentum": 0.9}), "rmsprop": ("RMSprop", {}),
@@ -308,7 +311,7 @@ def horovod_sweep(world: World, address: str, device: torch.device,
     across 4 nodes at 1 Gbit/s), in fp32 and in fp16 (``--grad-compression fp16``, whose sums
     Horovod's CPU ops run slower per byte), each fitted by ``ring_fit`` and named by
     ``fit_key``: this rank's ``hvd.init()`` joins the others at the rendezvous ``address`` over
-    gloo, as under `mpt launch`, and leaves before the rest of the calibration."""
+    gloo, as under `mpt launch` (in a process of its own: ``horovod_fits``)."""
     from mpt.backends.horovod import FUSION_DEFAULT
     from mpt.launchers.horovod_join import join_env
 
@@ -329,6 +332,49 @@ def horovod_sweep(world: World, address: str, device: torch.device,
     finally:
         hvd.shutdown()
     return found
+
+
+def _horovod_worker(local_rank: int, world: World, address: str, out: str) -> None:
+    """One rank of ``horovod_sweep`` in a process of its own; rank 0 writes the fits."""
+    world = dataclasses.replace(world, local_rank=local_rank)
+    torch.set_num_threads(1)  # as `mpt launch` starts each rank
+    cuda = on_cuda(world)
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    found = horovod_sweep(world, address, device,
+                          lambda: torch.cuda.synchronize(device) if cuda else None)
+    if world.rank == 0:
+        Path(out).write_text(json.dumps(found))
+
+
+def horovod_fits(world: World, address: str) -> dict[str, dict[str, float]]:
+    """Horovod's own allreduce fits (``horovod_sweep``) from this node's ``world.gpus``
+    processes and every other node's (each node calls this once the rest of the calibration
+    has ended), in processes of their own: a Horovod that fails (its gloo's timeout on a slow
+    link, a rendezvous lost: it may abort its process) or outlasts ``HOROVOD_DEADLINE`` costs
+    only these fits, said in one line on stderr, and the plan then prices ``--backend
+    horovod`` by torch's allreduce. Node 0 returns the fits, the others an empty dict."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "horovod.json"
+        job = mp.start_processes(_horovod_worker, args=(world, address, str(path)),
+                                 nprocs=world.gpus, join=False, start_method="spawn")
+        deadline = time.monotonic() + HOROVOD_DEADLINE
+        try:
+            while not job.join(timeout=max(1.0, deadline - time.monotonic())):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"it ran past {HOROVOD_DEADLINE} s")
+        except (mp.ProcessRaisedException, mp.ProcessExitedException, TimeoutError) as exc:
+            for process in job.processes:
+                if process.is_alive():
+                    process.kill()
+            print(f"mpt plan --calibrate: Horovod's allreduce sweep failed on node {world.nr} "
+                  f"({_first_line(exc)}); --backend horovod is priced by torch's allreduce "
+                  "instead", file=sys.stderr, flush=True)
+            return {}
+        return json.loads(path.read_text()) if path.exists() else {}
 
 
 def _cold_flops(shapes: tuple[tuple[int, int], tuple[int, int]], dtype: torch.dtype,
@@ -630,7 +676,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _worker(local_rank: int, world: World, out: str, step: StepSpec | None,
-            training: int, horovod: str) -> None:
+            training: int) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -675,9 +721,6 @@ def _worker(local_rank: int, world: World, out: str, step: StepSpec | None,
         within = sweep(world.gpus, device, sync, nodes[world.nr]) if world.gpus > 1 else {}
         dist.barrier()
         link = sweep(world.world_size, device, sync) if world.nodes > 1 else {}
-        if horovod:  # its ring over every rank: within the node, or across the nodes
-            (link if world.nodes > 1 else within).update(
-                horovod_sweep(world, horovod, device, sync))
         # the first two ranks (one node's, or two nodes' where each has one): a pipeline's
         # actions; every rank makes the group, as torch's new_group needs
         pair = dist.new_group([0, 1])
@@ -749,11 +792,16 @@ def measure_nodes(world: World, step: StepSpec | None = None, training: int | No
     try:
         with tempfile.TemporaryDirectory() as folder, mock.patch.dict(os.environ, preload):
             path = Path(folder) / "figures.json"
-            mp.spawn(_worker, args=(world, str(path), step, training or world.gpus,
-                                    rendezvous.address), nprocs=world.gpus, join=True)
+            mp.spawn(_worker, args=(world, str(path), step, training or world.gpus),
+                     nprocs=world.gpus, join=True)
+            # its ring over every rank: within the node, or across the nodes
+            horovod = horovod_fits(world, rendezvous.address) if rendezvous.address else {}
             if world.nr:
                 return None
             figures = json.loads(path.read_text())
+            figures["link" if world.nodes > 1 else "collectives"].update(horovod)
+            if world.nodes > 1 and world.gpus == 1:  # a node of one rank: the link's figures
+                figures["collectives"].update(horovod)
     finally:
         rendezvous.stop()
     failed = figures.get("model_step", {}).get("error")

@@ -236,6 +236,26 @@ def test_calibrate_across_two_nodes_measures_the_link_between_them(tmp_path, fre
             assert found.link[name]["bus_bandwidth"] > 0
 
 
+def test_a_horovod_sweep_that_fails_costs_the_calibration_only_its_fits(capfd) -> None:
+    """Horovod's sweep runs in processes of its own: one whose rendezvous is gone (Horovod
+    aborts the process) ends with no fits and one line saying so, and the calibration that
+    called it goes on."""
+    import socket
+
+    pytest.importorskip("horovod.torch")
+    from mpt.environments import World
+    from mpt.plan.calibrate import horovod_fits
+
+    with socket.socket() as probe:  # a port nothing serves
+        probe.bind(("127.0.0.1", 0))
+        dead = probe.getsockname()[1]
+    assert horovod_fits(World(gpus=2, source="test"), f"127.0.0.1:{dead}") == {}
+    said = [line for line in capfd.readouterr().err.splitlines()
+            if line.startswith("mpt plan --calibrate:")]
+    assert len(said) == 1 and "Horovod's allreduce sweep failed on node 0" in said[0]
+    assert said[0].endswith("--backend horovod is priced by torch's allreduce instead")
+
+
 @pytest.mark.slow
 def test_a_model_whose_step_fails_on_the_device_is_one_line_and_exit_2(tmp_path) -> None:
     import subprocess
