@@ -334,16 +334,28 @@ def horovod_sweep(world: World, address: str, device: torch.device,
     return found
 
 
-def _horovod_worker(local_rank: int, world: World, address: str, out: str) -> None:
-    """One rank of ``horovod_sweep`` in a process of its own; rank 0 writes the fits."""
+def _rank(local_rank: int, world: World) -> tuple[World, torch.device, Callable[[], None]]:
+    """This process as a rank of ``world``, as `mpt launch` starts one (one intra-op thread):
+    its world, its device (its GPU, where the node's ranks measure GPUs) and what waits for
+    that device."""
     world = dataclasses.replace(world, local_rank=local_rank)
-    torch.set_num_threads(1)  # as `mpt launch` starts each rank
+    torch.set_num_threads(1)
     cuda = on_cuda(world)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    found = horovod_sweep(world, address, device,
-                          lambda: torch.cuda.synchronize(device) if cuda else None)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    return world, device, sync
+
+
+def _horovod_worker(local_rank: int, world: World, address: str, out: str) -> None:
+    """One rank of ``horovod_sweep`` in a process of its own; rank 0 writes the fits."""
+    world, device, sync = _rank(local_rank, world)
+    found = horovod_sweep(world, address, device, sync)
     if world.rank == 0:
         Path(out).write_text(json.dumps(found))
 
@@ -680,19 +692,10 @@ def _worker(local_rank: int, world: World, out: str, step: StepSpec | None,
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    world = dataclasses.replace(world, local_rank=local_rank)
-    torch.set_num_threads(1)  # as `mpt launch` starts each rank
-    cuda = on_cuda(world)
+    world, device, sync = _rank(local_rank, world)
+    cuda = device.type == "cuda"
     if not cuda:
         apply_host_memory(CPU_HOST_MEMORY)  # as the plan's launch line on a CPU host runs it
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize(device)
-
     dist.init_process_group("nccl" if cuda else "gloo",
                             init_method=f"tcp://{world.master_addr}:{world.master_port}",
                             rank=world.rank, world_size=world.world_size,
