@@ -318,12 +318,12 @@ class FSDPBackend(DDPBackend):
     def plan_variants(cls, world_size: int, pp: int) -> list[dict[str, Any]]:
         """Every ``--fsdp-replicate`` that divides the world (1: plain fsdp, more: HSDP); under
         a pipeline each also with ``--fsdp-reshard-after-forward yes``, which trades M x the
-        collectives for a stage that is never kept gathered; without a pipeline each also
-        with ``--fsdp-cpu-offload``."""
+        collectives for a stage that is never kept gathered; and each with
+        ``--fsdp-cpu-offload`` (not both at once: the count of layouts doubles per option)."""
         found: list[dict[str, Any]] = [{"replicate": r} for r in divisors(world_size)]
-        tried = [{**options, "reshard_after_forward": True} if pp > 1
-                 else {**options, "cpu_offload": True} for options in found]
-        return found + tried
+        resharded = [{**options, "reshard_after_forward": True} for options in found]
+        offloaded = [{**options, "cpu_offload": True} for options in found]
+        return found + (resharded if pp > 1 else []) + offloaded
 
     @classmethod
     def step_traffic(cls, options: Mapping[str, Any], plan: ParallelPlan, spec: PrecisionSpec,

@@ -2,7 +2,7 @@
 
 Each combination of backend, the option sets it declares worth comparing
 (``Backend.plan_variants``: DeepSpeed's ZeRO stages and what each may offload, fsdp's HSDP
-replicas and either, under a pipeline, its resharding or, without one, its CPU offload),
+replicas and each with its CPU offload or, under a pipeline, its resharding),
 pipeline stages P with each ``--pipeline-schedule`` and ``--microbatches`` M of P, 2P, 4P and
 8P that splits a replica's batch, tensor-parallel size T and, where more than one replica
 reduces gradients, each ``--grad-compression`` (``COMPRESSIONS``: PowerSGD at its default rank,

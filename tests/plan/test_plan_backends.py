@@ -51,11 +51,13 @@ def test_each_backend_declares_the_options_worth_comparing() -> None:
     assert get_backend("fsdp").plan_variants(4, 1) == [
         *({"replicate": r} for r in (1, 2, 4)),
         *({"replicate": r, "cpu_offload": True} for r in (1, 2, 4))]
-    # under a pipeline fsdp keeps each stage gathered over the micro-batches, or reshards
+    # under a pipeline fsdp keeps each stage gathered over the micro-batches, or reshards,
+    # and may offload there too
     assert get_backend("fsdp").plan_variants(2, 2) == [
         {"replicate": 1}, {"replicate": 2},
         {"replicate": 1, "reshard_after_forward": True},
-        {"replicate": 2, "reshard_after_forward": True}]
+        {"replicate": 2, "reshard_after_forward": True},
+        {"replicate": 1, "cpu_offload": True}, {"replicate": 2, "cpu_offload": True}]
 
 
 def test_the_row_and_the_buffers_follow_the_options() -> None:
