@@ -379,34 +379,30 @@ class DeepSpeedBackend(DDPBackend):
         found: tuple[Collective, ...] = (
             (gradients,) if stage == 0 else (gradients, gather) if stage < 3
             else (gather, gather, gradients))
+        ranks = plan.dp_shard
+        mine = parameters / ranks  # the rank's partition
+        cast = mine * (4 + width) / 2  # the partition between fp32 and the mode's dtype
+        norm = mine * (width + 2 * 8) / 2  # the partition to fp64, and read for the norm
         copies = 0.0
         if stage == 0:
             copies = size * (2 + (plan.dp_replicate > 1))  # flattened, divided, back
             if sent != mode:
                 copies += size + parameters * sent.itemsize  # cast there and back
         if stage == 3:
-            ranks = plan.dp_shard
-            stepped = parameters / ranks  # the partition's parameters
             copies = (2 * size  # concatenated, divided
-                      + stepped * (4 + width) / 2  # into the fp32 partition
-                      + stepped * (width + 2 * 8) / 2  # to fp64 and read for the norm
-                      + 4 * stepped  # unscaled
-                      + (stepped * (4 + width) / 2 if width != 4 else 0))  # the update back
+                      + cast + norm + 4 * mine  # into the fp32 partition; norm; unscaled
+                      + (cast if width != 4 else 0))  # the update back
             if ranks == 1:
                 copies += 3 * size  # the two all-gathers and the reduce-scatter
         if stage in (1, 2):
-            ranks = plan.dp_shard
             bucket, partition = cls._zero_buffers(stage, spec, parameters, ranks)
-            stepped = partition / width  # the partition's parameters
             copies = (2 * bucket + 2 * partition  # in, divided; out, flattened
-                      + stepped * (width + 2 * 8) / 2  # to fp64 and read for the norm
-                      + stepped * (4 + width) / 2)  # the fp32 partition into the weights
+                      + norm + cast)  # the fp32 partition into the weights
             if ranks > 1:
                 copies += bucket + bucket / ranks  # the slices flattened, its own copied back
                 if sent != (torch.float32 if stage == 1 else mode):  # cast there and back
                     copies += bucket + bucket / (4 if stage == 1 else width) * sent.itemsize
         offload = cls._planned_offload(options)
-        mine = parameters / plan.dp_shard  # the rank's partition
         # its gradients to the host in fp32; back, the update, or with the weights kept
         # there the fetch of each gather (the forward's and the backward's) instead
         back = 2 * microbatches * mine * width if "parameters" in offload else mine * width

@@ -353,10 +353,10 @@ def host_seconds(flow: Traffic, cluster: Cluster) -> float:
     stream, but the next gather or the step waits for them). Where the device's memory is
     the host's: copies in memory into a backend's own host buffers (``host_buffers``), as
     ``copy_seconds`` prices them, else nothing."""
-    link = cluster.device.host_link
-    if link is None:
-        return 2 * flow.host_copies / cluster.device.memory_bandwidth if flow.host_buffers else 0.0
-    return flow.host_copies / link
+    device = cluster.device
+    if device.host_link is None:  # the device's memory is the host's
+        return 2 * flow.host_copies / device.memory_bandwidth if flow.host_buffers else 0.0
+    return flow.host_copies / device.host_link
 
 
 def matmul_seconds(flow: Traffic, cluster: Cluster, spec: PrecisionSpec) -> float:
@@ -378,7 +378,7 @@ def optimizer_seconds(parameters: float, model: Model, cluster: Cluster,
     calibrated step, else those bytes at the host's memory bandwidth."""
     device = cluster.device
     streamed = parameters * 4 * (3 + 2 * model.optimizer_states)
-    if on_host and device.host_link is not None:
+    if on_host and not device.shares_host_memory:
         if model.optimizer in device.host_update_seconds:
             return parameters * device.host_update_seconds[model.optimizer]
         return streamed / device.host_bandwidth
@@ -496,7 +496,7 @@ def _memory(layout: Layout, model: Model, stages: list[list[str]], ranks: list[l
     plan = layout.plan
     cls = get_backend(layout.backend)
     flow = cls.step_traffic(layout.options, plan, spec, 0.0)
-    own = device.host_link is None  # the device's memory is the host's
+    own = device.shares_host_memory
     # an optimizer stepping on the host keeps its temporaries there
     stepping = own or not flow.steps_on_host
     best: Held | None = None

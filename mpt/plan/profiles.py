@@ -181,6 +181,11 @@ class Device:
     """Bytes of host memory one rank may fill with what it offloads, beside a device with
     memory of its own (0: not known; nothing offloaded fits)."""
 
+    @property
+    def shares_host_memory(self) -> bool:
+        """Whether the device's memory is the host's (no ``host_link``: a CPU rank)."""
+        return self.host_link is None
+
     def matmul_flops(self, dtype: str, shape: Sequence[int] | None = None) -> float:
         """FLOP/s of a matmul in ``dtype`` (the fp32 figure where the dtype was not measured)
         of ``shape`` (rows, inner, columns): interpolated in the calibrated sweep by its

@@ -105,7 +105,7 @@ def print_tables(result: Plan, script: str, console: Console, top: int = 0) -> N
     console.print(table)
     _left_out(console, len(result.fitting), top, "fastest")
     if result.short:
-        host = cluster.device.host_memory if cluster.device.host_link else 0.0
+        host = 0.0 if cluster.device.shares_host_memory else cluster.device.host_memory
         lacking = Table(title=f"layouts that do not fit in {cluster.device.memory / GIB:.1f} "
                         "GiB per rank" + (f", or whose offloaded state does not in the host's "
                                           f"{host / GIB:.1f} GiB per rank" if host else ""))
