@@ -42,8 +42,9 @@ def relative(got: list[float], want: list[float]) -> float:
     return float(((a - b).abs() / b.abs()).max())
 
 
-@pytest.mark.parametrize("label", [*(f"zero{s}-fp32" for s in STAGES), "zero2-offload-fp32",
-                                   "zero3-offload-fp32"])
+@pytest.mark.parametrize("label", [*(f"zero{s}-fp32" for s in STAGES),
+                                   *(f"zero{s}-offload-fp32" for s in (1, 2, 3)),
+                                   "zero3-offload-all-fp32"])
 def test_fp32_loss_curve_equals_ddps(curves, label):
     for rank in curves[1]:
         got, want = rank[label], rank["ddp-fp32"]

@@ -101,7 +101,11 @@ CASES = [pytest.param(2, "1f1b", (), id="P2xD1-1f1b", marks=pytest.mark.slow),
                       id="fsdp-P2xD2-1f1b-resharded", marks=pytest.mark.slow),
          pytest.param(4, "interleaved-1f1b", ("--backend", "fsdp", "--fsdp-reshard-after-forward",
                                               "yes", "--microbatches", "2"),
-                      id="fsdp-P2xD2-interleaved-resharded", marks=pytest.mark.slow)]
+                      id="fsdp-P2xD2-interleaved-resharded", marks=pytest.mark.slow),
+         # the shards, their gradients and the step in host memory (`mpt plan` ranks it)
+         pytest.param(4, "1f1b", ("--backend", "fsdp", "--fsdp-cpu-offload",
+                                  "--microbatches", "2"),
+                      id="fsdp-P2xD2-1f1b-cpu-offload", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize(("gpus", "schedule", "flags"), CASES)

@@ -2,7 +2,8 @@
 
 usage: ds_curves.py OUT_DIR SUITE
   equivalence: ddp and ZeRO 0-3 from the same weights on the same data, in fp32 (plain, with
-               CPU offload, and with accumulation 2 + clipping) and bf16; the ZeRO-2 run saves a
+               CPU offload of the optimizer at ZeRO 1-3 and of the weights too at 3, and with
+               accumulation 2 + clipping) and bf16; the ZeRO-2 run saves a
                checkpoint at step 10.
   resume:      fresh runs that load that checkpoint and train steps 10-19: ZeRO-2 again, ZeRO-3
                and ddp.
@@ -81,9 +82,12 @@ if suite == "equivalence":
             runs[f"zero{stage}-{precision}"] = train(
                 f"zero{stage} {precision}", "deepspeed", precision, stage,
                 save_at=SAVE_AT if (stage, precision) == (2, "fp32") else None)
-    runs["zero2-offload-fp32"] = train("zero2 offload", "deepspeed", stage=2, offload="optimizer")
-    runs["zero3-offload-fp32"] = train("zero3 offload", "deepspeed", stage=3,
-                                       offload="optimizer,parameters")
+    # every offload `mpt plan` ranks
+    for stage in (1, 2, 3):
+        runs[f"zero{stage}-offload-fp32"] = train(f"zero{stage} offload", "deepspeed", stage=stage,
+                                                  offload="optimizer")
+    runs["zero3-offload-all-fp32"] = train("zero3 offload all", "deepspeed", stage=3,
+                                           offload="optimizer,parameters")
     runs["ddp-acc-clip"] = train("ddp acc clip", "ddp", accumulate=2, clip=CLIP)
     for stage in range(4):
         runs[f"zero{stage}-acc-clip"] = train(f"zero{stage} acc clip", "deepspeed", stage=stage,
