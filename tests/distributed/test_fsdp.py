@@ -26,13 +26,16 @@ def launch_checks(tmp_path: Path, port: int, mode: str, *options: str) -> list[d
     return [json.loads((tmp_path / f"{mode}-rank{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.mark.parametrize(("accumulate", "meta"), [(1, False), (3, True)])
+@pytest.mark.parametrize(("accumulate", "meta", "offload"), [
+    (1, False, ()), (3, True, ()),
+    # accumulated in host memory (a layout `mpt plan` ranks)
+    pytest.param(3, False, ("--fsdp-cpu-offload",), id="3-offload", marks=pytest.mark.slow)])
 def test_fsdp_matches_one_process_on_the_concatenated_batches(tmp_path, free_port, accumulate,
-                                                              meta):
+                                                              meta, offload):
     """``meta``: the model is built on the meta device; each unit is initialised as the CPU
     would have (rank 0's random state, reset_parameters in module order), then sharded."""
     ranks = launch_equivalence(tmp_path, free_port, accumulate, "--backend", "fsdp",
-                               "--fsdp-wrap", "Linear", meta=meta)
+                               "--fsdp-wrap", "Linear", *offload, meta=meta)
     reference = reference_params(STEPS, 2 * accumulate * MICRO)
     for r in ranks:
         for got, want in zip(r["params"], reference, strict=True):
