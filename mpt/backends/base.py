@@ -135,11 +135,6 @@ class Backend(ABC):
     default_bucket: ClassVar[float] = math.inf
     """Bytes of gradients one call of its allreduce carries where ``--bucket-mb`` is not
     given (DDP's buckets, Apex's messages, Horovod's fusion buffer); inf: all in one."""
-    fresh_gradient_in_row: ClassVar[bool] = False
-    """Whether ``estimate_row`` counts the gradient the backward makes for the weights that
-    run beside those it holds (fsdp's unit of unsharded gradients). Where it does not, `mpt
-    plan` counts the largest weight's beside the activations once micro-batches accumulate:
-    autograd makes each later gradient anew and adds it to the one held."""
     elastic: ClassVar[bool] = True
     """Whether a job may change its world size between restarts (`mpt launch --nodes
     MIN:MAX`)."""
@@ -358,6 +353,15 @@ class Backend(ABC):
         ``--grad-compression``) in ``plan``, over ``microbatches`` a step (a pipeline's, or
         ``--accumulate``'s), and what of it the backward frees. The default: none."""
         return Buffers()
+
+    @classmethod
+    def fresh_gradient_in_row(cls, options: Mapping[str, Any]) -> bool:
+        """Whether, once micro-batches accumulate, what the memory row and buffers count
+        already holds the gradient each later backward makes (fsdp's unit of unsharded
+        gradients; ZeRO-3's, reduced and freed at once). Where it does not (the default), `mpt
+        plan` counts the largest weight's beside the activations: autograd makes each later
+        gradient anew and adds it to the one held."""
+        return False
 
     @classmethod
     def accumulation_priced(cls, options: Mapping[str, Any]) -> bool:

@@ -22,11 +22,13 @@ and the optimizer did there:
 
 from __future__ import annotations
 
+import bisect
 import importlib.metadata
+import itertools
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -72,6 +74,28 @@ ZERO_REDUCE_BUCKET = 5e8
 ZERO3_MAX_LIVE = 1e9
 """DeepSpeed's default ``stage3_max_live_parameters``, in elements: how many a rank keeps
 gathered at once."""
+
+
+def partition_touches(model: nn.Module, ranks: int) -> int:
+    """Elements of the parameters whose range a rank's ZeRO-2 partition overlaps, on the rank
+    with the most: the parameters laid end to end (one parameter group, in the model's order,
+    padded at the end to 2 x ranks elements), cut into ``ranks`` equal partitions
+    (``stage_1_and_2.py``'s ``get_partition_info``). ZeRO-2 copies each such gradient whole
+    into ``grads_in_partition`` and keeps it there until the step, and frees the others once
+    reduced: on docs/benchmarks.md's MLP at 2 ranks 21.0 M of its 25.2 M parameters (its
+    4096 x 4096 weight straddles both partitions), not the 12.6 M a partition holds."""
+    sizes = [p.numel() for p in model.parameters() if p.requires_grad]
+    if ranks <= 1 or not sizes:
+        return sum(sizes)
+    starts = list(itertools.accumulate(sizes, initial=0))  # starts[i]: where sizes[i] begins
+    part = -(-starts[-1] // (2 * ranks)) * 2  # the padded total over the ranks
+    most = 0
+    for rank in range(ranks):
+        low, high = rank * part, (rank + 1) * part
+        first = bisect.bisect_right(starts, low) - 1  # the one holding the partition's start
+        last = bisect.bisect_left(starts, high)  # the first that starts at or past its end
+        most = max(most, starts[min(last, len(sizes))] - starts[max(first, 0)])
+    return most
 
 
 def _import_deepspeed(device_type: str, local_rank: int | None = None) -> Any:
@@ -200,6 +224,7 @@ class DeepSpeedBackend(DDPBackend):
         """Weights and gradients in the mode's dtype; the optimizer's state plus DeepSpeed's
         fp32 master copy (kept from stage 1 on even in fp32, and in 16-bit modes at stage 0);
         stage 1 partitions the optimizer's share, 2 the gradients too, 3 the weights too.
+        Stage 2 keeps each gradient its partition touches whole (``partition_touches``).
         Offloaded, that state is in host memory, beside the buffers DeepSpeed makes there:
         the partition's fp32 gradients, and at stages 1-2 a buffer of the update in the
         mode's dtype and one of the largest gradient (``stage_1_and_2.py``; ``stage3.py``'s
@@ -213,6 +238,8 @@ class DeepSpeedBackend(DDPBackend):
             parts = [width * weights, width * trained, 4 * optimizer_states * trained + masters]
             for index in range(3 - stage, 3):
                 parts[index] //= world_size  # optimizer from stage 1, gradients 2, weights 3
+            if stage == 2 and not offload:
+                parts[1] = width * partition_touches(model, world_size)
             host = 0
             if "optimizer" in offload:
                 host, parts[2] = parts[2], 0
@@ -303,12 +330,19 @@ class DeepSpeedBackend(DDPBackend):
 
     @classmethod
     def accumulation_priced(cls, options: Mapping[str, Any]) -> bool:
-        """ZeRO-0 and 1 only: they reduce at the accumulation boundary, once a step (their
-        memory measured the same at 4 micro-batches as at one). ZeRO-2 reduces at every
-        micro-batch (``reduce_ready_partitions_and_remove_grads``) and holds more while it
-        accumulates; ZeRO-3 gathers and reduce-scatters at every one: not modelled. Nor is
-        an offloaded optimizer's (DeepSpeed accumulates its gradients on the host)."""
-        return cls._planned_stage(options) in (0, 1) and not cls._planned_offload(options)
+        """Every stage that keeps its optimizer on the device: ZeRO-0 and 1 reduce at the
+        accumulation boundary, once a step; ZeRO-2 at every micro-batch
+        (``reduce_ready_partitions_and_remove_grads``), keeping its partition's gradients
+        between them in the buffer the row counts; ZeRO-3 gathers and reduce-scatters at
+        every one (``step_traffic``). Not an offloaded optimizer's: DeepSpeed accumulates its
+        gradients on the host (``async_accumulate_grad_in_cpu_via_gpu``), not modelled."""
+        return not cls._planned_offload(options)
+
+    @classmethod
+    def fresh_gradient_in_row(cls, options: Mapping[str, Any]) -> bool:
+        """ZeRO-3 reduce-scatters each gradient as the backward makes it and frees it: none
+        is held for autograd to add the next micro-batch's to."""
+        return cls._planned_stage(options) == 3
 
     @classmethod
     def plan_variants(cls, world_size: int, pp: int) -> list[dict[str, Any]]:
@@ -359,6 +393,11 @@ class DeepSpeedBackend(DDPBackend):
         the bucket's (that, or ZeRO-1's fp32 bucket in a 16-bit mode), ``allreduce_bucket``
         casts the flat tensor to it and the result back (ZeRO-3 not modelled so).
 
+        Under ``--accumulate`` ZeRO-0 and 1 reduce once, at the boundary; ZeRO-2 reduces the
+        bucket in every micro-batch and copies the partition's gradients out of it; ZeRO-3
+        gathers, reduce-scatters and adds into the fp32 partition in every one; the norm, the
+        update and the gather of the updated parameters stay once a step.
+
         ``--offload optimizer`` steps the partition on the host: its reduced gradients go to
         the host's fp32 copy of it (torch's ``copy_`` converts before it moves, so they cross
         in fp32), and the updated partition comes back into the weights in the mode's dtype,
@@ -372,13 +411,16 @@ class DeepSpeedBackend(DDPBackend):
         mode = torch.float32 if width == 4 else spec.compute
         sent = wire_dtype(comm, mode)
         axis: Axis = "dp_shard" if stage else "dp_replicate"
+        # ZeRO-2 reduces, and ZeRO-3 gathers and reduces, in every accumulated micro-batch
+        each = microbatches if stage >= 2 else 1
         gather = Collective(kind="all_gather", axis=axis, size=size, what="parameters")
         gradients = Collective(kind="reduce_scatter" if stage == 3 else "all_reduce", axis=axis,
-                               size=parameters * sent.itemsize, what="gradients",
-                               dtype=dtype_name(sent))
+                               size=parameters * sent.itemsize * each, what="gradients",
+                               dtype=dtype_name(sent), calls=each)
+        gathers = replace(gather, size=size * each, calls=each)  # ZeRO-3's, forward and backward
         found: tuple[Collective, ...] = (
             (gradients,) if stage == 0 else (gradients, gather) if stage < 3
-            else (gather, gather, gradients))
+            else (gathers, gathers, gradients))
         ranks = plan.dp_shard
         mine = parameters / ranks  # the rank's partition
         cast = mine * (4 + width) / 2  # the partition between fp32 and the mode's dtype
@@ -389,19 +431,20 @@ class DeepSpeedBackend(DDPBackend):
             if sent != mode:
                 copies += size + parameters * sent.itemsize  # cast there and back
         if stage == 3:
-            copies = (2 * size  # concatenated, divided
-                      + cast + norm + 4 * mine  # into the fp32 partition; norm; unscaled
+            copies = (each * (2 * size + cast)  # concatenated, divided; into the fp32 partition
+                      + norm + 4 * mine  # the norm; unscaled
                       + (cast if width != 4 else 0))  # the update back
             if ranks == 1:
-                copies += 3 * size  # the two all-gathers and the reduce-scatter
+                copies += 3 * size * each  # the two all-gathers and the reduce-scatter
         if stage in (1, 2):
             bucket, partition = cls._zero_buffers(stage, spec, parameters, ranks)
-            copies = (2 * bucket + 2 * partition  # in, divided; out, flattened
-                      + norm + cast)  # the fp32 partition into the weights
+            reduced = 2 * bucket + partition  # in, divided; out
             if ranks > 1:
-                copies += bucket + bucket / ranks  # the slices flattened, its own copied back
+                reduced += bucket + bucket / ranks  # the slices flattened, its own copied back
                 if sent != (torch.float32 if stage == 1 else mode):  # cast there and back
-                    copies += bucket + bucket / (4 if stage == 1 else width) * sent.itemsize
+                    reduced += bucket + bucket / (4 if stage == 1 else width) * sent.itemsize
+            copies = (each * reduced + partition  # flattened for the optimizer
+                      + norm + cast)  # the fp32 partition into the weights
         offload = cls._planned_offload(options)
         # its gradients to the host in fp32; back, the update, or with the weights kept
         # there the fetch of each gather (the forward's and the backward's) instead

@@ -166,7 +166,6 @@ class FSDPBackend(DDPBackend):
     """
 
     name = "fsdp"
-    fresh_gradient_in_row = True
     wraps_units = True
     options: ClassVar[dict[str, BackendOption]] = {
         "wrap": BackendOption(help="module classes that become FSDP units, comma-separated "
@@ -313,6 +312,11 @@ class FSDPBackend(DDPBackend):
             return Buffers(held=unit, released=3 * unit)
         whole = int(spec.params.itemsize * share * sum(parameter_counts(stage)))
         return Buffers(held=whole - unit, released=whole + unit)
+
+    @classmethod
+    def fresh_gradient_in_row(cls, options: Mapping[str, Any]) -> bool:
+        """The row's unit of unsharded gradients is where each backward accumulates."""
+        return True
 
     @classmethod
     def plan_variants(cls, world_size: int, pp: int) -> list[dict[str, Any]]:

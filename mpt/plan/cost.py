@@ -513,7 +513,8 @@ def _memory(layout: Layout, model: Model, stages: list[list[str]], ranks: list[l
         largest = max((p.numel() for p in stage.parameters() if p.requires_grad), default=0)
         found = Held(row=row, activations=activations[index], batch=batch,
                      accumulating=int(largest * spec.params.itemsize * share)
-                     if layout.microbatches > 1 and not cls.fresh_gradient_in_row else 0,
+                     if layout.microbatches > 1
+                     and not cls.fresh_gradient_in_row(layout.options) else 0,
                      buffers=beyond.held + kept,
                      transient=_step_transient(
                          stage, model.optimizer_states, share,

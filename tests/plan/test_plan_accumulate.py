@@ -27,10 +27,8 @@ def _cluster(**device) -> Cluster:
 
 
 def test_accumulation_is_a_layout_where_the_backend_prices_it() -> None:
-    """ddp, apex, horovod, fsdp and DeepSpeed's ZeRO-0 and 1 accumulate with one reduction a
-    step (no_sync, hooks held, no gradient sync, the engine's boundary): each --accumulate of
-    1, 2, 4 and 8 that splits a replica's batch; ZeRO-2 and 3 (which reduce at every
-    micro-batch) are not priced so."""
+    """Each --accumulate of 1, 2, 4 and 8 that splits a replica's batch, for every backend
+    and ZeRO stage; not DeepSpeed's offloaded optimizer, which accumulates on the host."""
     found, _ = layouts(meta_model(mlp), nodes=2, gpus=1, precision="fp32", batch=8,
                        device_type="cuda")
     counts: dict[str, set[int]] = {}
@@ -38,9 +36,10 @@ def test_accumulation_is_a_layout_where_the_backend_prices_it() -> None:
         if chosen.plan.pp == 1 and chosen.comm.compression == "none":
             name = chosen.backend + str(chosen.options.get("zero_stage", ""))
             counts.setdefault(name, set()).add(chosen.microbatches)
-    for name in ("ddp", "apex", "horovod", "fsdp", "deepspeed0", "deepspeed1"):
+    for name in ("ddp", "apex", "horovod", "fsdp", *(f"deepspeed{z}" for z in range(4))):
         assert counts[name] == {1, 2, 4}, name  # 4 samples a replica
-    assert counts["deepspeed2"] == counts["deepspeed3"] == {1}
+    offloaded = {c.microbatches for c in found if c.options.get("offload")}
+    assert offloaded == {1}
     flags = {c.label for c in found if c.backend == "ddp" and c.plan.pp == 1}
     assert "--backend ddp --accumulate 4" in flags
 
@@ -108,3 +107,49 @@ def test_fsdp_gathers_every_micro_batch_and_keeps_unsharded_gradients_until_the_
         {}, whole.layout.plan, describe("fp32"), 25_175_040, a).collectives} for a in (1, 4)}
     assert sizes[4]["all_gather"] == 4 * sizes[1]["all_gather"]
     assert sizes[4]["reduce_scatter"] == sizes[1]["reduce_scatter"]
+
+
+def test_zero_2_and_3_reduce_every_micro_batch_and_zero_1_once() -> None:
+    """ZeRO-0 and 1 reduce at the accumulation boundary; ZeRO-2 reduces the bucket in every
+    micro-batch and gathers the updated parameters once; ZeRO-3 gathers (forward and
+    backward) and reduce-scatters in every one. Their copies around the reduction grow
+    with it; the norm and the update's stay once a step."""
+    net = meta_model(mlp)
+    plan_ = layout(net, "deepspeed", {"zero_stage": 1}, 1, 1, world=2, precision="fp32",
+                   batch=64).plan
+    spec, params = describe("fp32"), 25_175_040
+
+    def traffic(stage: int, a: int) -> tuple[dict[tuple[str, str], tuple[float, int]], float]:
+        flow = get_backend("deepspeed").step_traffic({"zero_stage": stage}, plan_, spec,
+                                                     params, a)
+        return {(c.kind, c.what): (c.size, c.calls) for c in flow.collectives}, flow.copies
+
+    for stage in (0, 1):
+        assert traffic(stage, 4) == traffic(stage, 1)
+    (once, copied), (each, copied_4) = traffic(2, 1), traffic(2, 4)
+    reduced = ("all_reduce", "gradients")
+    assert each[reduced] == (4 * once[reduced][0], 4)
+    assert each[("all_gather", "parameters")] == once[("all_gather", "parameters")]
+    assert copied < copied_4 < 4 * copied  # the reduction's copies only
+    (once, copied), (each, copied_4) = traffic(3, 1), traffic(3, 4)
+    for key, (size, calls) in once.items():
+        assert each[key] == (4 * size, 4 * calls), key
+    assert copied < copied_4 < 4 * copied
+
+
+def test_zero_2_keeps_the_gradients_its_partition_touches_whole() -> None:
+    """ZeRO-2 copies each gradient its partition overlaps whole into its partition's buffer
+    and keeps it to the step: on the MLP at 2 ranks the last rank's the 4096 x 4096 Linear
+    that straddles both partitions and the last Linear (21.0 M of the 25.2 M parameters, not
+    12.6 M), the same at 4 ranks; ZeRO-3 keeps its partition's only. At ZeRO-3 no gradient
+    is held for autograd to add the next micro-batch's to."""
+    net = meta_model(mlp)
+    model = model_of(net, [1024], torch.float32, "adam")
+    touched = (4096 * 4096 + 4096) + (4096 * 1024 + 1024)
+    for world in (2, 4):
+        found = {z: predict(layout(net, "deepspeed", {"zero_stage": z}, 1, 1, world=world,
+                                   precision="fp32", batch=64 * world, accumulate=4),
+                            model, _cluster(), describe("fp32")).memory for z in (2, 3)}
+        assert found[2].row.gradients == 4 * touched
+        assert found[3].row.gradients == 4 * 25_175_040 // world
+        assert (found[2].accumulating, found[3].accumulating) == (LARGEST, 0)
