@@ -389,14 +389,19 @@ def test_deepspeed_zero_3_concatenates_its_gradients_and_steps_an_fp32_partition
 def test_deepspeed_zero_2_allreduces_its_bucket_as_zero_1_does() -> None:
     """DeepSpeed's default ``use_multi_rank_bucket_allreduce`` sends ZeRO-2's gradients through
     the allreduce of the whole bucket that ZeRO-1 sends (counted: 100.7 MB a step at 2 ranks
-    under either); ZeRO-3 reduce-scatters them between its two all-gathers."""
+    under either); ZeRO-3 reduce-scatters them after its all-gather, which the backward
+    repeats only for the parameters the forward fetched more than half of
+    ``stage3_max_reuse_distance`` before its end (traced: one gather a step at 2 ranks)."""
     spec, params = describe("fp32"), 25_175_040
     ds = get_backend("deepspeed")
     one, two, three = (ds.step_traffic({"zero_stage": s}, ParallelPlan(dp_shard=2), spec, params)
                        for s in (1, 2, 3))
     assert [c.kind for c in two.collectives] == ["all_reduce", "all_gather"]
     assert two.collectives == one.collectives
-    assert [c.kind for c in three.collectives] == ["all_gather", "all_gather", "reduce_scatter"]
+    assert [c.kind for c in three.collectives] == ["all_gather", "reduce_scatter"]
+    large = ds.step_traffic({"zero_stage": 3}, ParallelPlan(dp_shard=2), spec, 7e8)
+    gathered = [c.size for c in large.collectives if c.kind == "all_gather"]
+    assert gathered == [7e8 * 4, 2e8 * 4]  # 700 M fetched, the first 200 M again
 
 
 def test_the_optimizer_step_takes_its_calibrated_time_per_parameter() -> None:
