@@ -355,6 +355,16 @@ class Backend(ABC):
         return Buffers()
 
     @classmethod
+    def timed_alone(cls) -> tuple[Mapping[str, Any], ...]:
+        """Options under which `mpt plan --calibrate MODEL` times this backend's own training
+        step of the model (``mpt.Runtime``, one micro-batch and the same cut in two), each
+        rank in a world of its own in a process of its own (``calibrate.alone_steps``): what
+        the step adds beyond the plain one and the copies the plan prices at one rank, per
+        micro-batch and per step, is charged to every layout with these options
+        (``Model.own_work``). The default: none."""
+        return ()
+
+    @classmethod
     def fresh_gradient_in_row(cls, options: Mapping[str, Any]) -> bool:
         """Whether, once micro-batches accumulate, what the memory row and buffers count
         already holds the gradient each later backward makes (fsdp's unit of unsharded

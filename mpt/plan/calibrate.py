@@ -31,7 +31,9 @@ it, or glibc keeps every block it served, so that no step faults memory in again
    is in these two figures; the plan scales its compute by them (``MeasuredStep``). The same
    whole step again under `--backend fsdp`'s ``fully_shard`` over each rank alone: what its
    hooks, DTensor parameters and copies add, which the plan's fsdp layouts pay beyond the
-   copies it prices.
+   copies it prices. Last, in processes of their own, each training rank in a world of its
+   own, the step as ``mpt.Runtime`` trains it under each backend's ``timed_alone`` options
+   (DeepSpeed ZeRO-3), of the micro-batch whole and cut in two (``alone_steps``).
 
 Across nodes (``--nodes N --nr R --master-addr HOST`` on every node, as `mpt launch` is
 started), each node starts its ``--gpus`` processes and all of them meet in one process group:
@@ -72,6 +74,7 @@ from mpt.errors import UsageError
 from mpt.plan.network import fit_key, ring_factor, ring_steps
 from mpt.plan.profiles import (
     CPU_HOST_MEMORY,
+    BackendStep,
     CollectiveFit,
     Device,
     Link,
@@ -183,7 +186,9 @@ class Calibration:
         spec = self.model_step["spec"]
         return MeasuredStep(**{**self.model_step, "spec": StepSpec(
             **{**spec, "input_shape": tuple(spec["input_shape"])}),
-            "split": {int(k): v for k, v in self.model_step.get("split", {}).items()}})
+            "split": {int(k): v for k, v in self.model_step.get("split", {}).items()},
+            "alone": tuple(BackendStep(**found)
+                           for found in self.model_step.get("alone", ()))})
 
     def measured_link(self, source: str) -> Link | None:
         """The link between the nodes as measured, None where one node was."""
@@ -387,6 +392,88 @@ def horovod_fits(world: World, address: str) -> dict[str, dict[str, float]]:
                   "instead", file=sys.stderr, flush=True)
             return {}
         return json.loads(path.read_text()) if path.exists() else {}
+
+
+def alone_steps(step: StepSpec, training: int) -> list[dict[str, Any]]:
+    """``step``'s model trained by ``mpt.Runtime`` under each backend's ``timed_alone``
+    options (``BackendStep``'s fields), by ``training`` processes at once, each a rank in a
+    world of its own (no collective crosses between them): one optimizer step of the
+    micro-batch, then one of the same samples as two accumulated micro-batches, each the
+    median of ``STEP_REPEATS`` x 2 steps after ``STEP_WARMUP``. A backend whose step fails
+    costs only its figures, said in one line on stderr."""
+    import torch.multiprocessing as mp
+
+    from mpt.backends import registered
+
+    found = []
+    for name, cls in registered().items():
+        for options in cls.timed_alone():
+            seconds = []
+            for accumulate in (1, 2):
+                with tempfile.TemporaryDirectory() as folder:
+                    path = Path(folder) / "step.json"
+                    try:
+                        mp.spawn(_alone_worker, nprocs=training, join=True, args=(
+                            step, name, dict(options), accumulate, str(path)))
+                    except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+                        print(f"mpt plan --calibrate: {step.model}'s step under --backend "
+                              f"{name} {options} was not timed ({_first_line(exc)}); its "
+                              "layouts price its collectives and copies alone",
+                              file=sys.stderr, flush=True)
+                        break
+                    seconds.append(json.loads(path.read_text()))
+            if len(seconds) == 2:
+                found.append({"backend": name, "options": dict(options), "step": seconds[0],
+                              "accumulated": seconds[1]})
+    return found
+
+
+def _alone_worker(local_rank: int, step: StepSpec, backend: str, options: dict[str, Any],
+                  accumulate: int, out: str) -> None:
+    """One rank of ``alone_steps``: the world of this process alone; rank 0 of the node writes
+    the median."""
+    import mpt
+    from mpt.estimate import load_model
+
+    if torch.cuda.is_available():  # this process's GPU, as device 0 of its world of one
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(local_rank)
+    with socket.socket() as probe:  # a free port for this world's store
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    from torch.utils._pytree import tree_leaves
+
+    rt = mpt.Runtime(env=env, backend=backend, backend_options=options,
+                     precision=step.precision, accumulate=accumulate, quiet=True,
+                     host_memory=None if torch.cuda.is_available() else CPU_HOST_MEMORY)
+    try:
+        net = load_model(step.model)()
+        cls, kwargs = OPTIMIZERS[step.optimizer]
+        net, _ = rt.setup(net, getattr(torch.optim, cls)(net.parameters(), lr=1e-9, **kwargs))
+        shape = (step.micro_batch, *step.input_shape)
+        dtype = getattr(torch, step.input_dtype)
+        x = (torch.randn(shape, device=rt.device) if dtype.is_floating_point
+             else torch.zeros(shape, device=rt.device, dtype=dtype))
+
+        def one_step() -> None:
+            for piece in x.chunk(accumulate):
+                with rt.autocast():
+                    out = net(piece)
+                rt.backward(sum(t.float().sum() for t in tree_leaves(out)
+                                if isinstance(t, torch.Tensor) and t.is_floating_point()))
+                rt.step()
+
+        for _ in range(STEP_WARMUP - 1):  # and one more in _timed
+            one_step()
+        seconds = _timed(one_step, 2 * STEP_REPEATS, torch.cuda.synchronize
+                         if rt.device.type == "cuda" else lambda: None)
+    finally:
+        rt.close()
+    if local_rank == 0:
+        Path(out).write_text(json.dumps(seconds))
 
 
 def _cold_flops(shapes: tuple[tuple[int, int], tuple[int, int]], dtype: torch.dtype,
@@ -802,6 +889,8 @@ def measure_nodes(world: World, step: StepSpec | None = None, training: int | No
             if world.nr:
                 return None
             figures = json.loads(path.read_text())
+            if step is not None and "error" not in figures.get("model_step", {"error": ""}):
+                figures["model_step"]["alone"] = alone_steps(step, training or world.gpus)
             figures["link" if world.nodes > 1 else "collectives"].update(horovod)
             if world.nodes > 1 and world.gpus == 1:  # a node of one rank: the link's figures
                 figures["collectives"].update(horovod)

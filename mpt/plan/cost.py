@@ -19,7 +19,10 @@ The step, for a rank of the slowest pipeline stage:
   all-gather and reduce-scatter inputs and outputs), read and written once each at the memory
   bandwidth, never hidden (they run on the rank's own cores or stream); under fsdp,
   ``fully_shard``'s own work beyond those copies (its hooks and DTensor parameters) where the
-  calibration timed the model under it at one shard (``Model.sharding``); where a backend
+  calibration timed the model under it at one shard (``Model.sharding``); under DeepSpeed
+  ZeRO-3 (a backend's ``timed_alone`` options) what its step of the model at one rank took
+  beyond the plain step and the copies priced there, per micro-batch and per step
+  (``Model.own_work``); where a backend
   offloads (``--fsdp-cpu-offload``, DeepSpeed's ``--offload``), what it moves between host
   and device (``Traffic.host_copies``) at the device's host link, not hidden, and the
   optimizer step at the host's rate (nothing moves, and the step is the device's, where the
@@ -163,6 +166,26 @@ class Prediction:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class OwnWork:
+    """A backend's own work, beyond the plain step and the copies the plan prices, under some
+    of its options, as a calibration timed it at one rank (``planner.own_work``)."""
+
+    backend: str
+    """``--backend``."""
+    options: Mapping[str, Any]
+    """The options it was timed under: a layout with the same values of these pays it."""
+    per_microbatch: float
+    """Seconds it adds to each micro-batch."""
+    per_step: float
+    """Seconds it adds once a step."""
+
+    def charged(self, layout: Layout) -> bool:
+        """Whether ``layout`` runs the backend under these options."""
+        return layout.backend == self.backend and all(
+            layout.options.get(key) == value for key, value in self.options.items())
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Model:
     """The model as the cost model needs it."""
 
@@ -190,6 +213,9 @@ class Model:
     micro-batch) and to its optimizer step, beyond the copies priced, as a calibration timed
     them at one shard (``MeasuredStep.sharded``); a pipeline stage pays its share of the
     parameters. Zero where none was timed."""
+    own_work: tuple[OwnWork, ...] = ()
+    """What each backend with options that a calibration timed at one rank
+    (``MeasuredStep.alone``) adds beyond what the plan prices there."""
 
     def compute_scale(self, micro_batch: int) -> float:
         """``compute_scales`` at ``micro_batch``: linear in the log of the size between two
@@ -313,14 +339,16 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
     terms["buffer copies"] = copy_seconds(flow, cluster)
     terms["host-device copies"] = host_seconds(flow, cluster)
     # a pipeline stage's units and parameters: its share of the model's
+    share = parameter_counts(stage)[0] / max(1, parameter_counts(model.net)[0])
     terms["fully_shard's own work"] = (
-        parameter_counts(stage)[0] / max(1, parameter_counts(model.net)[0])
-        * (m * model.sharding[0] + model.sharding[1]) if backend.wraps_units else 0.0)
+        share * (m * model.sharding[0] + model.sharding[1]) if backend.wraps_units else 0.0)
+    terms["the backend's own work"] = share * sum(
+        m * own.per_microbatch + own.per_step for own in model.own_work if own.charged(layout))
     terms["backend matmuls"] = matmul_seconds(flow, cluster, spec)
     terms["data-parallel communication"] = max(0.0, dp_seconds - window)
     compute = (terms["forward"] + terms["backward"] + terms["optimizer step"]
                + terms["buffer copies"] + terms["host-device copies"]
-               + terms["fully_shard's own work"]
+               + terms["fully_shard's own work"] + terms["the backend's own work"]
                + terms["backend matmuls"] + terms["pipeline actions"])
     exposed = (terms["data-parallel communication"] + terms["tensor-parallel allreduces"]
                + terms["pipeline sends"])

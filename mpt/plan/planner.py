@@ -11,15 +11,23 @@ from typing import Any
 import torch
 from torch import nn
 
+from mpt.backends import get_backend
 from mpt.errors import UsageError
 from mpt.estimate import OPTIMIZER_STATES, parameter_counts
 from mpt.parallel import ParallelPlan
 from mpt.pipeline.split import stage_blocks
 from mpt.plan.calibrate import wrapping_backend
-from mpt.plan.cost import Model, Prediction, copy_seconds, modelled_compute, predict
+from mpt.plan.cost import (
+    Model,
+    OwnWork,
+    Prediction,
+    copy_seconds,
+    modelled_compute,
+    predict,
+)
 from mpt.plan.layouts import Refused, layouts
 from mpt.plan.network import Cluster
-from mpt.plan.profiles import CPU_HOST_MEMORY, MeasuredStep
+from mpt.plan.profiles import CPU_HOST_MEMORY, BackendStep, MeasuredStep
 from mpt.plan.workload import MODEL_ERRORS, profile, refusal, tp_plan_of
 from mpt.precision import PrecisionSpec, describe
 from mpt.precision.base import dtype_name
@@ -117,11 +125,38 @@ def measured_scales(model: Model, cluster: Cluster, spec: PrecisionSpec,
         used.append(f"fully_shard's own work {extra[0] * 1e3:.1f} + {extra[1] * 1e3:.1f} ms "
                     f"(its step {sum(step.sharded.values()) * 1e3:.1f} ms at one shard, "
                     f"copies {copies * 1e3:.1f} ms priced)")
+    if step.alone and timed.precision == spec.name:
+        found["own_work"] = tuple(own_work(alone, model, cluster, spec, step)
+                                  for alone in step.alone)
+        used.extend(f"--backend {own.backend} {own.options}'s own work "
+                    f"{own.per_microbatch * 1e3:.1f} ms a micro-batch + "
+                    f"{own.per_step * 1e3:.1f} ms a step" for own in found["own_work"])
     if not used:
         return {}, (f"op by op (the calibration timed {timed.model} under {timed.precision} "
                     f"and {timed.optimizer})")
     return found, (f"op by op, scaled by {timed.model}'s own step at micro-batch "
                    f"{timed.micro_batch}: " + "; ".join(used))
+
+
+def own_work(alone: BackendStep, model: Model, cluster: Cluster, spec: PrecisionSpec,
+             step: MeasuredStep) -> OwnWork:
+    """What ``alone``'s backend step added at one rank beyond the plain step (``step``) and the
+    copies the plan prices there: per micro-batch, what its step of two accumulated
+    micro-batches took beyond its step of one, less the plain step's and the copies'
+    growth; per step, the rest (none where the plain step timed another optimizer: the
+    rest holds the optimizer's). Where the plain step was not timed in two pieces, all of
+    it is per step."""
+    cls = get_backend(alone.backend)
+    parameters = parameter_counts(model.net)[0]
+    copies = [copy_seconds(cls.step_traffic(alone.options, ParallelPlan(), spec, parameters, a,
+                                            module=model.net), cluster) for a in (1, 2)]
+    half = step.split.get(2)
+    per_microbatch = 0.0 if half is None else max(0.0, (
+        alone.accumulated - alone.step - (half - step.forward_backward)
+        - (copies[1] - copies[0])))
+    rest = alone.step - step.forward_backward - step.update - copies[0] - per_microbatch
+    return OwnWork(backend=alone.backend, options=alone.options, per_microbatch=per_microbatch,
+                   per_step=max(0.0, rest) if step.spec.optimizer == model.optimizer else 0.0)
 
 
 def measured_model(net: nn.Module, cluster: Cluster, spec: PrecisionSpec,

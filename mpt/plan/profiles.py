@@ -40,6 +40,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from mpt.errors import UsageError
 
@@ -103,6 +104,23 @@ class StepSpec:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class BackendStep:
+    """The model's training step under one backend, at one rank in a world of its own
+    (``Backend.timed_alone``): ``mpt.Runtime``'s forward, backward and step, timed by a
+    calibration on its device (the node's training ranks at once, each alone)."""
+
+    backend: str
+    """``--backend``."""
+    options: Mapping[str, Any]
+    """Its options (``--zero-stage 3``: ``{"zero_stage": 3}``)."""
+    step: float
+    """Seconds of one optimizer step of ``StepSpec.micro_batch`` samples (the median)."""
+    accumulated: float
+    """Seconds of one optimizer step of the same samples as two accumulated micro-batches
+    (the median)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class MeasuredStep:
     """One model's own training step, timed by a calibration on its device (by a node's
     training ranks at once): what the plan scales its op-by-op compute and its optimizer step
@@ -124,6 +142,9 @@ class MeasuredStep:
     mpt's units, over this rank alone (the medians): beyond the plain step, what fully_shard's
     own work costs (its hooks, its DTensor parameters, its copies), which ``--backend fsdp``
     pays at any number of shards. Empty where it was not timed (files measured before)."""
+    alone: tuple[BackendStep, ...] = ()
+    """The model's step under each backend and options that time it
+    (``Backend.timed_alone``), at one rank in a world of its own."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -277,3 +277,70 @@ def test_the_calibration_times_the_step_under_fully_shard_beside_the_plain_one(
         matmul_sweep={}, update_seconds={}, model_step=figures), path)
     step = calibrate.load(path).measured_step()
     assert step is not None and step.sharded == figures["sharded"]
+
+
+def test_zero_3_layouts_pay_its_own_work_as_timed_at_one_rank() -> None:
+    """DeepSpeed ZeRO-3's step timed at one rank, whole and as two accumulated micro-batches:
+    what the second micro-batch added beyond the plain step's growth and the copies' is paid
+    per micro-batch, the rest beyond the plain step and the copies once a step, by every
+    ZeRO-3 layout (offloaded too) and no other; a step timed in another precision adds
+    none."""
+    from mpt.backends import get_backend
+    from mpt.parallel import ParallelPlan
+    from mpt.plan.cost import copy_seconds
+    from mpt.plan.profiles import BackendStep
+
+    net = meta_model(mlp)
+    copies = [copy_seconds(get_backend("deepspeed").step_traffic(
+        {"zero_stage": 3}, ParallelPlan(), describe("fp32"), PARAMETERS, a, module=net),
+        _cluster()) for a in (1, 2)]
+    hooks, once = 0.006, 0.004  # a micro-batch's, a step's
+    plain = dataclasses.replace(_step(forward_backward=0.05), split={2: 0.06})
+    alone = BackendStep(backend="deepspeed", options={"zero_stage": 3},
+                        step=0.05 + 0.02 + copies[0] + hooks + once,
+                        accumulated=0.06 + 0.02 + copies[1] + 2 * hooks + once)
+    step = dataclasses.replace(plain, alone=(alone,))
+
+    def own_work(label: str, changed: MeasuredStep = step) -> float:
+        result = plan(net, _cluster(), precision="fp32", batch=16, input_shape=[1024],
+                      input_dtype=torch.float32, optimizer="sgd-momentum", step=changed)
+        return next(p for p in (*result.fitting, *result.short) if p.layout.label == label
+                    ).terms["the backend's own work"]
+
+    zero3 = "--backend deepspeed --zero-stage 3"
+    assert own_work(zero3) == pytest.approx(hooks + once)
+    assert own_work(zero3 + " --accumulate 4") == pytest.approx(4 * hooks + once)
+    assert own_work(zero3 + " --offload optimizer") == pytest.approx(hooks + once)
+    for other in ("--backend deepspeed --zero-stage 2", "--backend ddp", "--backend fsdp"):
+        assert own_work(other) == 0, other
+    assert own_work(zero3, plain) == 0
+    bf16 = dataclasses.replace(step, spec=dataclasses.replace(step.spec, precision="bf16-mixed"))
+    assert own_work(zero3, bf16) == 0
+
+
+def test_the_calibration_times_zero_3_alone_and_keeps_it(tmp_path) -> None:
+    """``alone_steps``: DeepSpeed ZeRO-3 really trains the model through mpt.Runtime in a
+    process of its own, at one rank, whole and as two accumulated micro-batches; the figures
+    survive the file as the plan's MeasuredStep.alone."""
+    from mpt.plan import calibrate
+    from mpt.plan.profiles import BackendStep
+
+    (tmp_path / "tiny.py").write_text(
+        "from torch import nn\n\ndef build():\n"
+        "    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2))\n")
+    spec = StepSpec(model=f"{tmp_path}/tiny.py:build", input_shape=(16,),
+                    input_dtype="float32", micro_batch=4, precision="fp32", optimizer="adamw")
+    found = calibrate.alone_steps(spec, 1)
+    assert [(f["backend"], f["options"]) for f in found] == [("deepspeed", {"zero_stage": 3})]
+    assert found[0]["accumulated"] > 0 and found[0]["step"] > 0
+    model = calibrate.ModelStep(spec, torch.device("cpu"), lambda: None)
+    model.time(1)
+    figures = {**model.figures(), "alone": found}
+    path = tmp_path / "cal.json"
+    fit = {"latency": 1e-4, "bus_bandwidth": 1e9}
+    calibrate.save(calibrate.Calibration(
+        identity=calibrate.identity(), ranks=2, backend="gloo", flops={"float32": 1e11},
+        memory_bandwidth=1e10, op_overhead=1e-6, memory=1e10, collectives={"all_reduce": fit},
+        matmul_sweep={}, update_seconds={}, model_step=figures), path)
+    step = calibrate.load(path).measured_step()
+    assert step is not None and step.alone == (BackendStep(**found[0]),)
