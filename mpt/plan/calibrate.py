@@ -60,6 +60,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -435,8 +436,10 @@ def _alone_worker(local_rank: int, step: StepSpec, backend: str, options: dict[s
     import mpt
     from mpt.estimate import load_model
 
-    if torch.cuda.is_available():  # this process's GPU, as device 0 of its world of one
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(local_rank)
+    # this process's GPU as device 0 of its world of one, named before CUDA first looks
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    os.environ["CUDA_VISIBLE_DEVICES"] = (visible[local_rank] if len(visible) > local_rank
+                                          and visible[local_rank] else str(local_rank))
     with socket.socket() as probe:  # a free port for this world's store
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -444,6 +447,8 @@ def _alone_worker(local_rank: int, step: StepSpec, backend: str, options: dict[s
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     os.environ.update(env)
     torch.set_num_threads(1)
+    # DeepSpeed calls torch.distributed functions torch deprecates: a timing has no use for it
+    warnings.filterwarnings("ignore", category=FutureWarning)
     from torch.utils._pytree import tree_leaves
 
     rt = mpt.Runtime(env=env, backend=backend, backend_options=options,

@@ -71,9 +71,13 @@ def test_the_row_and_the_buffers_follow_the_options() -> None:
     def buffers(name: str, row: MemoryEstimate, plan: ParallelPlan, **options: Any) -> Buffers:
         return get_backend(name).estimate_buffers(net, spec, row, 1.0, plan, options)
 
-    # ZeRO-1's fp32 bucket of every gradient and the rank's quarter copied out of it
+    # ZeRO-1's bucket of every gradient and the rank's quarter flattened in fp32 for the
+    # optimizer; in bf16 the bucket in bf16, the quarter still in fp32
     trained = 2 * (64 * 64 + 64)
     assert buffers("deepspeed", rows[0], four, zero_stage=1) == Buffers(held=5 * trained)
+    assert get_backend("deepspeed").estimate_buffers(
+        net, describe("bf16-mixed"), rows[0], 1.0, four, {"zero_stage": 1}) == Buffers(
+        held=2 * trained + trained)
     # ZeRO-3 keeps every parameter gathered through the backward, fills its bucket with every
     # gradient, concatenates a copy of it to reduce-scatter and has the largest gradient whole
     # before the bucket takes it
