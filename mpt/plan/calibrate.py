@@ -61,7 +61,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -399,8 +399,9 @@ def alone_steps(step: StepSpec, training: int) -> list[dict[str, Any]]:
     """``step``'s model trained by ``mpt.Runtime`` under each backend's ``timed_alone``
     options (``BackendStep``'s fields), by ``training`` processes at once, each a rank in a
     world of its own (no collective crosses between them): one optimizer step of the
-    micro-batch, then one of the same samples as two accumulated micro-batches, each the
-    median of ``STEP_REPEATS`` x 2 steps after ``STEP_WARMUP``. A backend whose step fails
+    micro-batch, then, where it has an even size, one of the same samples as two accumulated
+    micro-batches, each the median of ``STEP_REPEATS`` x 2 steps after ``STEP_WARMUP``. A
+    backend whose step fails
     costs only its figures, said in one line on stderr."""
     import torch.multiprocessing as mp
 
@@ -409,24 +410,29 @@ def alone_steps(step: StepSpec, training: int) -> list[dict[str, Any]]:
     found = []
     for name, cls in registered().items():
         for options in cls.timed_alone():
-            seconds = []
-            for accumulate in (1, 2):
-                with tempfile.TemporaryDirectory() as folder:
-                    path = Path(folder) / "step.json"
-                    try:
-                        mp.spawn(_alone_worker, nprocs=training, join=True, args=(
-                            step, name, dict(options), accumulate, str(path)))
-                    except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
-                        print(f"mpt plan --calibrate: {step.model}'s step under --backend "
-                              f"{name} {options} was not timed ({_first_line(exc)}); its "
-                              "layouts price its collectives and copies alone",
-                              file=sys.stderr, flush=True)
-                        break
-                    seconds.append(json.loads(path.read_text()))
-            if len(seconds) == 2:
-                found.append({"backend": name, "options": dict(options), "step": seconds[0],
-                              "accumulated": seconds[1]})
+            try:
+                seconds = [_alone_step(step, name, options, a, training)
+                           for a in ((1, 2) if step.micro_batch % 2 == 0 else (1,))]
+            except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+                print(f"mpt plan --calibrate: {step.model}'s step under --backend {name} "
+                      f"{options} was not timed ({_first_line(exc)}); its layouts price its "
+                      "collectives and copies alone", file=sys.stderr, flush=True)
+                continue
+            found.append({"backend": name, "options": dict(options), "step": seconds[0],
+                          "accumulated": seconds[1] if len(seconds) > 1 else None})
     return found
+
+
+def _alone_step(step: StepSpec, backend: str, options: Mapping[str, Any], accumulate: int,
+                training: int) -> float:
+    """The median step of ``_alone_worker`` by ``training`` processes at once."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "step.json"
+        mp.spawn(_alone_worker, nprocs=training, join=True,
+                 args=(step, backend, dict(options), accumulate, str(path)))
+        return json.loads(path.read_text())
 
 
 def _alone_worker(local_rank: int, step: StepSpec, backend: str, options: dict[str, Any],

@@ -144,14 +144,14 @@ def own_work(alone: BackendStep, model: Model, cluster: Cluster, spec: Precision
     copies the plan prices there: per micro-batch, what its step of two accumulated
     micro-batches took beyond its step of one, less the plain step's and the copies'
     growth; per step, the rest (none where the plain step timed another optimizer: the
-    rest holds the optimizer's). Where the plain step was not timed in two pieces, all of
-    it is per step."""
+    rest holds the optimizer's). Where either step was not timed in two pieces, all of it is
+    per step."""
     cls = get_backend(alone.backend)
     parameters = parameter_counts(model.net)[0]
     copies = [copy_seconds(cls.step_traffic(alone.options, ParallelPlan(), spec, parameters, a,
                                             module=model.net), cluster) for a in (1, 2)]
     half = step.split.get(2)
-    per_microbatch = 0.0 if half is None else max(0.0, (
+    per_microbatch = 0.0 if half is None or alone.accumulated is None else max(0.0, (
         alone.accumulated - alone.step - (half - step.forward_backward)
         - (copies[1] - copies[0])))
     rest = alone.step - step.forward_backward - step.update - copies[0] - per_microbatch

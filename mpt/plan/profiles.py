@@ -115,9 +115,9 @@ class BackendStep:
     """Its options (``--zero-stage 3``: ``{"zero_stage": 3}``)."""
     step: float
     """Seconds of one optimizer step of ``StepSpec.micro_batch`` samples (the median)."""
-    accumulated: float
+    accumulated: float | None = None
     """Seconds of one optimizer step of the same samples as two accumulated micro-batches
-    (the median)."""
+    (the median); None where the micro-batch has an odd size."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

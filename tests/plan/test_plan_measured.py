@@ -314,6 +314,9 @@ def test_zero_3_layouts_pay_its_own_work_as_timed_at_one_rank() -> None:
     for other in ("--backend deepspeed --zero-stage 2", "--backend ddp", "--backend fsdp"):
         assert own_work(other) == 0, other
     assert own_work(zero3, plain) == 0
+    # an odd micro-batch is not cut in two: all of it is paid once a step
+    odd = dataclasses.replace(step, alone=(dataclasses.replace(alone, accumulated=None),))
+    assert own_work(zero3 + " --accumulate 4", odd) == pytest.approx(hooks + once)
     bf16 = dataclasses.replace(step, spec=dataclasses.replace(step.spec, precision="bf16-mixed"))
     assert own_work(zero3, bf16) == 0
 
