@@ -227,6 +227,10 @@ def test_calibrate_across_two_nodes_measures_the_link_between_them(tmp_path, fre
     # and under fsdp's fully_shard, over each rank alone
     assert set(step.sharded) == {"forward_backward", "update"}
     assert "under fsdp's fully_shard at one shard" in said[0]
+    # and under DeepSpeed ZeRO-3 at one rank, on node 0, whole and in two micro-batches
+    assert [(a.backend, a.options) for a in step.alone] == [("deepspeed", {"zero_stage": 3})]
+    assert step.alone[0].step > 0 and step.alone[0].accumulated > 0
+    assert "under --backend deepspeed {'zero_stage': 3} at one rank" in said[0]
     try:  # Horovod's own allreduce, across the nodes, where it is installed
         import horovod.torch  # noqa: F401
     except ImportError:
