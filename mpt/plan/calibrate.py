@@ -401,8 +401,7 @@ def alone_steps(step: StepSpec, training: int) -> list[dict[str, Any]]:
     world of its own (no collective crosses between them): one optimizer step of the
     micro-batch, then, where it has an even size, one of the same samples as two accumulated
     micro-batches, each the median of ``STEP_REPEATS`` x 2 steps after ``STEP_WARMUP``. A
-    backend whose step fails
-    costs only its figures, said in one line on stderr."""
+    backend whose step fails costs only its figures, said in one line on stderr."""
     import torch.multiprocessing as mp
 
     from mpt.backends import registered
