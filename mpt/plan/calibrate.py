@@ -454,26 +454,19 @@ def _alone_worker(local_rank: int, step: StepSpec, backend: str, options: dict[s
     torch.set_num_threads(1)
     # DeepSpeed calls torch.distributed functions torch deprecates: a timing has no use for it
     warnings.filterwarnings("ignore", category=FutureWarning)
-    from torch.utils._pytree import tree_leaves
-
     rt = mpt.Runtime(env=env, backend=backend, backend_options=options,
                      precision=step.precision, accumulate=accumulate, quiet=True,
                      host_memory=None if torch.cuda.is_available() else CPU_HOST_MEMORY)
     try:
         net = load_model(step.model)()
-        cls, kwargs = OPTIMIZERS[step.optimizer]
-        net, _ = rt.setup(net, getattr(torch.optim, cls)(net.parameters(), lr=1e-9, **kwargs))
-        shape = (step.micro_batch, *step.input_shape)
-        dtype = getattr(torch, step.input_dtype)
-        x = (torch.randn(shape, device=rt.device) if dtype.is_floating_point
-             else torch.zeros(shape, device=rt.device, dtype=dtype))
+        net, _ = rt.setup(net, _optimizer(step, net.parameters()))
+        x = _sample(step, rt.device)
 
         def one_step() -> None:
             for piece in x.chunk(accumulate):
                 with rt.autocast():
                     out = net(piece)
-                rt.backward(sum(t.float().sum() for t in tree_leaves(out)
-                                if isinstance(t, torch.Tensor) and t.is_floating_point()))
+                rt.backward(_summed(out))
                 rt.step()
 
         for _ in range(STEP_WARMUP - 1):  # and one more in _timed
@@ -627,6 +620,30 @@ def pipeline_overheads(pair: Any, position: int, device: torch.device,
     return found
 
 
+def _sample(spec: StepSpec, device: torch.device) -> torch.Tensor:
+    """One micro-batch of ``spec``'s input on ``device``: random floats, or token 0 (valid for
+    any vocabulary)."""
+    shape = (spec.micro_batch, *spec.input_shape)
+    dtype = getattr(torch, spec.input_dtype)
+    return (torch.randn(shape, device=device) if dtype.is_floating_point
+            else torch.zeros(shape, device=device, dtype=dtype))
+
+
+def _optimizer(spec: StepSpec, parameters: Any) -> torch.optim.Optimizer:
+    """``spec``'s optimizer over ``parameters``, at a tiny rate: the weights stay where they
+    began, so no step slows on overflowing values."""
+    cls, kwargs = OPTIMIZERS[spec.optimizer]
+    return getattr(torch.optim, cls)(parameters, lr=1e-9, **kwargs)
+
+
+def _summed(out: Any) -> torch.Tensor:
+    """A loss of any model's output: the sum of its floating-point tensors."""
+    from torch.utils._pytree import tree_leaves
+
+    return sum(t.float().sum() for t in tree_leaves(out)
+               if isinstance(t, torch.Tensor) and t.is_floating_point())
+
+
 class ModelStep:
     """``spec``'s model built on ``device`` and trained on one micro-batch: its forward and
     backward, whole and cut into each of ``SPLITS`` pieces that divides it (accumulating), and
@@ -674,8 +691,6 @@ class ModelStep:
                wrapped: tuple[type[Backend], DeviceMesh] | None = None) -> Parts:
         """The model, its input and optimizer on ``device`` (set up by a backend over a mesh,
         where ``wrapped`` gives them): its two timed parts (``Parts``)."""
-        from torch.utils._pytree import tree_leaves
-
         from mpt.estimate import load_model
         from mpt.precision import make_precision
 
@@ -687,13 +702,8 @@ class ModelStep:
         with torch.device(device):
             net = precision.convert_module(load_model(spec.model)())
         self.parameters = sum(p.numel() for p in net.parameters())
-        shape = (spec.micro_batch, *spec.input_shape)
-        dtype = getattr(torch, spec.input_dtype)
-        x = (torch.randn(shape, device=device) if dtype.is_floating_point
-             else torch.zeros(shape, device=device, dtype=dtype))
-        cls, kwargs = OPTIMIZERS[spec.optimizer]
-        # a tiny rate: the weights stay where they began, so no step slows on overflowing values
-        optimizer = getattr(torch.optim, cls)(net.parameters(), lr=1e-9, **kwargs)
+        x = _sample(spec, device)
+        optimizer = _optimizer(spec, net.parameters())
         if wrapped is not None:
             # the backend's own units and policies, resharded after the forward as `setup`
             # does; its stage entry because it takes the mesh (the world is every rank's)
@@ -706,8 +716,7 @@ class ModelStep:
             for piece in x.chunk(pieces):
                 with precision.autocast():
                     out = net(piece)
-                sum(t.float().sum() for t in tree_leaves(out)
-                    if isinstance(t, torch.Tensor) and t.is_floating_point()).backward()
+                _summed(out).backward()
 
         def update() -> None:
             optimizer.step()
@@ -899,7 +908,7 @@ def measure_nodes(world: World, step: StepSpec | None = None, training: int | No
             if world.nr:
                 return None
             figures = json.loads(path.read_text())
-            if step is not None and "error" not in figures.get("model_step", {"error": ""}):
+            if step is not None and "error" not in figures["model_step"]:  # node 0 timed it
                 figures["model_step"]["alone"] = alone_steps(step, training or world.gpus)
             figures["link" if world.nodes > 1 else "collectives"].update(horovod)
             if world.nodes > 1 and world.gpus == 1:  # a node of one rank: the link's figures

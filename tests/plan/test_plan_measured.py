@@ -48,6 +48,29 @@ def _ops(micro_batch: int, precision: str = "fp32") -> float:
     return modelled_compute(model, _cluster(), describe(precision), micro_batch)
 
 
+def _tiny(tmp_path) -> StepSpec:
+    """A small model written to ``tmp_path`` and the step a calibration times of it."""
+    (tmp_path / "tiny.py").write_text(
+        "from torch import nn\n\ndef build():\n"
+        "    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2))\n")
+    return StepSpec(model=f"{tmp_path}/tiny.py:build", input_shape=(16,),
+                    input_dtype="float32", micro_batch=4, precision="fp32", optimizer="adamw")
+
+
+def _through_file(figures: dict, tmp_path) -> MeasuredStep | None:
+    """The plan's MeasuredStep of a model step's ``figures``, saved in a calibration file and
+    loaded back."""
+    from mpt.plan import calibrate
+
+    path = tmp_path / "cal.json"
+    fit = {"latency": 1e-4, "bus_bandwidth": 1e9}
+    calibrate.save(calibrate.Calibration(
+        identity=calibrate.identity(), ranks=2, backend="gloo", flops={"float32": 1e11},
+        memory_bandwidth=1e10, op_overhead=1e-6, memory=1e10, collectives={"all_reduce": fit},
+        matmul_sweep={}, update_seconds={}, model_step=figures), path)
+    return calibrate.load(path).measured_step()
+
+
 def test_the_measured_step_is_the_compute_at_its_micro_batch_and_scales_the_others() -> None:
     measured = 2.5 * _ops(8)
     step = _step(forward_backward=measured)
@@ -103,12 +126,7 @@ def test_the_calibration_times_a_models_own_step_and_keeps_it(tmp_path) -> None:
     plan's MeasuredStep."""
     from mpt.plan import calibrate
 
-    spec = StepSpec(model=f"{tmp_path}/tiny.py:build", input_shape=(16,),
-                              input_dtype="float32", micro_batch=4, precision="fp32",
-                              optimizer="adamw")
-    (tmp_path / "tiny.py").write_text(
-        "from torch import nn\n\ndef build():\n"
-        "    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2))\n")
+    spec = _tiny(tmp_path)
     aligned = []  # each timed part begins once the ranks that train at once are aligned
     model = calibrate.ModelStep(spec, torch.device("cpu"), lambda: None,
                                 lambda: aligned.append(1))
@@ -126,13 +144,7 @@ def test_the_calibration_times_a_models_own_step_and_keeps_it(tmp_path) -> None:
     assert figures["forward_backward"] == statistics.median(model.timings[1]) > 0
     assert figures["update"] == statistics.median(model.updates) > 0
     assert figures["split"] == {str(k): statistics.median(model.timings[k]) for k in (2, 4)}
-    fit = {"latency": 1e-4, "bus_bandwidth": 1e9}
-    path = tmp_path / "cal.json"
-    calibrate.save(calibrate.Calibration(
-        identity=calibrate.identity(), ranks=2, backend="gloo", flops={"float32": 1e11},
-        memory_bandwidth=1e10, op_overhead=1e-6, memory=1e10, collectives={"all_reduce": fit},
-        matmul_sweep={}, update_seconds={}, model_step=figures), path)
-    assert calibrate.load(path).measured_step() == MeasuredStep(
+    assert _through_file(figures, tmp_path) == MeasuredStep(
         spec=spec, parameters=figures["parameters"],
         forward_backward=figures["forward_backward"], update=figures["update"],
         split={k: figures["split"][str(k)] for k in (2, 4)})
@@ -269,13 +281,7 @@ def test_the_calibration_times_the_step_under_fully_shard_beside_the_plain_one(
                                 "update": calibrate.STEP_REPEATS}
     assert figures["sharded"]["forward_backward"] > figures["forward_backward"] > 0
     assert figures["sharded"]["update"] > figures["update"] > 0
-    path = tmp_path / "cal.json"
-    fit = {"latency": 1e-4, "bus_bandwidth": 1e9}
-    calibrate.save(calibrate.Calibration(
-        identity=calibrate.identity(), ranks=2, backend="gloo", flops={"float32": 1e11},
-        memory_bandwidth=1e10, op_overhead=1e-6, memory=1e10, collectives={"all_reduce": fit},
-        matmul_sweep={}, update_seconds={}, model_step=figures), path)
-    step = calibrate.load(path).measured_step()
+    step = _through_file(figures, tmp_path)
     assert step is not None and step.sharded == figures["sharded"]
 
 
@@ -328,22 +334,11 @@ def test_the_calibration_times_zero_3_alone_and_keeps_it(tmp_path) -> None:
     from mpt.plan import calibrate
     from mpt.plan.profiles import BackendStep
 
-    (tmp_path / "tiny.py").write_text(
-        "from torch import nn\n\ndef build():\n"
-        "    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2))\n")
-    spec = StepSpec(model=f"{tmp_path}/tiny.py:build", input_shape=(16,),
-                    input_dtype="float32", micro_batch=4, precision="fp32", optimizer="adamw")
+    spec = _tiny(tmp_path)
     found = calibrate.alone_steps(spec, 1)
     assert [(f["backend"], f["options"]) for f in found] == [("deepspeed", {"zero_stage": 3})]
     assert found[0]["accumulated"] > 0 and found[0]["step"] > 0
     model = calibrate.ModelStep(spec, torch.device("cpu"), lambda: None)
     model.time(1)
-    figures = {**model.figures(), "alone": found}
-    path = tmp_path / "cal.json"
-    fit = {"latency": 1e-4, "bus_bandwidth": 1e9}
-    calibrate.save(calibrate.Calibration(
-        identity=calibrate.identity(), ranks=2, backend="gloo", flops={"float32": 1e11},
-        memory_bandwidth=1e10, op_overhead=1e-6, memory=1e10, collectives={"all_reduce": fit},
-        matmul_sweep={}, update_seconds={}, model_step=figures), path)
-    step = calibrate.load(path).measured_step()
+    step = _through_file({**model.figures(), "alone": found}, tmp_path)
     assert step is not None and step.alone == (BackendStep(**found[0]),)
