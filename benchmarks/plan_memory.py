@@ -17,6 +17,8 @@
         --backend-options '{"powersgd_start_step": 2}' benchmarks/plan_memory.py  # its error
     .venv/bin/mpt launch --gpus 2 --backend ddp --accumulate 4 --host-memory lean \
         benchmarks/plan_memory.py --batch 512        # 4 micro-batches of 512 a step
+    .venv/bin/mpt launch --gpus 2 --backend deepspeed --zero-stage 2 --host-memory lean \
+        benchmarks/plan_memory.py --phases          # up to the optimizer's step and from it
 
 Every rank builds the MLP of tests/plan/plan_models.py (25.2 M parameters, 403 MB of fp32 Adam
 state; ``--model deep``: that file's eight alike layers, 29.4 M) and trains it for ``--steps``
@@ -25,11 +27,13 @@ among them), each step ``--accumulate`` such batches where the launch gives it. 
 keeps the process's peak resident set size (``VmHWM``, restarted just before the model is
 built); the measured figure is that peak above the RSS at the restart (the
 process, torch, mpt's modules and the process group are not what the model costs, and the plan
-does not count them). Then the rank prices its own launch with the cost model
-(``mpt.plan.cost.predict`` of the launch's backend, precision, ranks, pipeline stages,
-schedule, micro-batches and batch: the memory `mpt plan` prints for that layout, a
-pipeline's for its fullest stage) and rank 0 prints it beside the highest rank's peak, with
-their ratio.
+does not count them). ``--phases`` splits it where the optimizer's step starts (torch's
+global pre-hook): the peak up to it (the forward, the backward and whatever the backend does
+before it steps) and from it, each beside the plan's for that phase. Then the rank prices
+its own launch with the cost model (``mpt.plan.cost.predict`` of the launch's backend,
+precision, ranks, pipeline stages, schedule, micro-batches and batch: the memory `mpt plan`
+prints for that layout, a pipeline's for its fullest stage) and rank 0 prints it beside the
+highest rank's peak, with their ratio.
 
 ``--host-memory lean`` returns every freed block of 1 MiB or more to the OS at once, so the
 resident set is what the run holds; under the default (``fast``) glibc keeps freed blocks for
@@ -48,6 +52,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import mpt
 from mpt.estimate import meta_model
@@ -115,24 +120,49 @@ def main() -> None:
     parser.add_argument("--model", choices=("mlp", "deep"), default="mlp",
                         help="tests/plan/plan_models.py's model: the MLP, or eight layers of "
                         "about one size (fsdp's units alike)")
+    parser.add_argument("--phases", action="store_true",
+                        help="also print each rank's peak up to the optimizer's step and from "
+                        "it on, beside the plan's for each")
     args = parser.parse_args()
 
     rt = mpt.Runtime(quiet=True)
     # torch's first optimizer imports torch._dynamo (torch/_compile.py's decorator on
-    # add_param_group): 32-34 MiB of modules, the process's and not the model's
+    # add_param_group): 32-34 MiB of modules, the process's and not the model's; and
+    # DeepSpeed's ZeRO imports a module that applies torch.compile as it loads (its Muon
+    # optimizer's): 47 MiB more of torch's compiler modules, loaded here first
     import torch._dynamo
+    torch.compile(lambda x: x)
     rt.barrier()
     before = reset_peak_rss()
     torch.manual_seed(rt.rank)
     build = getattr(plan_models, args.model)
     net = build()
     net, _optimizer = rt.setup(net, torch.optim.Adam(net.parameters(), lr=1e-4))
+    # The kernel's peak restarts at each step and again where the optimizer's step starts:
+    # the peak up to it (the forward, the backward, a backend's reductions and flattening,
+    # wherever the backend runs them) and the peak from it. Each phase's highest over the
+    # steps; the run's peak is the highest of both.
+    before_optimizer = optimizer = peak_rss() - before  # the model and the optimizer built
+    stepped = False
+    def optimizer_starts(*_: object) -> None:
+        nonlocal before_optimizer, stepped
+        before_optimizer = max(before_optimizer, peak_rss() - before)
+        stepped = True
+        reset_peak_rss()
+    hook = register_optimizer_step_pre_hook(optimizer_starts)
     for _ in range(args.steps * rt.accumulate):
         x = torch.randn(args.batch, INPUT, device=rt.device)
+        reset_peak_rss()
+        stepped = False
         rt.forward_backward(x, torch.zeros_like(x), torch.nn.functional.mse_loss)
         rt.step()
+        if stepped:
+            optimizer = max(optimizer, peak_rss() - before)
+        else:  # a micro-batch the optimizer does not step after
+            before_optimizer = max(before_optimizer, peak_rss() - before)
+    hook.remove()
     rt.barrier()
-    measured = peak_rss() - before
+    measured = max(before_optimizer, optimizer)
     # Priced after the run: profiling on meta frees memory the training would reuse unseen.
     plan = predicted(rt, build, args.batch)
 
@@ -143,8 +173,9 @@ def main() -> None:
              f"backward's activations {held.activations / MiB:.0f} and a gradient "
              f"accumulating {held.accumulating / MiB:.0f}, the buffers after it "
              f"{held.between / MiB:.0f} or "
-             f"the step's temporaries {held.transient / MiB:.0f} less the "
-             f"{held.released / MiB:.0f} the backward frees, whichever is most, MiB")
+             f"the step's temporaries {held.transient / MiB:.0f} and buffers "
+             f"{held.stepping / MiB:.0f} less the {held.released / MiB:.0f} the backward "
+             f"frees, whichever is most, MiB")
     pp = rt.topology.plan.pp
     stages = f", stage {rt.topology.stage} of {pp}" if pp > 1 else ""
     row = (f"rank {rt.rank}: {rt.backend.name}, {rt.world_size} ranks{stages}, batch "
@@ -153,6 +184,12 @@ def main() -> None:
            f"+{measured / MiB:.0f} MiB above {before / MiB:.0f} MiB")
     peaks: list[int] = [0] * rt.world_size
     dist.all_gather_object(peaks, measured)
+    if args.phases:
+        fixed = held.row.device + held.offloaded + held.buffers + held.batch
+        row += (f"; up to the optimizer's step +{before_optimizer / MiB:.0f} (plan "
+                f"{(fixed + max(held.activations + held.accumulating, held.between)) / MiB:.0f}"
+                f"), from it +{optimizer / MiB:.0f} (plan "
+                f"{(fixed + held.transient + held.stepping - held.released) / MiB:.0f})")
     for rank in range(rt.world_size):
         rt.barrier()
         if rank == rt.rank:
