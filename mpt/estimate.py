@@ -64,6 +64,10 @@ class Buffers:
     """Allocated after the backward and freed before the optimizer steps (mpt's own flat
     buckets under a pipeline or tensor parallelism, one at a time): beside neither the
     activations nor the step's temporaries."""
+    stepping: int = 0
+    """Allocated after the backward and kept through the optimizer's step (DeepSpeed's
+    partition of the gradients flattened in fp32), where the optimizer steps: beside the
+    step's temporaries, not the activations."""
 
 
 def parameter_counts(model: nn.Module) -> tuple[int, int]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import bisect
 import importlib.metadata
 import itertools
+import math
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -74,6 +75,9 @@ ZERO_REDUCE_BUCKET = 5e8
 ZERO3_MAX_LIVE = 1e9
 """DeepSpeed's default ``stage3_max_live_parameters``, in elements: how many a rank keeps
 gathered at once."""
+ZERO3_SUB_GROUP = 1e9
+"""DeepSpeed's default ``sub_group_size``, in elements: ZeRO-3 steps the rank's partition
+flattened in pieces of at most that many."""
 ZERO3_MAX_REUSE = 1e9
 """DeepSpeed's default ``stage3_max_reuse_distance``, in elements: a parameter used again
 within that many fetched is kept gathered."""
@@ -288,20 +292,30 @@ class DeepSpeedBackend(DDPBackend):
     def estimate_buffers(cls, stage: nn.Module, spec: PrecisionSpec, row: MemoryEstimate,
                          share: float, plan: ParallelPlan, options: Mapping[str, Any],
                          comm: GradComm | None = None, microbatches: int = 1) -> Buffers:
-        """ZeRO-1 and 2: the reduction bucket (``_zero_buffers``) and the partition's
-        gradients flattened in fp32 for the optimizer (``single_grad_partition``: measured
-        at the optimizer's step, 48 MiB above the resting set for the MLP's 12.6 M a rank, in
-        fp32 and in bf16 alike), counted through the step, whose own copies (the partition's
-        gradients in fp64 for the norm) take their place; with an offloaded optimizer, a
-        buffer of the largest gradient too (``temp_grad_buffer_for_gpu_offload``).
+        """ZeRO-1 and 2: after the backward (in its epilogue, as the activations are let go),
+        the reduction bucket (``_zero_buffers``), the partition's gradients flattened in fp32
+        for the optimizer (``single_grad_partition``: measured at the optimizer's step, 48
+        MiB above the resting set for the MLP's 12.6 M a rank, in fp32 and in bf16 alike),
+        and at ZeRO-2 under ``--accumulate`` the reduced partition copied out of the bucket
+        beside the one it is added to; the flat partition is kept through the step, whose
+        own copies (the partition's gradients in fp64 for the norm) take its place. Before the
+        optimizer steps, the bucket is let go (``_release_ipg_buffers``) and so are the
+        model's gradients (``free_grad_in_param_list``): measured at the optimizer's
+        pre-hook, the parameters, the optimizer's state and the flat partition remain. With
+        an offloaded optimizer, its buffers are counted from the backward on, with a buffer
+        of the largest gradient (``temp_grad_buffer_for_gpu_offload``).
 
         ZeRO-3 (DeepSpeed 0.19's ``stage3.py`` at its defaults): every parameter gathered whole
         from the forward through the backward (``stage3_max_live_parameters`` and
         ``stage3_max_reuse_distance``, 1e9 elements each, keep them), the contiguous
         gradients' bucket (``reduce_bucket_size``, 5e8 elements, empty until written: as far
-        as the gradients reach), the copy of it that ``reduce_scatter_coalesced`` concatenates
-        to reduce-scatter, and the largest gradient whole before it is copied into the bucket;
-        all but the bucket are freed before the step.
+        as the gradients reach) and the copy of it that ``reduce_scatter_coalesced``
+        concatenates to reduce-scatter, at the backward's end (traced at each module's
+        backward: the peak comes after the last one's; an autograd gradient is copied into
+        the bucket and let go before the next, so none lies beside the full bucket). All but
+        the bucket are freed before the step, which flattens the partition's gradients anew
+        in fp32 (``_prepare_fp32_grad_for_sub_group``) and keeps that through the
+        optimizer's step (``Buffers.stepping``).
 
         ZeRO-0: none modelled (DDP's buckets, which this class would inherit, are not
         DeepSpeed's)."""
@@ -312,14 +326,21 @@ class DeepSpeedBackend(DDPBackend):
             staged = cls._width(spec) * max(trained, default=0) if cls._planned_offload(
                 options) else 0
             bucket, _ = cls._zero_buffers(spec, sum(trained), plan.dp_shard)
-            return Buffers(held=int(bucket + 4 * sum(trained) / plan.dp_shard + staged))
+            flat = 4 * sum(trained) / plan.dp_shard
+            if staged:
+                return Buffers(held=int(bucket + flat + staged),
+                               released=int(bucket + row.gradients))
+            # ZeRO-2 accumulating adds each micro-batch's reduced partition to the one kept
+            added = row.gradients if zero == 2 and microbatches > 1 else 0
+            return Buffers(between=int(bucket + flat + added), stepping=int(flat),
+                           released=row.gradients)
         if zero == 3:
             width = cls._width(spec)
             gathered = width * min(share * parameter_counts(stage)[0], ZERO3_MAX_LIVE)
             bucket = width * min(sum(trained), ZERO_REDUCE_BUCKET)
-            largest = width * max(trained, default=0)
-            return Buffers(held=int(gathered + 2 * bucket + largest),
-                           released=int(gathered + bucket + largest))
+            return Buffers(held=int(gathered + 2 * bucket), released=int(gathered + bucket),
+                           stepping=int(4 * min(sum(trained) / plan.dp_shard,
+                                                ZERO3_SUB_GROUP)))
         return Buffers()
 
     @classmethod
@@ -426,7 +447,13 @@ class DeepSpeedBackend(DDPBackend):
         through a host buffer of that dtype (``param_buffer_of_bit16_for_cpu_offload_groups``):
         buffers of DeepSpeed's own, copied into on a CPU too (``Traffic.host_buffers``).
         ``--offload parameters`` (ZeRO-3) keeps the partition of the weights on the host too:
-        each gather first fetches it, and the update stays there (``Traffic.host_copies``)."""
+        each gather first fetches it, and the update stays there (``Traffic.host_copies``).
+
+        ZeRO 1-3 step the rank's partition as flat fp32 tensors of their own
+        (``single_partition_of_fp32_groups``, one a parameter group; ZeRO-3's
+        ``fp32_partitioned_groups_flat``, in pieces of ``sub_group_size``): the optimizer's
+        temporaries are of a whole one (``Traffic.flat_step``; measured, 2 x 4 bytes of the
+        partition in torch's Adam on a CPU)."""
         stage = cls._planned_stage(options)
         width = cls._width(spec)
         size = parameters * width
@@ -479,7 +506,9 @@ class DeepSpeedBackend(DDPBackend):
         return Traffic(collectives=found, window="step" if stage == 3 else "none",
                        shards_optimizer=stage > 0, copies=copies,
                        host_copies=4 * mine + back if offload else 0.0,
-                       host_buffers=True, steps_on_host=bool(offload))
+                       host_buffers=True, steps_on_host=bool(offload),
+                       flat_step=None if stage == 0 else ZERO3_SUB_GROUP if stage == 3
+                       else math.inf)
 
     @classmethod
     def default_precision(cls, options: Mapping[str, Any]) -> str | None:

@@ -74,6 +74,11 @@ class Traffic:
     steps_on_host: bool = False
     """Whether the optimizer steps on the host's cores (its state offloaded): priced by the
     host's step, not the device's."""
+    flat_step: float | None = None
+    """Where the backend flattens the rank's optimizer state into tensors of its own
+    (DeepSpeed's partitions), the most elements one of them holds (``math.inf``: one tensor
+    of all of it): the optimizer's temporaries are of that tensor at once. None: the
+    optimizer steps the model's own tensors."""
     matmuls: tuple[tuple[int, int, int], ...] = ()
     """The backend's own matmuls per step, each as (rows, inner, columns), in the gradients'
     dtype (PowerSGD's products of each gradient matrix and its factors: ``DDPBackend``): the

@@ -470,6 +470,10 @@ class Held:
     gathered units)."""
     between: int
     """What the backend holds only between the backward and the step (``Buffers.between``)."""
+    stepping: int
+    """What the backend allocates after the backward and holds through the step
+    (``Buffers.stepping``); like ``transient``, 0 where the optimizer steps on a host that is
+    not the rank's memory."""
     offloaded: int
     """What offloading keeps in host memory (the row's ``host``) where that is the rank's own
     memory (a CPU rank): counted in the peak; 0 on a device with memory of its own."""
@@ -487,10 +491,11 @@ class Held:
     def peak(self) -> int:
         """The highest of the backward's peak (the row, the buffers and the activations), what
         lies between it and the optimizer step (with ``between``) and the step's (without what
-        the backward released, with the step's temporaries), beside the batch."""
+        the backward released, with the step's temporaries and ``stepping``), beside the
+        batch."""
         return (self.row.device + self.offloaded + self.buffers + self.batch
                 + max(self.activations + self.accumulating, self.between,
-                      self.transient - self.released))
+                      self.transient + self.stepping - self.released))
 
 
 def _saved(blocks: list[BlockCost], spec: PrecisionSpec, tp: int, first: bool) -> int:
@@ -525,7 +530,7 @@ def _memory(layout: Layout, model: Model, stages: list[list[str]], ranks: list[l
     cls = get_backend(layout.backend)
     flow = cls.step_traffic(layout.options, plan, spec, 0.0)
     own = device.shares_host_memory
-    # an optimizer stepping on the host keeps its temporaries there
+    # an optimizer stepping on the host keeps its temporaries and buffers there
     stepping = own or not flow.steps_on_host
     best: Held | None = None
     trained = 0.0
@@ -547,8 +552,9 @@ def _memory(layout: Layout, model: Model, stages: list[list[str]], ranks: list[l
                      transient=_step_transient(
                          stage, model.optimizer_states, share,
                          plan.dp_shard if flow.shards_optimizer else 1,
-                         device.device_type) if stepping else 0,
+                         device.device_type, flow.flat_step) if stepping else 0,
                      released=beyond.released, between=beyond.between,
+                     stepping=beyond.stepping if stepping else 0,
                      offloaded=row.host if own else 0)
         if best is None or found.peak > best.peak:
             best = found
@@ -578,17 +584,21 @@ def _stage_module(model: Model, names: list[str]) -> nn.Module:
 
 
 def _step_transient(stage: nn.Module, states: int, share: float, shards: int,
-                    device_type: str) -> int:
+                    device_type: str, flat: float | None = None) -> int:
     """Adam's temporaries while it steps the ``shards``-th part of each parameter it holds,
     from torch.optim.adam: on CUDA (its foreach path) sqrt(v) of every stepped tensor at once;
     elsewhere (its single-tensor path) sqrt(v) and its quotient of one tensor at a time, in
-    fp32. Other optimizers step in place: none counted."""
+    fp32. Where the backend steps its own flat tensors of at most ``flat`` elements
+    (``Traffic.flat_step``), each is one such tensor. Other optimizers step in place: none
+    counted."""
     if states != 2:
         return 0
-    sizes = [p.numel() for p in stage.parameters() if p.requires_grad]
+    sizes = [p.numel() * share / shards for p in stage.parameters() if p.requires_grad]
+    if flat is not None:  # the rank's part in flat pieces
+        sizes = [min(sum(sizes), flat)]
     if device_type == "cuda":
-        return int(4 * sum(sizes) * share / shards)
-    return int(2 * 4 * max(sizes, default=0) * share / shards)
+        return int(4 * sum(sizes))
+    return int(2 * 4 * max(sizes, default=0))
 
 
 def _tp_share(stage: nn.Module, model: Model, tp: int) -> tuple[float, int]:

@@ -71,18 +71,30 @@ def test_the_row_and_the_buffers_follow_the_options() -> None:
     def buffers(name: str, row: MemoryEstimate, plan: ParallelPlan, **options: Any) -> Buffers:
         return get_backend(name).estimate_buffers(net, spec, row, 1.0, plan, options)
 
-    # ZeRO-1's bucket of every gradient and the rank's quarter flattened in fp32 for the
-    # optimizer; in bf16 the bucket in bf16, the quarter still in fp32
+    # after the backward ZeRO-1's bucket of every gradient and the rank's quarter flattened
+    # in fp32 for the optimizer, which keeps the quarter through its step; in bf16 the
+    # bucket in bf16, the quarter still in fp32. The model's gradients are let go before it
     trained = 2 * (64 * 64 + 64)
-    assert buffers("deepspeed", rows[0], four, zero_stage=1) == Buffers(held=5 * trained)
+    zero1 = deepspeed.estimate_row(rows, {"zero_stage": 1})
+    assert zero1.gradients == 4 * trained
+    assert buffers("deepspeed", zero1, four, zero_stage=1) == Buffers(
+        between=5 * trained, stepping=trained, released=4 * trained)
     assert get_backend("deepspeed").estimate_buffers(
-        net, describe("bf16-mixed"), rows[0], 1.0, four, {"zero_stage": 1}) == Buffers(
-        held=2 * trained + trained)
+        net, describe("bf16-mixed"), zero1, 1.0, four, {"zero_stage": 1}) == Buffers(
+        between=2 * trained + trained, stepping=trained, released=zero1.gradients)
+    # ZeRO-2 accumulating: the reduced partition copied out beside the one kept
+    zero2 = deepspeed.estimate_row(rows, {"zero_stage": 2})
+    assert get_backend("deepspeed").estimate_buffers(
+        net, spec, zero2, 1.0, four, {"zero_stage": 2}, microbatches=4).between == (
+        5 * trained + zero2.gradients)
+    # offloaded, the buffer of the largest gradient too, counted from the backward on
+    assert buffers("deepspeed", zero1, four, zero_stage=1, offload="optimizer") == Buffers(
+        held=5 * trained + 4 * 64 * 64, released=8 * trained)
     # ZeRO-3 keeps every parameter gathered through the backward, fills its bucket with every
-    # gradient, concatenates a copy of it to reduce-scatter and has the largest gradient whole
-    # before the bucket takes it
+    # gradient and concatenates a copy of it to reduce-scatter; before the step all but the
+    # bucket go, and the step flattens the rank's quarter of the gradients in fp32
     assert buffers("deepspeed", rows[0], four, zero_stage=3) == Buffers(
-        held=4 * trained * 3 + 4 * 64 * 64, released=4 * trained * 2 + 4 * 64 * 64)
+        held=4 * trained * 3, released=4 * trained * 2, stepping=trained)
     assert buffers("deepspeed", rows[0], four, zero_stage=0) == Buffers()
     row = MemoryEstimate(label="ddp", parameters=10, gradients=10, optimizer=20)
     assert buffers("apex", row, alone) == Buffers(held=10)

@@ -25,10 +25,11 @@ def _cluster(device_type: str = "cpu") -> Cluster:
     return Cluster(nodes=1, gpus=2, device=host, link=link_profile("1gbit"))
 
 
-def _predict(backend: str, batch: int, device_type: str = "cpu", precision: str = "fp32"
-             ) -> Prediction:
+def _predict(backend: str, batch: int, device_type: str = "cpu", precision: str = "fp32",
+             **options: object) -> Prediction:
     net = meta_model(mlp)
-    chosen = layout(net, backend, {}, 1, 1, world=2, precision=precision, batch=2 * batch)
+    chosen = layout(net, backend, options, 1, 1, world=2, precision=precision,
+                    batch=2 * batch)
     return predict(chosen, model_of(net, [1024], torch.float32, "adam"), _cluster(device_type),
                    describe(precision))
 
@@ -40,6 +41,36 @@ def test_ddp_adds_its_buckets_and_adams_temporaries() -> None:
     assert p.batch == 64 * 1024 * 4  # the replica's batch, which the script holds
     assert p.peak == p.row.device + p.buffers + p.batch + p.transient
     assert _predict("ddp", 64, "cuda").memory.transient == 4 * 25_175_040  # foreach: at once
+
+
+def test_deepspeed_steps_its_flat_partition_after_letting_go_of_its_buffers() -> None:
+    """ZeRO 1-3 step the rank's half of the MLP as one flat fp32 tensor: Adam's two
+    temporaries are of all of it (measured: 2 x 48 MiB above the set at the optimizer's
+    pre-hook), where ZeRO-0 steps the model's own weights. ZeRO-1 and 2 let go of their
+    bucket and the model's gradients before it; ZeRO-3 of all but its bucket, and it
+    flattens its half of the gradients in fp32 for the step, as ZeRO-1 and 2 do after the
+    backward."""
+    trained = 25_175_040
+    half = 4 * trained // 2
+    assert _predict("deepspeed", 64, zero_stage=0).memory.transient == 2 * LARGEST
+    for stage in (1, 2, 3):
+        assert _predict("deepspeed", 64, zero_stage=stage).memory.transient == 2 * half
+    # on CUDA torch's foreach Adam takes sqrt(v) of the flat tensor at once
+    assert _predict("deepspeed", 64, "cuda", zero_stage=3).memory.transient == half
+    one = _predict("deepspeed", 64, zero_stage=1).memory
+    assert one.released == one.row.gradients and one.stepping == half
+    # in the step: the weights, the optimizer's state, the flat partition and Adam's two
+    step = one.row.device + one.transient + one.stepping - one.released
+    assert step == one.row.parameters + one.row.optimizer + 3 * half
+    # after the backward the bucket (every gradient) and the flat partition, not beside the
+    # activations
+    assert one.between == 4 * trained + half and one.buffers == 0
+    assert one.peak == one.row.device + one.batch + max(one.activations, one.between, step
+                                                        - one.row.device)
+    three = _predict("deepspeed", 64, zero_stage=3).memory
+    assert three.stepping == half and three.released == three.buffers - 4 * trained
+    assert three.peak == three.row.device + three.buffers + three.batch + max(
+        three.activations, three.transient + three.stepping - three.released)
 
 
 def test_fsdp_peaks_in_the_backward_with_a_prefetched_unit() -> None:
