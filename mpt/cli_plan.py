@@ -218,11 +218,11 @@ def _say_calibrated(found: Calibration, output: Path) -> None:
         f"backward {step.forward_backward * 1e3:.1f} ms"
         + "".join(f", in {k} pieces {seconds * 1e3:.1f} ms" for k, seconds in step.split.items())
         + f", {step.spec.optimizer} step {step.update * 1e3:.1f} ms"
-        + (f"; under fsdp's fully_shard at one shard {step.sharded['forward_backward'] * 1e3:.1f}"
-           f" + {step.sharded['update'] * 1e3:.1f} ms" if step.sharded else "")
         + "".join(f"; under --backend {alone.backend} {alone.options} at one rank "
-                  f"{alone.step * 1e3:.1f} ms a step, of 2 micro-batches "
-                  f"{alone.accumulated * 1e3:.1f} ms" for alone in step.alone))
+                  f"{alone.step * 1e3:.1f} ms a step" + (
+                      "" if alone.accumulated is None
+                      else f", of 2 micro-batches {alone.accumulated * 1e3:.1f} ms")
+                  for alone in step.alone))
     err.print(f"wrote {output}: matmul GFLOP/s {flops}; memory "
               f"{found.memory_bandwidth / 1e9:.1f} GB/s; {between}allreduce bus bandwidth "
               f"within a node {found.collectives['all_reduce']['bus_bandwidth'] / 1e9:.2f} GB/s "

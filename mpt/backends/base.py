@@ -138,11 +138,6 @@ class Backend(ABC):
     elastic: ClassVar[bool] = True
     """Whether a job may change its world size between restarts (`mpt launch --nodes
     MIN:MAX`)."""
-    wraps_units: ClassVar[bool] = False
-    """Whether ``setup_stage`` wraps the model's units in hooks whose own work (beyond its
-    collectives and their copies) `mpt plan --calibrate` times, over each rank alone, for a
-    model it is given (fsdp's ``fully_shard``); the plan charges it to every layout of the
-    backend (``Model.sharding``)."""
     launcher: ClassVar[str] = "elastic"
     """The module of ``mpt.launchers`` (its ``describe(spec)`` and ``run(spec)``) that starts
     the whole job from one node where a launch option that ``selects_launcher`` is given

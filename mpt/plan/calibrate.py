@@ -28,12 +28,12 @@ it, or glibc keeps every block it served, so that no step faults memory in again
    ``STEP_REPEATS`` timings (``ModelStep``), after ``STEP_WARMUP`` steps: one before step 1,
    one between steps 1 and 2, one after step 2. What the op-by-op model leaves out on this device
    (a kernel's real speed at the model's own shapes)
-   is in these two figures; the plan scales its compute by them (``MeasuredStep``). The same
-   whole step again under `--backend fsdp`'s ``fully_shard`` over each rank alone: what its
-   hooks, DTensor parameters and copies add, which the plan's fsdp layouts pay beyond the
-   copies it prices. Last, in processes of their own, each training rank in a world of its
-   own, the step as ``mpt.Runtime`` trains it under each backend's ``timed_alone`` options
-   (DeepSpeed ZeRO-3), of the micro-batch whole and cut in two (``alone_steps``).
+   is in these two figures; the plan scales its compute by them (``MeasuredStep``). Last, in
+   processes of their own, each training rank in a world of its own, the step as
+   ``mpt.Runtime`` trains it under each backend's ``timed_alone`` options (fsdp's
+   ``fully_shard``, DeepSpeed ZeRO-3), of the micro-batch whole and cut in two
+   (``alone_steps``): what their hooks, DTensor parameters and copies add, which the plan's
+   layouts under those options pay beyond the copies it prices.
 
 Across nodes (``--nodes N --nr R --master-addr HOST`` on every node, as `mpt launch` is
 started), each node starts its ``--gpus`` processes and all of them meet in one process group:
@@ -64,7 +64,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from unittest import mock
 
 import torch
@@ -84,11 +84,6 @@ from mpt.plan.profiles import (
 )
 from mpt.plan.workload import MODEL_ERRORS
 from mpt.precision.base import dtype_name
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from mpt.backends.base import Backend
 
 FORMAT = "mpt-plan-calibration/2"
 """Version 2 added ``matmul_sweep`` and ``update_seconds``."""
@@ -185,7 +180,10 @@ class Calibration:
         if not self.model_step:
             return None
         spec = self.model_step["spec"]
-        return MeasuredStep(**{**self.model_step, "spec": StepSpec(
+        # fully_shard's step over each rank alone, which files measured before fsdp's own
+        # step was timed alone hold, is no longer read: their fsdp layouts price its copies
+        kept = {k: v for k, v in self.model_step.items() if k != "sharded"}
+        return MeasuredStep(**{**kept, "spec": StepSpec(
             **{**spec, "input_shape": tuple(spec["input_shape"])}),
             "split": {int(k): v for k, v in self.model_step.get("split", {}).items()},
             "alone": tuple(BackendStep(**found)
@@ -647,9 +645,8 @@ def _summed(out: Any) -> torch.Tensor:
 class ModelStep:
     """``spec``'s model built on ``device`` and trained on one micro-batch: its forward and
     backward, whole and cut into each of ``SPLITS`` pieces that divides it (accumulating), and
-    its optimizer step with ``zero_grad`` (gradients to None, as torch's default frees them);
-    with ``mesh`` (of this rank alone), the same whole step of a second copy under
-    ``--backend fsdp``'s ``fully_shard`` over it. Timed in spells (``time``) that the
+    its optimizer step with ``zero_grad`` (gradients to None, as torch's default frees them).
+    Timed in spells (``time``) that the
     calibration spreads over its run, so that
     a slow spell of a shared machine moves the medians (``figures``: ``MeasuredStep``'s fields)
     by one spell's share, not wholly; each timed part begun once ``align`` returns, on every
@@ -658,39 +655,28 @@ class ModelStep:
     an input the model refuses) ends the timing and is kept as the figures' ``error``."""
 
     def __init__(self, spec: StepSpec, device: torch.device, sync: Callable[[], None],
-                 align: Callable[[], None] = alone, mesh: DeviceMesh | None = None) -> None:
+                 align: Callable[[], None] = alone) -> None:
         self.spec, self.sync, self.align = spec, sync, align
         self.splits = [1, *(k for k in SPLITS if spec.micro_batch % k == 0)]
         self.timings: dict[int, list[float]] = {k: [] for k in self.splits}
         self.updates: list[float] = []
-        self.sharded: dict[str, list[float]] = {"forward_backward": [], "update": []}
         self.error = ""
         self.parameters = 0
         self.plain: Parts | None = None
-        self.wrapped: Parts | None = None
         try:
             self.plain = self._build(device)
             self.splits = [k for k in self.splits if self._accepts(k)]
         except MODEL_ERRORS as exc:
             self.error = _first_line(exc)
             return
-        wrapper = wrapping_backend()
-        if mesh is not None and wrapper is not None:
-            try:  # a second copy of the model: where it does not fit, the plain step still times
-                self.wrapped = self._build(device, (wrapper, mesh))
-            except (*MODEL_ERRORS, UsageError) as exc:
-                print(f"mpt plan --calibrate: {spec.model}'s step under fully_shard was not "
-                      f"timed ({_first_line(exc)}); its fsdp layouts price its copies alone",
-                      file=sys.stderr)
         try:
             self._run(STEP_WARMUP, keep=False)
         except MODEL_ERRORS as exc:
             self.error = _first_line(exc)
 
-    def _build(self, device: torch.device,
-               wrapped: tuple[type[Backend], DeviceMesh] | None = None) -> Parts:
-        """The model, its input and optimizer on ``device`` (set up by a backend over a mesh,
-        where ``wrapped`` gives them): its two timed parts (``Parts``)."""
+    def _build(self, device: torch.device) -> Parts:
+        """The model, its input and optimizer on ``device``: its two timed parts
+        (``Parts``)."""
         from mpt.estimate import load_model
         from mpt.precision import make_precision
 
@@ -704,13 +690,6 @@ class ModelStep:
         self.parameters = sum(p.numel() for p in net.parameters())
         x = _sample(spec, device)
         optimizer = _optimizer(spec, net.parameters())
-        if wrapped is not None:
-            # the backend's own units and policies, resharded after the forward as `setup`
-            # does; its stage entry because it takes the mesh (the world is every rank's)
-            wrapper, mesh = wrapped
-            wrapper(world=World(), device=device, precision=precision,
-                    options={"reshard_after_forward": True}).setup_stage(
-                net, [net], optimizer, mesh)
 
         def forward_backward(pieces: int) -> None:
             for piece in x.chunk(pieces):
@@ -755,11 +734,6 @@ class ModelStep:
                 self._part(functools.partial(forward_backward, pieces), self.timings[pieces],
                             keep)
                 self._part(update, self.updates if pieces == 1 else [], keep)
-            if self.wrapped is not None:
-                wrapped_forward_backward, wrapped_update = self.wrapped
-                self._part(functools.partial(wrapped_forward_backward, 1),
-                            self.sharded["forward_backward"], keep)
-                self._part(wrapped_update, self.sharded["update"], keep)
 
     def time(self, steps: int = STEP_REPEATS) -> None:
         """One spell: ``steps`` more steps timed (none once an error was kept)."""
@@ -777,16 +751,7 @@ class ModelStep:
         return {"spec": dataclasses.asdict(self.spec), "parameters": self.parameters,
                 "forward_backward": statistics.median(self.timings[1]),
                 "update": statistics.median(self.updates),
-                "split": {str(k): statistics.median(self.timings[k]) for k in self.splits[1:]},
-                "sharded": {part: statistics.median(found)
-                            for part, found in self.sharded.items() if found}}
-
-
-def wrapping_backend() -> type[Backend] | None:
-    """The backend whose units' own work the calibration times (``Backend.wraps_units``)."""
-    from mpt.backends import registered
-
-    return next((cls for cls in registered().values() if cls.wraps_units), None)
+                "split": {str(k): statistics.median(self.timings[k]) for k in self.splits[1:]}}
 
 
 def _first_line(exc: BaseException) -> str:
@@ -796,7 +761,6 @@ def _first_line(exc: BaseException) -> str:
 def _worker(local_rank: int, world: World, out: str, step: StepSpec | None,
             training: int) -> None:
     import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
 
     world, device, sync = _rank(local_rank, world)
     cuda = device.type == "cuda"
@@ -816,13 +780,9 @@ def _worker(local_rank: int, world: World, out: str, step: StepSpec | None,
             [rank for _, local, rank in world.all_processes() if local < training]))
         # the model's step is timed in three spells, before, between and after the rest, the
         # training ranks together (barriers): a slow minute of a shared machine is one of them
-        # and fsdp's fully_shard of it over each rank alone (every rank makes every group)
         model = None
-        if step is not None:
-            mine, _ = dist.new_subgroups(group_size=1)
-            if local_rank < training:
-                model = ModelStep(step, device, sync, align,
-                                  DeviceMesh.from_group(mine, device.type))
+        if step is not None and local_rank < training:
+            model = ModelStep(step, device, sync, align)
         dist.barrier()
         if model is not None:
             model.time()

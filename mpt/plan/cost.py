@@ -17,12 +17,11 @@ The step, for a rank of the slowest pipeline stage:
   parameter (``Model``'s ``compute_scales`` and ``update_seconds``); then the backend's
   copies into and out of its collectives' buffers (``Traffic.copies``: DDP's buckets, fsdp's
   all-gather and reduce-scatter inputs and outputs), read and written once each at the memory
-  bandwidth, never hidden (they run on the rank's own cores or stream); under fsdp,
-  ``fully_shard``'s own work beyond those copies (its hooks and DTensor parameters) where the
-  calibration timed the model under it at one shard (``Model.sharding``); under DeepSpeed
-  ZeRO-3 (a backend's ``timed_alone`` options) what its step of the model at one rank took
-  beyond the plain step and the copies priced there, per micro-batch and per step
-  (``Model.own_work``); where a backend
+  bandwidth, never hidden (they run on the rank's own cores or stream); under fsdp and
+  DeepSpeed ZeRO-3 (a backend's ``timed_alone`` options), what its step of the model at one
+  rank took beyond the plain step and the copies priced there, per micro-batch and per step
+  (``Model.own_work``: fully_shard's hooks and DTensor parameters, ZeRO-3's hooks); where a
+  backend
   offloads (``--fsdp-cpu-offload``, DeepSpeed's ``--offload``), what it moves between host
   and device (``Traffic.host_copies``) at the device's host link, not hidden, and the
   optimizer step at the host's rate (nothing moves, and the step is the device's, where the
@@ -125,7 +124,7 @@ class Prediction:
     beside a device with memory of its own."""
     compute: float
     """Seconds of forward, backward, optimizer step, the backend's buffer copies, what it
-    offloads moving between host and device, and fully_shard's own work."""
+    offloads moving between host and device, and the backend's own work."""
     exposed: float
     """Seconds of communication not hidden behind compute."""
     hidden: float
@@ -208,14 +207,10 @@ class Model:
     update_seconds: float | None = None
     """Seconds per parameter of the model's own optimizer step and ``zero_grad`` as a
     calibration timed them; None: the device's figure for ``optimizer``."""
-    sharding: tuple[float, float] = (0.0, 0.0)
-    """Seconds ``fully_shard``'s own work adds to the whole model's forward and backward (per
-    micro-batch) and to its optimizer step, beyond the copies priced, as a calibration timed
-    them at one shard (``MeasuredStep.sharded``); a pipeline stage pays its share of the
-    parameters. Zero where none was timed."""
     own_work: tuple[OwnWork, ...] = ()
     """What each backend with options that a calibration timed at one rank
-    (``MeasuredStep.alone``) adds beyond what the plan prices there."""
+    (``MeasuredStep.alone``) adds beyond what the plan prices there; a pipeline stage pays its
+    share of the parameters."""
 
     def compute_scale(self, micro_batch: int) -> float:
         """``compute_scales`` at ``micro_batch``: linear in the log of the size between two
@@ -340,15 +335,13 @@ def predict(layout: Layout, model: Model, cluster: Cluster, spec: PrecisionSpec)
     terms["host-device copies"] = host_seconds(flow, cluster)
     # a pipeline stage's units and parameters: its share of the model's
     share = parameter_counts(stage)[0] / max(1, parameter_counts(model.net)[0])
-    terms["fully_shard's own work"] = (
-        share * (m * model.sharding[0] + model.sharding[1]) if backend.wraps_units else 0.0)
     terms["the backend's own work"] = share * sum(
         m * own.per_microbatch + own.per_step for own in model.own_work if own.charged(layout))
     terms["backend matmuls"] = matmul_seconds(flow, cluster, spec)
     terms["data-parallel communication"] = max(0.0, dp_seconds - window)
     compute = (terms["forward"] + terms["backward"] + terms["optimizer step"]
                + terms["buffer copies"] + terms["host-device copies"]
-               + terms["fully_shard's own work"] + terms["the backend's own work"]
+               + terms["the backend's own work"]
                + terms["backend matmuls"] + terms["pipeline actions"])
     exposed = (terms["data-parallel communication"] + terms["tensor-parallel allreduces"]
                + terms["pipeline sends"])

@@ -16,7 +16,6 @@ from mpt.errors import UsageError
 from mpt.estimate import OPTIMIZER_STATES, parameter_counts
 from mpt.parallel import ParallelPlan
 from mpt.pipeline.split import stage_blocks
-from mpt.plan.calibrate import wrapping_backend
 from mpt.plan.cost import (
     Model,
     OwnWork,
@@ -85,10 +84,10 @@ def model_of(net: nn.Module, input_shape: Sequence[int], input_dtype: torch.dtyp
 def measured_scales(model: Model, cluster: Cluster, spec: PrecisionSpec,
                     step: MeasuredStep | None, input_shape: Sequence[int],
                     input_dtype: torch.dtype) -> tuple[dict[str, Any], str]:
-    """``Model``'s ``compute_scales``, ``update_seconds`` and ``sharding`` from the
+    """``Model``'s ``compute_scales``, ``update_seconds`` and ``own_work`` from the
     calibration's timing of this model's own step (matched by its parameters and input), and
     the words that say where the compute comes from. A step timed under another precision
-    scales no compute and adds no fully_shard work, one of another optimizer no optimizer
+    scales no compute and adds no backend's own work, one of another optimizer no optimizer
     step."""
     parameters = parameter_counts(model.net)[0]
     if step is None or (step.parameters, step.spec.input_shape, step.spec.input_dtype) != (
@@ -113,18 +112,6 @@ def measured_scales(model: Model, cluster: Cluster, spec: PrecisionSpec,
     if timed.optimizer == model.optimizer:
         found["update_seconds"] = step.update / step.parameters
         used.append(f"{timed.optimizer} step {step.update * 1e3:.1f} ms")
-    wrapper = wrapping_backend()
-    if step.sharded and timed.precision == spec.name and wrapper is not None:
-        # what fully_shard adds at one shard beyond the copies the plan prices there
-        flow = wrapper.step_traffic({}, ParallelPlan(), spec, parameters, module=model.net)
-        copies = copy_seconds(flow, cluster)
-        extra = (max(0.0, step.sharded["forward_backward"] - step.forward_backward - copies),
-                 max(0.0, step.sharded["update"] - step.update)
-                 if timed.optimizer == model.optimizer else 0.0)
-        found["sharding"] = extra
-        used.append(f"fully_shard's own work {extra[0] * 1e3:.1f} + {extra[1] * 1e3:.1f} ms "
-                    f"(its step {sum(step.sharded.values()) * 1e3:.1f} ms at one shard, "
-                    f"copies {copies * 1e3:.1f} ms priced)")
     if step.alone and timed.precision == spec.name:
         found["own_work"] = tuple(own_work(alone, model, cluster, spec, step)
                                   for alone in step.alone)

@@ -137,11 +137,6 @@ class MeasuredStep:
     split: Mapping[int, float] = field(default_factory=dict)
     """Seconds of the forward and backward of the same samples cut into k micro-batches that
     accumulate, by k (the median; empty in files measured before it was)."""
-    sharded: Mapping[str, float] = field(default_factory=dict)
-    """``forward_backward`` and ``update`` of the same step under fsdp's ``fully_shard`` of
-    mpt's units, over this rank alone (the medians): beyond the plain step, what fully_shard's
-    own work costs (its hooks, its DTensor parameters, its copies), which ``--backend fsdp``
-    pays at any number of shards. Empty where it was not timed (files measured before)."""
     alone: tuple[BackendStep, ...] = ()
     """The model's step under each backend and options that time it
     (``Backend.timed_alone``), at one rank in a world of its own."""

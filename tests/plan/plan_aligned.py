@@ -1,8 +1,6 @@
 """Two real gloo processes time the same work through the calibration's ``_timed``, once with
 ``align`` a barrier of theirs (as ``device_figures`` and ``ModelStep`` run) and once alone:
-rank 0's work takes 1 ms, rank 1's 40 ms. Then each times a small model's step as `mpt plan
---calibrate` does (``ModelStep``), with a mesh of itself alone: the plain step, and the same
-step under fsdp's ``fully_shard``."""
+rank 0's work takes 1 ms, rank 1's 40 ms."""
 
 from __future__ import annotations
 
@@ -17,15 +15,12 @@ from plan_pipeline_probe import on_two_ranks
 
 SHORT, LONG = 0.001, 0.04
 """Seconds of rank 0's work and of rank 1's."""
-MODEL = f"{Path(__file__).parent / 'plan_models.py'}:small"
 
 
 def _worker(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
 
-    from mpt.plan.calibrate import ModelStep, _timed, alone
-    from mpt.plan.profiles import StepSpec
+    from mpt.plan.calibrate import _timed, alone
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -41,14 +36,6 @@ def _worker(rank: int, port: int, out: str) -> None:
         dist.barrier()
         median = _timed(work, 5, lambda: None, align)
         found[name] = {"median": median, "starts": starts}
-    mine, _ = dist.new_subgroups(group_size=1)
-    spec = StepSpec(model=MODEL, input_shape=(1024,), input_dtype="float32", micro_batch=4,
-                    precision="fp32", optimizer="adamw")
-    model = ModelStep(spec, torch.device("cpu"), lambda: None, dist.barrier,
-                      DeviceMesh.from_group(mine, "cpu"))
-    model.time()
-    found["step"] = {"figures": model.figures(),
-                     "sharded": {k: len(v) for k, v in model.sharded.items()}}
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
@@ -57,6 +44,5 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 
 def measure(port: int) -> dict[str, dict]:
-    """Rank 0's median and the start of each of its runs (the warm-up's first), per way; its
-    model step's figures and how many timings of each sharded part it took."""
+    """Rank 0's median and the start of each of its runs (the warm-up's first), per way."""
     return on_two_ranks(_worker, port)
