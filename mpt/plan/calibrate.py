@@ -398,8 +398,11 @@ def alone_steps(step: StepSpec, training: int) -> list[dict[str, Any]]:
     options (``BackendStep``'s fields), by ``training`` processes at once, each a rank in a
     world of its own (no collective crosses between them): one optimizer step of the
     micro-batch, then, where it has an even size, one of the same samples as two accumulated
-    micro-batches, each the median of ``STEP_REPEATS`` x 2 steps after ``STEP_WARMUP``. A
-    backend whose step fails costs only its figures, said in one line on stderr."""
+    micro-batches, each the median of ``STEP_REPEATS`` x 2 steps after ``STEP_WARMUP``, and
+    beside each such step, in the same process, the same step of a plain copy of the model
+    (``_plain_step``): the backend's own work is the difference of the two, which a slow spell
+    of a shared machine moves little. A backend whose step fails costs only its figures, said
+    in one line on stderr."""
     import torch.multiprocessing as mp
 
     from mpt.backends import registered
@@ -408,21 +411,24 @@ def alone_steps(step: StepSpec, training: int) -> list[dict[str, Any]]:
     for name, cls in registered().items():
         for options in cls.timed_alone():
             try:
-                seconds = [_alone_step(step, name, options, a, training)
-                           for a in ((1, 2) if step.micro_batch % 2 == 0 else (1,))]
+                timed = [_alone_step(step, name, options, a, training)
+                         for a in ((1, 2) if step.micro_batch % 2 == 0 else (1,))]
             except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
                 print(f"mpt plan --calibrate: {step.model}'s step under --backend {name} "
                       f"{options} was not timed ({_first_line(exc)}); its layouts price its "
                       "collectives and copies alone", file=sys.stderr, flush=True)
                 continue
-            found.append({"backend": name, "options": dict(options), "step": seconds[0],
-                          "accumulated": seconds[1] if len(seconds) > 1 else None})
+            two = timed[1] if len(timed) > 1 else {}
+            found.append({"backend": name, "options": dict(options), "step": timed[0]["step"],
+                          "accumulated": two.get("step"), "plain": timed[0]["plain"],
+                          "plain_accumulated": two.get("plain")})
     return found
 
 
 def _alone_step(step: StepSpec, backend: str, options: Mapping[str, Any], accumulate: int,
-                training: int) -> float:
-    """The median step of ``_alone_worker`` by ``training`` processes at once."""
+                training: int) -> dict[str, float]:
+    """The median step of ``_alone_worker`` by ``training`` processes at once, and of the
+    plain step timed beside it."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as folder:
@@ -435,7 +441,7 @@ def _alone_step(step: StepSpec, backend: str, options: Mapping[str, Any], accumu
 def _alone_worker(local_rank: int, step: StepSpec, backend: str, options: dict[str, Any],
                   accumulate: int, out: str) -> None:
     """One rank of ``alone_steps``: the world of this process alone; rank 0 of the node writes
-    the median."""
+    the medians."""
     import mpt
     from mpt.estimate import load_model
 
@@ -467,14 +473,26 @@ def _alone_worker(local_rank: int, step: StepSpec, backend: str, options: dict[s
                 rt.backward(_summed(out))
                 rt.step()
 
-        for _ in range(STEP_WARMUP - 1):  # and one more in _timed
-            one_step()
-        seconds = _timed(one_step, 2 * STEP_REPEATS, torch.cuda.synchronize
-                         if rt.device.type == "cuda" else lambda: None)
+        (forward_backward, update), _ = _plain_step(step, rt.device)
+
+        def plain_step() -> None:
+            forward_backward(accumulate)
+            update()
+
+        sync = torch.cuda.synchronize if rt.device.type == "cuda" else lambda: None
+        found: dict[str, list[float]] = {"step": [], "plain": []}
+        for repeat in range(STEP_WARMUP + 2 * STEP_REPEATS):
+            # each backend step beside a plain one: a slow spell of the machine slows both
+            for name, run in (("step", one_step), ("plain", plain_step)):
+                start = time.perf_counter()
+                run()
+                sync()
+                if repeat >= STEP_WARMUP:
+                    found[name].append(time.perf_counter() - start)
     finally:
         rt.close()
     if local_rank == 0:
-        Path(out).write_text(json.dumps(seconds))
+        Path(out).write_text(json.dumps({k: statistics.median(v) for k, v in found.items()}))
 
 
 def _cold_flops(shapes: tuple[tuple[int, int], tuple[int, int]], dtype: torch.dtype,
@@ -642,14 +660,41 @@ def _summed(out: Any) -> torch.Tensor:
                if isinstance(t, torch.Tensor) and t.is_floating_point())
 
 
+def _plain_step(spec: StepSpec, device: torch.device) -> tuple[Parts, int]:
+    """``spec``'s model, its input and optimizer on ``device``, trained as mpt trains it in
+    its precision without a backend: its two timed parts (``Parts``), and its parameters."""
+    from mpt.estimate import load_model
+    from mpt.precision import make_precision
+
+    # as mpt trains in it: a cast model (O2, O3) cast by the precision itself, batch norm
+    # kept where it keeps it and float inputs cast by its hook, else the forward under its
+    # autocast
+    precision = make_precision(spec.precision, device.type)
+    with torch.device(device):
+        net = precision.convert_module(load_model(spec.model)())
+    x = _sample(spec, device)
+    optimizer = _optimizer(spec, net.parameters())
+
+    def forward_backward(pieces: int) -> None:
+        for piece in x.chunk(pieces):
+            with precision.autocast():
+                out = net(piece)
+            _summed(out).backward()
+
+    def update() -> None:
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return (forward_backward, update), sum(p.numel() for p in net.parameters())
+
+
 class ModelStep:
     """``spec``'s model built on ``device`` and trained on one micro-batch: its forward and
     backward, whole and cut into each of ``SPLITS`` pieces that divides it (accumulating), and
     its optimizer step with ``zero_grad`` (gradients to None, as torch's default frees them).
-    Timed in spells (``time``) that the
-    calibration spreads over its run, so that
-    a slow spell of a shared machine moves the medians (``figures``: ``MeasuredStep``'s fields)
-    by one spell's share, not wholly; each timed part begun once ``align`` returns, on every
+    Timed in spells (``time``) that the calibration spreads over its run, so that a slow spell
+    of a shared machine moves the medians (``figures``: ``MeasuredStep``'s fields) by one
+    spell's share, not wholly; each timed part begun once ``align`` returns, on every
     rank that trains at once (``device_figures``). A piece count whose pieces the model refuses
     (batch norm's one sample) is not timed; an error of the whole micro-batch (out of memory,
     an input the model refuses) ends the timing and is kept as the figures' ``error``."""
@@ -677,31 +722,8 @@ class ModelStep:
     def _build(self, device: torch.device) -> Parts:
         """The model, its input and optimizer on ``device``: its two timed parts
         (``Parts``)."""
-        from mpt.estimate import load_model
-        from mpt.precision import make_precision
-
-        spec = self.spec
-        # as mpt trains in it: a cast model (O2, O3) cast by the precision itself, batch norm
-        # kept where it keeps it and float inputs cast by its hook, else the forward under its
-        # autocast
-        precision = make_precision(spec.precision, device.type)
-        with torch.device(device):
-            net = precision.convert_module(load_model(spec.model)())
-        self.parameters = sum(p.numel() for p in net.parameters())
-        x = _sample(spec, device)
-        optimizer = _optimizer(spec, net.parameters())
-
-        def forward_backward(pieces: int) -> None:
-            for piece in x.chunk(pieces):
-                with precision.autocast():
-                    out = net(piece)
-                _summed(out).backward()
-
-        def update() -> None:
-            optimizer.step()
-            optimizer.zero_grad()
-
-        return forward_backward, update
+        parts, self.parameters = _plain_step(self.spec, device)
+        return parts
 
     def _accepts(self, pieces: int) -> bool:
         """Whether the model trains on its micro-batch cut into ``pieces`` (its refusal of the

@@ -127,21 +127,24 @@ def measured_scales(model: Model, cluster: Cluster, spec: PrecisionSpec,
 
 def own_work(alone: BackendStep, model: Model, cluster: Cluster, spec: PrecisionSpec,
              step: MeasuredStep) -> OwnWork:
-    """What ``alone``'s backend step added at one rank beyond the plain step (``step``) and the
-    copies the plan prices there: per micro-batch, what its step of two accumulated
-    micro-batches took beyond its step of one, less the plain step's and the copies'
-    growth; per step, the rest (none where the plain step timed another optimizer: the
-    rest holds the optimizer's). Where either step was not timed in two pieces, all of it is
-    per step."""
+    """What ``alone``'s backend step added at one rank beyond the plain step and the copies
+    the plan prices there: per micro-batch, what its step of two accumulated micro-batches
+    took beyond its step of one, less the plain step's and the copies' growth; per step, the
+    rest (none where the plain step timed another optimizer: the rest holds the
+    optimizer's). The plain step is the one timed beside it, else (files measured before)
+    the calibration's (``step``). Where either step was not timed in two pieces, all of it
+    is per step."""
     cls = get_backend(alone.backend)
     parameters = parameter_counts(model.net)[0]
     copies = [copy_seconds(cls.step_traffic(alone.options, ParallelPlan(), spec, parameters, a,
                                             module=model.net), cluster) for a in (1, 2)]
+    plain = (step.forward_backward + step.update if alone.plain is None else alone.plain)
     half = step.split.get(2)
-    per_microbatch = 0.0 if half is None or alone.accumulated is None else max(0.0, (
-        alone.accumulated - alone.step - (half - step.forward_backward)
-        - (copies[1] - copies[0])))
-    rest = alone.step - step.forward_backward - step.update - copies[0] - per_microbatch
+    two = (alone.plain_accumulated if alone.plain is not None
+           else None if half is None else half + step.update)
+    per_microbatch = 0.0 if two is None or alone.accumulated is None else max(0.0, (
+        alone.accumulated - alone.step - (two - plain) - (copies[1] - copies[0])))
+    rest = alone.step - plain - copies[0] - per_microbatch
     return OwnWork(backend=alone.backend, options=alone.options, per_microbatch=per_microbatch,
                    per_step=max(0.0, rest) if step.spec.optimizer == model.optimizer else 0.0)
 

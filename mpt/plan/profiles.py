@@ -118,6 +118,11 @@ class BackendStep:
     accumulated: float | None = None
     """Seconds of one optimizer step of the same samples as two accumulated micro-batches
     (the median); None where the micro-batch has an odd size."""
+    plain: float | None = None
+    """Seconds of the same step of a plain copy of the model, timed beside ``step`` in the
+    same process (the median); None in files measured before it was."""
+    plain_accumulated: float | None = None
+    """The same beside ``accumulated``."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -270,6 +270,15 @@ def test_fsdp_layouts_pay_fully_shards_own_work_as_timed_at_one_rank() -> None:
     assert own_work("--backend fsdp", plain) == 0
     other = dataclasses.replace(step, spec=dataclasses.replace(step.spec, precision="bf16-mixed"))
     assert own_work("--backend fsdp", other) == 0
+    # timed beside a plain step of its own (in a spell 50 % slower than the calibration's),
+    # the difference of the two is what it adds
+    slow = dataclasses.replace(alone, step=1.5 * (0.05 + 0.02) + copies[0] + hooks + dtensors,
+                               accumulated=1.5 * (0.06 + 0.02) + copies[1] + 2 * hooks
+                               + dtensors, plain=1.5 * 0.07, plain_accumulated=1.5 * 0.08)
+    paired = dataclasses.replace(step, alone=(slow,))
+    assert own_work("--backend fsdp", paired) == pytest.approx(hooks + dtensors)
+    assert own_work("--backend fsdp --accumulate 4", paired) == pytest.approx(
+        4 * hooks + dtensors)
 
 
 def test_a_file_with_fully_shards_step_over_a_mesh_still_loads(tmp_path) -> None:
@@ -336,6 +345,8 @@ def test_the_calibration_times_fsdp_and_zero_3_alone_and_keeps_them(tmp_path) ->
     assert sorted((f["backend"], str(f["options"])) for f in found) == [
         ("deepspeed", "{'zero_stage': 3}"), ("fsdp", "{}")]
     assert all(f["accumulated"] > 0 and f["step"] > 0 for f in found)
+    # each beside a plain step of the model, timed in the same process
+    assert all(f["plain"] > 0 and f["plain_accumulated"] > 0 for f in found)
     model = calibrate.ModelStep(spec, torch.device("cpu"), lambda: None)
     model.time(1)
     step = _through_file({**model.figures(), "alone": found}, tmp_path)
