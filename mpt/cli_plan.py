@@ -221,7 +221,9 @@ def _say_calibrated(found: Calibration, output: Path) -> None:
         + "".join(f"; under --backend {alone.backend} {alone.options} at one rank "
                   f"{alone.step * 1e3:.1f} ms a step" + (
                       "" if alone.accumulated is None
-                      else f", of 2 micro-batches {alone.accumulated * 1e3:.1f} ms")
+                      else f", of 2 micro-batches {alone.accumulated * 1e3:.1f} ms") + (
+                      "" if alone.plain is None
+                      else f" (the plain step beside it {alone.plain * 1e3:.1f} ms)")
                   for alone in step.alone))
     err.print(f"wrote {output}: matmul GFLOP/s {flops}; memory "
               f"{found.memory_bandwidth / 1e9:.1f} GB/s; {between}allreduce bus bandwidth "
