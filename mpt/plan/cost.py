@@ -21,9 +21,8 @@ The step, for a rank of the slowest pipeline stage:
   DeepSpeed ZeRO-3 (a backend's ``timed_alone`` options), what its step of the model at one
   rank took beyond the plain step and the copies priced there, per micro-batch and per step
   (``Model.own_work``: fully_shard's hooks and DTensor parameters, ZeRO-3's hooks); where a
-  backend
-  offloads (``--fsdp-cpu-offload``, DeepSpeed's ``--offload``), what it moves between host
-  and device (``Traffic.host_copies``) at the device's host link, not hidden, and the
+  backend offloads (``--fsdp-cpu-offload``, DeepSpeed's ``--offload``), what it moves between
+  host and device (``Traffic.host_copies``) at the device's host link, not hidden, and the
   optimizer step at the host's rate (nothing moves, and the step is the device's, where the
   device's memory is the host's: a CPU rank).
 - tensor parallelism: the plan's allreduces of activations, in the forward and the backward, on

@@ -138,7 +138,7 @@ def own_work(alone: BackendStep, model: Model, cluster: Cluster, spec: Precision
     parameters = parameter_counts(model.net)[0]
     copies = [copy_seconds(cls.step_traffic(alone.options, ParallelPlan(), spec, parameters, a,
                                             module=model.net), cluster) for a in (1, 2)]
-    plain = (step.forward_backward + step.update if alone.plain is None else alone.plain)
+    plain = step.forward_backward + step.update if alone.plain is None else alone.plain
     half = step.split.get(2)
     two = (alone.plain_accumulated if alone.plain is not None
            else None if half is None else half + step.update)
