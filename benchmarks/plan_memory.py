@@ -185,11 +185,9 @@ def main() -> None:
     peaks: list[int] = [0] * rt.world_size
     dist.all_gather_object(peaks, measured)
     if args.phases:
-        fixed = held.row.device + held.offloaded + held.buffers + held.batch
         row += (f"; up to the optimizer's step +{before_optimizer / MiB:.0f} (plan "
-                f"{(fixed + max(held.activations + held.accumulating, held.between)) / MiB:.0f}"
-                f"), from it +{optimizer / MiB:.0f} (plan "
-                f"{(fixed + held.transient + held.stepping - held.released) / MiB:.0f})")
+                f"{held.before_step / MiB:.0f}), from it +{optimizer / MiB:.0f} (plan "
+                f"{held.in_step / MiB:.0f})")
     for rank in range(rt.world_size):
         rt.barrier()
         if rank == rt.rank:

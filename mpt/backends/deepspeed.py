@@ -322,12 +322,10 @@ class DeepSpeedBackend(DDPBackend):
         zero = cls._planned_stage(options)
         trained = [share * p.numel() for p in stage.parameters() if p.requires_grad]
         if zero in (1, 2):
-            # offloaded, also a buffer of the largest gradient on the device
-            staged = cls._width(spec) * max(trained, default=0) if cls._planned_offload(
-                options) else 0
             bucket, _ = cls._zero_buffers(spec, sum(trained), plan.dp_shard)
             flat = 4 * sum(trained) / plan.dp_shard
-            if staged:
+            if cls._planned_offload(options):  # and a buffer of the largest gradient
+                staged = cls._width(spec) * max(trained, default=0)
                 return Buffers(held=int(bucket + flat + staged),
                                released=int(bucket + row.gradients))
             # ZeRO-2 accumulating adds each micro-batch's reduced partition to the one kept

@@ -709,7 +709,7 @@ class ModelStep:
         self.parameters = 0
         self.plain: Parts | None = None
         try:
-            self.plain = self._build(device)
+            self.plain, self.parameters = _plain_step(spec, device)
             self.splits = [k for k in self.splits if self._accepts(k)]
         except MODEL_ERRORS as exc:
             self.error = _first_line(exc)
@@ -718,12 +718,6 @@ class ModelStep:
             self._run(STEP_WARMUP, keep=False)
         except MODEL_ERRORS as exc:
             self.error = _first_line(exc)
-
-    def _build(self, device: torch.device) -> Parts:
-        """The model, its input and optimizer on ``device``: its two timed parts
-        (``Parts``)."""
-        parts, self.parameters = _plain_step(self.spec, device)
-        return parts
 
     def _accepts(self, pieces: int) -> bool:
         """Whether the model trains on its micro-batch cut into ``pieces`` (its refusal of the

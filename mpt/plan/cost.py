@@ -480,14 +480,25 @@ class Held:
     (``Backend.fresh_gradient_in_row``)."""
 
     @property
+    def before_step(self) -> int:
+        """The peak up to the optimizer step: the row, the buffers and the batch, with the
+        backward's activations or what lies between it and the step (``between``)."""
+        return self._held + max(self.activations + self.accumulating, self.between)
+
+    @property
+    def in_step(self) -> int:
+        """The optimizer step's peak: the row, the buffers and the batch, without what the
+        backward released, with the step's temporaries and ``stepping``."""
+        return self._held + self.transient + self.stepping - self.released
+
+    @property
     def peak(self) -> int:
-        """The highest of the backward's peak (the row, the buffers and the activations), what
-        lies between it and the optimizer step (with ``between``) and the step's (without what
-        the backward released, with the step's temporaries and ``stepping``), beside the
-        batch."""
-        return (self.row.device + self.offloaded + self.buffers + self.batch
-                + max(self.activations + self.accumulating, self.between,
-                      self.transient + self.stepping - self.released))
+        """The higher of ``before_step`` and ``in_step``."""
+        return max(self.before_step, self.in_step)
+
+    @property
+    def _held(self) -> int:
+        return self.row.device + self.offloaded + self.buffers + self.batch
 
 
 def _saved(blocks: list[BlockCost], spec: PrecisionSpec, tp: int, first: bool) -> int:

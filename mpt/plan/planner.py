@@ -138,10 +138,12 @@ def own_work(alone: BackendStep, model: Model, cluster: Cluster, spec: Precision
     parameters = parameter_counts(model.net)[0]
     copies = [copy_seconds(cls.step_traffic(alone.options, ParallelPlan(), spec, parameters, a,
                                             module=model.net), cluster) for a in (1, 2)]
-    plain = step.forward_backward + step.update if alone.plain is None else alone.plain
-    half = step.split.get(2)
-    two = (alone.plain_accumulated if alone.plain is not None
-           else None if half is None else half + step.update)
+    if alone.plain is not None:
+        plain, two = alone.plain, alone.plain_accumulated
+    else:  # a file measured before: the calibration's own plain step
+        half = step.split.get(2)
+        plain = step.forward_backward + step.update
+        two = None if half is None else half + step.update
     per_microbatch = 0.0 if two is None or alone.accumulated is None else max(0.0, (
         alone.accumulated - alone.step - (two - plain) - (copies[1] - copies[0])))
     rest = alone.step - plain - copies[0] - per_microbatch
