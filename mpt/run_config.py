@@ -94,7 +94,7 @@ class RunConfig:
         HOST_MEMORY[0], "How the C allocator (glibc) treats freed host memory: fast (glibc's "
         "defaults: freed blocks are kept for reuse, so resident memory can grow to several "
         "times what the run holds, but blocks of 32 MiB and more and a heap's free top go "
-        "back to the OS, and steps fault them in again), lean (freed blocks of 1 MiB and "
+        "back to the OS, and steps fault them in again), lean (freed blocks of 128 KiB and "
         "more go back to the OS at once: resident memory tracks what the run holds, and each "
         "step pays page faults again: 1.0-2.7 x the step time of CPU training) or steady "
         "(freed blocks of every size are kept for reuse: mpt launch preloads jemalloc where "

@@ -14,12 +14,14 @@ by 2.2 GiB in 6 steps).
   that happens depends on the order of the heap's blocks (measured: fsdp's ResNet-18 at one rank
   faults 38-45 MB of a 44.7 MB model back in at every backward, ddp's at some runs' steps).
   A block of 32 MiB or more is mapped anew at every allocation and faulted in at every step.
-- ``lean``: a fixed mmap threshold of 1 MiB and a trim threshold of 2 MiB (glibc's own ratio),
-  what ``MALLOC_MMAP_THRESHOLD_=1048576`` in a worker's environment does (the same peak on the
-  MLP above: +650 MiB over the RSS before ``mpt.Runtime``), chosen per run instead: every freed
-  block of 1 MiB or more leaves at once, so resident memory tracks what the run holds, and each
-  step faults its large blocks in again (CPU training on 2 cores: 1.5-1.9 x the CPU time of a
-  step, 1.84 x its wall time on a quiet machine; docs/benchmarks.md).
+- ``lean``: glibc's own starting mmap threshold, 128 KiB, kept from rising, and a trim
+  threshold of twice that (glibc's ratio), what ``MALLOC_MMAP_THRESHOLD_=131072`` in a worker's
+  environment does, chosen per run instead: every freed block of 128 KiB or more leaves at
+  once, so resident memory tracks what the run holds, and each step faults its blocks in again
+  (CPU training on 2 cores: 1.0-2.7 x the step time; docs/benchmarks.md). A threshold of 1 MiB
+  left blocks just under it in the heaps, which freed around blocks still held cannot trim: a
+  pipeline's last stage at 16 micro-batches of 128 rows (outputs of 512 KiB) grew by 12 MiB a
+  step, 45 MiB over 6 steps.
 - ``steady``: freed blocks are kept and reused, whatever their size, as a GPU's caching
   allocator keeps its blocks: after the first steps a step faults nothing in again and resident
   memory stays at its high-water mark. Where the machine has jemalloc (Debian's
@@ -57,8 +59,9 @@ HOST_MEMORY = ("fast", "lean", "steady")
 
 parse_host_memory = one_of(*HOST_MEMORY)
 
-LEAN_MMAP_THRESHOLD = 1 << 20
-"""Blocks of this many bytes and more get their own mapping, returned to the OS when freed."""
+LEAN_MMAP_THRESHOLD = 128 << 10
+"""Blocks of this many bytes and more get their own mapping, returned to the OS when freed
+(glibc's ``DEFAULT_MMAP_THRESHOLD_MIN``, where its threshold starts)."""
 LEAN_TRIM_THRESHOLD = 2 * LEAN_MMAP_THRESHOLD
 """Free space above this at the top of a heap goes back to the OS (glibc's ratio to the mmap
 threshold)."""

@@ -21,17 +21,19 @@ MiB = 2**20
 BLOCK = 8 * MiB
 BLOCKS = 16
 
-# Frees all but the last of BLOCKS tensors of 8 MiB (their pages touched) after a Runtime with
-# the mode given; prints how much resident memory that left behind, in bytes.
+# Frees all but the last of BLOCKS tensors of argv 2 bytes (their pages touched) after a
+# Runtime with the mode given (argv 1); prints how much resident memory that left behind, in
+# bytes.
 FRAGMENT = f"""
 import sys, torch, mpt
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
 rt = mpt.Runtime(env={{}}, host_memory=sys.argv[1], quiet=True)
-torch.ones({BLOCK} // 4)  # a freed mmap'd block: glibc's default raises its mmap threshold past it
+block = int(sys.argv[2])
+torch.ones(block // 4)  # a freed mmap'd block: glibc's default raises its mmap threshold past it
 before = rss()
-blocks = [torch.ones({BLOCK} // 4) for _ in range({BLOCKS})]
+blocks = [torch.ones(block // 4) for _ in range({BLOCKS})]
 del blocks[:-1]  # the last one pins the heap's top: no trim can release the others
 print(rss() - before)
 rt.close()
@@ -66,9 +68,10 @@ glibc_only = pytest.mark.skipif(
     reason="glibc's allocator and /proc only")
 
 
-def _each_mode(script: str) -> dict[str, int]:
-    """The last number ``script`` prints, run once under each ``--host-memory``."""
-    runs = {mode: subprocess.Popen([sys.executable, "-c", script, mode], text=True,
+def _each_mode(script: str, *args: str) -> dict[str, int]:
+    """The last number ``script`` prints, run once under each ``--host-memory`` (its first
+    argument), ``args`` after it."""
+    runs = {mode: subprocess.Popen([sys.executable, "-c", script, mode, *args], text=True,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             for mode in host_memory.HOST_MEMORY}
     printed = {}
@@ -80,14 +83,16 @@ def _each_mode(script: str) -> dict[str, int]:
 
 
 @glibc_only
-def test_lean_returns_freed_large_blocks_and_fast_and_steady_keep_them():
-    kept = _each_mode(FRAGMENT)
+@pytest.mark.parametrize("block", [BLOCK, 512 << 10],
+                         ids=["8MiB", "512KiB: a pipeline's micro-batch output"])
+def test_lean_returns_freed_large_blocks_and_fast_and_steady_keep_them(block):
+    kept = _each_mode(FRAGMENT, str(block))
     # fast: the 15 freed blocks stay resident (the control: this pattern does fragment)
-    assert kept["fast"] >= (BLOCKS - 4) * BLOCK, kept
+    assert kept["fast"] >= (BLOCKS - 4) * block, kept
     # lean: only the block still held stays (and a little of the heap)
-    assert kept["lean"] <= 3 * BLOCK, kept
+    assert kept["lean"] <= 3 * block, kept
     # steady: kept as under fast
-    assert kept["steady"] >= (BLOCKS - 4) * BLOCK, kept
+    assert kept["steady"] >= (BLOCKS - 4) * block, kept
 
 
 jemalloc_only = pytest.mark.skipif(
