@@ -68,6 +68,10 @@ class Buffers:
     """Allocated after the backward and kept through the optimizer's step (DeepSpeed's
     partition of the gradients flattened in fp32), where the optimizer steps: beside the
     step's temporaries, not the activations."""
+    reserved: int = 0
+    """Allocated whole but written only in part, beyond ``held`` (the part written): counted
+    on a device with memory of its own, whose allocator hands out the whole block; not on a
+    CPU rank, whose pages become resident only once written (Horovod's fusion buffer)."""
 
 
 def parameter_counts(model: nn.Module) -> tuple[int, int]:

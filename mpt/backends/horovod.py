@@ -271,9 +271,14 @@ class HorovodBackend(Backend):
                          share: float, plan: ParallelPlan, options: Mapping[str, Any],
                          comm: GradComm | None = None, microbatches: int = 1) -> Buffers:
         """The copy of every gradient mpt hands to Horovod's allreduce (kept from step to
-        step) and the part of Horovod's tensor-fusion buffer the fused gradients write: at
-        most its default 128 MiB (``--bucket-mb``, which sets it, is not an option here)."""
-        return Buffers(held=row.gradients + min(FUSION_DEFAULT, row.gradients))
+        step) and Horovod's tensor-fusion buffer (``--bucket-mb``, which sets its size, is not
+        an option here: its default 128 MiB). Horovod allocates the buffer whole the first time
+        it fuses several tensors, and a tensor reduced alone never touches it; what one fusion
+        writes depends on which tensors every rank has queued by then, so the gradients fused
+        at once are counted at their bound, all of them (``held``), and the rest of the buffer
+        where the device's allocator hands it out whole (``reserved``)."""
+        written = min(FUSION_DEFAULT, row.gradients)
+        return Buffers(held=row.gradients + written, reserved=FUSION_DEFAULT - written)
 
     @classmethod
     def step_traffic(cls, options: Mapping[str, Any], plan: ParallelPlan, spec: PrecisionSpec,

@@ -453,7 +453,8 @@ class Held:
     activations: int
     """What autograd keeps for the backward, over the micro-batches in flight."""
     buffers: int
-    """What the backend holds beyond its row (``Backend.estimate_buffers``), and under a
+    """What the backend holds beyond its row (``Backend.estimate_buffers``; on a device with
+    memory of its own what it allocates whole, ``Buffers.reserved``, too), and under a
     pipeline torch's receive buffers."""
     transient: int
     """The optimizer step's temporaries (``_step_transient``)."""
@@ -551,7 +552,7 @@ def _memory(layout: Layout, model: Model, stages: list[list[str]], ranks: list[l
                      accumulating=int(largest * spec.params.itemsize * share)
                      if layout.microbatches > 1
                      and not cls.fresh_gradient_in_row(layout.options) else 0,
-                     buffers=beyond.held + kept,
+                     buffers=beyond.held + kept + (0 if own else beyond.reserved),
                      transient=_step_transient(
                          stage, model.optimizer_states, share,
                          plan.dp_shard if flow.shards_optimizer else 1,

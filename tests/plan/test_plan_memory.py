@@ -7,12 +7,13 @@ import pytest
 import torch
 from plan_models import mlp
 
+from mpt.backends.horovod import FUSION_DEFAULT
 from mpt.estimate import activation_bytes, example_input, meta_model
 from mpt.plan.cost import Prediction, predict
 from mpt.plan.layouts import layout
 from mpt.plan.network import Cluster
 from mpt.plan.planner import model_of
-from mpt.plan.profiles import Device, link_profile
+from mpt.plan.profiles import Device, device_profile, link_profile
 from mpt.precision import describe
 
 LARGEST = 4096 * 4096 * 4  # the MLP's largest weight, fp32
@@ -71,6 +72,21 @@ def test_deepspeed_steps_its_flat_partition_after_letting_go_of_its_buffers() ->
     assert three.stepping == half and three.released == three.buffers - 4 * trained
     assert three.peak == three.row.device + three.buffers + three.batch + max(
         three.activations, three.transient + three.stepping - three.released)
+
+
+def test_horovods_fusion_buffer_is_whole_where_the_device_allocates_it_whole() -> None:
+    """Horovod allocates its fusion buffer at the whole threshold; a CPU rank's pages are
+    resident only where fused gradients wrote them (at most all of them: the MLP's 100.7 MB),
+    a GPU's allocator hands out all 128 MiB."""
+    gradients = 4 * 25_175_040
+    cpu = _predict("horovod", 64).memory
+    assert cpu.buffers == 2 * gradients  # the copies handed over, and the fused bound
+    net = meta_model(mlp)
+    chosen = layout(net, "horovod", {}, 1, 1, world=2, precision="fp32", batch=128)
+    gpu = predict(chosen, model_of(net, [1024], torch.float32, "adam"),
+                  Cluster(nodes=1, gpus=2, device=device_profile("h100-sxm"),
+                          link=link_profile("100gbit")), describe("fp32")).memory
+    assert gpu.buffers == gradients + FUSION_DEFAULT
 
 
 def test_fsdp_peaks_in_the_backward_with_a_prefetched_unit() -> None:
