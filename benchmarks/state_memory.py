@@ -4,7 +4,7 @@
     .venv/bin/mpt launch --gpus 4 --backend fsdp --host-memory lean \
         benchmarks/state_memory.py --save
     .venv/bin/mpt launch --gpus 4 benchmarks/state_memory.py --save --raw
-    MALLOC_MMAP_THRESHOLD_=1048576 .venv/bin/mpt launch --gpus 4 \
+    MALLOC_MMAP_THRESHOLD_=131072 .venv/bin/mpt launch --gpus 4 \
         benchmarks/state_memory.py --save --raw            # raw, with what lean sets
 
 A residual MLP of ``--blocks`` blocks (LayerNorm(width) -> Linear(width, 4 width) -> GELU ->
