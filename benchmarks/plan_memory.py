@@ -35,7 +35,7 @@ precision, ranks, pipeline stages, schedule, micro-batches and batch: the memory
 prints for that layout, a pipeline's for its fullest stage) and rank 0 prints it beside the
 highest rank's peak, with their ratio.
 
-``--host-memory lean`` returns every freed block of 1 MiB or more to the OS at once, so the
+``--host-memory lean`` returns every freed block of 128 KiB or more to the OS at once, so the
 resident set is what the run holds; under the default (``fast``) glibc keeps freed blocks for
 reuse, which the resident peak includes and no count of live tensors predicts.
 
