@@ -146,8 +146,9 @@ class Calibration:
     """Seconds of a one-element op."""
     memory: float
     """Bytes one rank may fill: the device's memory, or the host's over the ranks that train."""
-    collectives: dict[str, dict[str, float]]
-    """By collective: ``latency`` (s per ring step) and ``bus_bandwidth`` (bytes/s)."""
+    collectives: dict[str, dict[str, Any]]
+    """By collective: ``latency`` (s per ring step), ``bus_bandwidth`` (bytes/s) and
+    ``rates`` (``[ring bytes, busbw]`` at each size swept; absent in files measured before)."""
     matmul_sweep: dict[str, dict[str, list[list[float]]]]
     """By dtype, ``rows`` and ``inner``: ``[smallest dimension, FLOP/s]`` pairs (``Device``)."""
     update_seconds: dict[str, float]
@@ -156,7 +157,7 @@ class Calibration:
     """Nodes measured at once (1: this machine alone)."""
     hosts: list[str] = dataclasses.field(default_factory=list)
     """Every node's host name (empty in files measured before several nodes could be)."""
-    link: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    link: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     """Like ``collectives``, over every rank of every node: the link between the nodes (empty
     for one node)."""
     model_step: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -213,9 +214,11 @@ class Calibration:
                       host_memory=self.host_memory)
 
 
-def _link(name: str, fits: dict[str, dict[str, float]], source: str) -> Link:
+def _link(name: str, fits: dict[str, dict[str, Any]], source: str) -> Link:
     """A link of measured collective ``fits``, its ring figures the allreduce's."""
-    collectives = {kind: CollectiveFit(**fit) for kind, fit in fits.items()}
+    collectives = {kind: CollectiveFit(**{**fit, "rates": tuple(
+        (float(x), float(rate)) for x, rate in fit.get("rates", ()))})
+        for kind, fit in fits.items()}
     ring = collectives["all_reduce"]
     return Link(name=name, bandwidth=ring.bus_bandwidth, latency=ring.latency, source=source,
                 collectives=collectives)
@@ -270,7 +273,7 @@ def _timed(run: Callable[[], Any], repeats: int, sync: Callable[[], None],
 
 
 def sweep(world: int, device: torch.device, sync: Callable[[], None],
-          group: Any = None) -> dict[str, dict[str, float]]:
+          group: Any = None) -> dict[str, dict[str, Any]]:
     """Every collective's fit over ``SIZES`` between the ``world`` ranks of ``group`` (default:
     every rank; collective: each of them calls it): in fp32, and the two that reduce (what
     a 16-bit precision or ``--grad-compression`` sends) in ``SWEPT_16`` too, named by
@@ -298,17 +301,21 @@ def sweep(world: int, device: torch.device, sync: Callable[[], None],
             for (name, dtype), found in points.items()}
 
 
-def ring_fit(kind: str, points: list[tuple[float, float]], ranks: int) -> dict[str, float]:
+def ring_fit(kind: str, points: list[tuple[float, float]], ranks: int) -> dict[str, Any]:
     """``fit`` of collective ``kind``'s (ring bytes, seconds) points between ``ranks``, its
     intercept (the whole collective's fixed cost) per ring step, as the cost model
-    (``mpt.plan.network.collective``) multiplies it by the steps."""
-    found = fit(points)
+    (``mpt.plan.network.collective``) multiplies it by the steps; and the busbw of each point
+    its bytes take most of the time of (at least twice the intercept), the intercept taken out
+    (``CollectiveFit.rates``), where the line does not follow the points."""
+    found: dict[str, Any] = fit(points)
+    fixed = found["latency"]
+    found["rates"] = [[x, x / (t - fixed)] for x, t in sorted(points) if t >= 2 * fixed]
     found["latency"] /= ring_steps(kind, ranks)
     return found
 
 
 def horovod_sweep(world: World, address: str, device: torch.device,
-                  sync: Callable[[], None]) -> dict[str, dict[str, float]]:
+                  sync: Callable[[], None]) -> dict[str, dict[str, Any]]:
     """Horovod's own allreduce between every rank of ``world`` over ``SIZES`` and its default
     tensor-fusion buffer (``FUSION_DEFAULT``: what it sends at once of a step's gradients, and
     its ring's speed per byte still grows there, 0.065 GB/s at 32 MiB and 0.085 at 64 MiB
@@ -364,7 +371,7 @@ def _horovod_worker(local_rank: int, world: World, address: str, out: str) -> No
         Path(out).write_text(json.dumps(found))
 
 
-def horovod_fits(world: World, address: str) -> dict[str, dict[str, float]]:
+def horovod_fits(world: World, address: str) -> dict[str, dict[str, Any]]:
     """Horovod's own allreduce fits (``horovod_sweep``) from this node's ``world.gpus``
     processes and every other node's (each node calls this once the rest of the calibration
     has ended), in processes of their own: a Horovod that fails (its gloo's timeout on a slow

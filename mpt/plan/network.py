@@ -96,7 +96,8 @@ def collective(kind: str, size: float, plan: ParallelPlan, axis: Axis, cluster: 
     steps = ring_steps(kind, ranks)
     fit = fit_of(cluster.device.collectives, kind, library, dtype)
     latency = fit.latency if fit else cluster.device.intra_node.latency
-    intra_bandwidth = fit.bus_bandwidth if fit else cluster.device.intra_node.bandwidth
+    call = per_rank / calls  # each call's ring bytes, at which its rate was measured
+    intra_bandwidth = fit.bandwidth_at(call) if fit else cluster.device.intra_node.bandwidth
     nodes_of = [{rank // cluster.gpus for rank in group} for group in groups]
     crossing = [nodes for nodes in nodes_of if len(nodes) > 1]
     inside = any(len(group) > len(nodes) for group, nodes in zip(groups, nodes_of, strict=True))
@@ -107,7 +108,7 @@ def collective(kind: str, size: float, plan: ParallelPlan, axis: Axis, cluster: 
         link_bytes = busiest * per_rank
         between = fit_of(cluster.link.collectives, kind, library, dtype)  # across nodes
         latency = max(latency, between.latency if between else cluster.link.latency)
-        link_bandwidth = between.bus_bandwidth if between else link_bandwidth
+        link_bandwidth = between.bandwidth_at(call) if between else link_bandwidth
     seconds = calls * steps * latency + max(intra, link_bytes / link_bandwidth)
     return Transfer(seconds=seconds, per_rank=per_rank, link_bytes=link_bytes,
                     crosses=bool(crossing))

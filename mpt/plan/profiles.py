@@ -82,7 +82,17 @@ class CollectiveFit:
     latency: float
     """Seconds of a collective of no bytes, per ring step."""
     bus_bandwidth: float
-    """Bytes per second a rank moves in it, as nccl-tests' busbw."""
+    """Bytes per second a rank moves in it, as nccl-tests' busbw: the fitted line's."""
+    rates: tuple[tuple[float, float], ...] = ()
+    """Calibrated only: ``(ring bytes, busbw)`` at each size the sweep measured, ascending,
+    its latency taken out; empty: ``bus_bandwidth`` at every size. A collective whose rate
+    changes with its size (gloo's all-gather on a shaped link: 100-104 MB/s of ring bytes
+    at 4 MiB, 72-73 at 32 MiB) is priced at each call's size by these."""
+
+    def bandwidth_at(self, size: float) -> float:
+        """The busbw of one call sending ``size`` ring bytes: read between the measured sizes
+        (linear in log size), the nearest one's beyond them, the line's where none were."""
+        return interpolate(self.rates, size) if self.rates else self.bus_bandwidth
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

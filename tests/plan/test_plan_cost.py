@@ -15,6 +15,7 @@ from mpt.errors import UsageError
 from mpt.estimate import meta_model
 from mpt.parallel import ParallelPlan
 from mpt.pipeline.split import stage_blocks
+from mpt.plan.calibrate import ring_fit
 from mpt.plan.network import Cluster, collective
 from mpt.plan.planner import plan
 from mpt.plan.profiles import CollectiveFit, device_profile, link_profile
@@ -59,6 +60,30 @@ def test_a_collective_measured_across_the_nodes_is_priced_by_its_own_fit() -> No
     gathered = collective("all_gather", GRADIENTS, layout, "dp_shard", cluster)
     assert gathered.seconds == pytest.approx(
         collective("all_gather", GRADIENTS, layout, "dp_shard", _cluster(2, 1)).seconds)
+
+
+def test_a_collective_whose_rate_falls_with_its_size_is_priced_at_each_calls_size() -> None:
+    """gloo's all-gather between two nodes at 1 Gbit/s, as swept here (docs/benchmarks.md):
+    100 MB/s of ring bytes at 4 MiB, 72 at 32 MiB. The fitted line follows the largest and
+    prices 4 MiB 1.2 x; the rates measured at each size price every call at its own."""
+    measured = {16 << 10: 0.39e-3, 256 << 10: 0.44e-3, 2 << 20: 8.69e-3, 4 << 20: 20.99e-3,
+                8 << 20: 48.86e-3, 32 << 20: 233.19e-3}
+    found = ring_fit("all_gather", [(size / 2, t) for size, t in measured.items()], 2)
+    swept = CollectiveFit(latency=found["latency"], bus_bandwidth=found["bus_bandwidth"],
+                          rates=tuple(map(tuple, found["rates"])))
+    layout = ParallelPlan(dp_shard=2)
+
+    def priced(fit: CollectiveFit, size: int, calls: int = 1) -> float:
+        link = replace(link_profile("1gbit"), collectives={"all_gather": fit})
+        return collective("all_gather", size, layout, "dp_shard",
+                          replace(_cluster(2, 1), link=link), calls=calls).seconds
+
+    line = replace(swept, rates=())
+    assert priced(line, 4 << 20) > 1.15 * measured[4 << 20]
+    for size, seconds in measured.items():
+        assert priced(swept, size) == pytest.approx(seconds, rel=0.02)
+    # 16 units of 4 MiB, each call at its own size: 16 of the 4 MiB gather
+    assert priced(swept, 64 << 20, calls=16) == pytest.approx(16 * measured[4 << 20], rel=0.02)
 
 
 def test_horovods_allreduce_is_priced_by_its_own_fit_where_one_was_calibrated() -> None:
