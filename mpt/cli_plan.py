@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     from mpt.environments.world import World
     from mpt.plan.calibrate import Calibration
-    from mpt.plan.profiles import StepSpec
+    from mpt.plan.profiles import BackendStep, StepSpec
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 out = Console(highlight=False, soft_wrap=True)
@@ -204,6 +204,17 @@ def _calibrate(world: World, step: StepSpec | None, training: int) -> Calibratio
     return calibrate.measure_nodes(world, step, training)
 
 
+def _timed_alone(alone: BackendStep) -> str:
+    """What the calibration's summary says of one backend's step timed alone."""
+    words = (f"; under --backend {alone.backend} {alone.options} at one rank "
+             f"{alone.step * 1e3:.1f} ms a step")
+    if alone.accumulated is not None:
+        words += f", of 2 micro-batches {alone.accumulated * 1e3:.1f} ms"
+    if alone.plain is not None:
+        words += f" (the plain step beside it {alone.plain * 1e3:.1f} ms)"
+    return words
+
+
 def _say_calibrated(found: Calibration, output: Path) -> None:
     from mpt.plan import calibrate
 
@@ -218,13 +229,7 @@ def _say_calibrated(found: Calibration, output: Path) -> None:
         f"backward {step.forward_backward * 1e3:.1f} ms"
         + "".join(f", in {k} pieces {seconds * 1e3:.1f} ms" for k, seconds in step.split.items())
         + f", {step.spec.optimizer} step {step.update * 1e3:.1f} ms"
-        + "".join(f"; under --backend {alone.backend} {alone.options} at one rank "
-                  f"{alone.step * 1e3:.1f} ms a step" + (
-                      "" if alone.accumulated is None
-                      else f", of 2 micro-batches {alone.accumulated * 1e3:.1f} ms") + (
-                      "" if alone.plain is None
-                      else f" (the plain step beside it {alone.plain * 1e3:.1f} ms)")
-                  for alone in step.alone))
+        + "".join(_timed_alone(alone) for alone in step.alone))
     err.print(f"wrote {output}: matmul GFLOP/s {flops}; memory "
               f"{found.memory_bandwidth / 1e9:.1f} GB/s; {between}allreduce bus bandwidth "
               f"within a node {found.collectives['all_reduce']['bus_bandwidth'] / 1e9:.2f} GB/s "

@@ -214,11 +214,16 @@ class Calibration:
                       host_memory=self.host_memory)
 
 
+def collective_fit(stored: Mapping[str, Any]) -> CollectiveFit:
+    """The cost model's fit of one collective as ``ring_fit`` made it (and a file holds it:
+    ``rates`` as lists, absent in files measured before)."""
+    return CollectiveFit(**{**stored, "rates": tuple(
+        (float(x), float(rate)) for x, rate in stored.get("rates", ()))})
+
+
 def _link(name: str, fits: dict[str, dict[str, Any]], source: str) -> Link:
     """A link of measured collective ``fits``, its ring figures the allreduce's."""
-    collectives = {kind: CollectiveFit(**{**fit, "rates": tuple(
-        (float(x), float(rate)) for x, rate in fit.get("rates", ()))})
-        for kind, fit in fits.items()}
+    collectives = {kind: collective_fit(fit) for kind, fit in fits.items()}
     ring = collectives["all_reduce"]
     return Link(name=name, bandwidth=ring.bus_bandwidth, latency=ring.latency, source=source,
                 collectives=collectives)

@@ -15,7 +15,7 @@ from mpt.errors import UsageError
 from mpt.estimate import meta_model
 from mpt.parallel import ParallelPlan
 from mpt.pipeline.split import stage_blocks
-from mpt.plan.calibrate import ring_fit
+from mpt.plan.calibrate import collective_fit, ring_fit
 from mpt.plan.network import Cluster, collective
 from mpt.plan.planner import plan
 from mpt.plan.profiles import CollectiveFit, device_profile, link_profile
@@ -68,9 +68,8 @@ def test_a_collective_whose_rate_falls_with_its_size_is_priced_at_each_calls_siz
     prices 4 MiB 1.2 x; the rates measured at each size price every call at its own."""
     measured = {16 << 10: 0.39e-3, 256 << 10: 0.44e-3, 2 << 20: 8.69e-3, 4 << 20: 20.99e-3,
                 8 << 20: 48.86e-3, 32 << 20: 233.19e-3}
-    found = ring_fit("all_gather", [(size / 2, t) for size, t in measured.items()], 2)
-    swept = CollectiveFit(latency=found["latency"], bus_bandwidth=found["bus_bandwidth"],
-                          rates=tuple(map(tuple, found["rates"])))
+    swept = collective_fit(ring_fit("all_gather",
+                                    [(size / 2, t) for size, t in measured.items()], 2))
     layout = ParallelPlan(dp_shard=2)
 
     def priced(fit: CollectiveFit, size: int, calls: int = 1) -> float:
